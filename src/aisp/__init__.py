@@ -1,0 +1,53 @@
+"""AISP: AI-native stream processing.
+
+Build a pipeline with ``Pipeline``/``Stream``, run it with ``Pipeline.run()`` or ``aisp run``.
+"""
+
+from aisp.batch import Batch, matrix_column
+from aisp.errors import (
+    AispError,
+    ConfigError,
+    GraphError,
+    ModelError,
+    ModelTimeoutError,
+    SinkError,
+    SourceError,
+)
+from aisp.graph import Graph, Node
+from aisp.infer import BatcherConfig, OnnxRuntime, PythonRuntime
+from aisp.ingest import JsonlFileSource, Source, WorkloadFSource
+from aisp.pipeline import KeyedStream, Pipeline, Stream
+from aisp.runner import RunOptions, RunSummary, run
+from aisp.sinks import CollectSink, DeadLetterSink, JsonlFileSink, NullSink, Sink
+
+__all__ = [
+    "AispError",
+    "Batch",
+    "BatcherConfig",
+    "CollectSink",
+    "ConfigError",
+    "DeadLetterSink",
+    "Graph",
+    "GraphError",
+    "JsonlFileSink",
+    "JsonlFileSource",
+    "KeyedStream",
+    "ModelError",
+    "ModelTimeoutError",
+    "Node",
+    "NullSink",
+    "OnnxRuntime",
+    "Pipeline",
+    "PythonRuntime",
+    "RunOptions",
+    "RunSummary",
+    "Sink",
+    "SinkError",
+    "Source",
+    "SourceError",
+    "Stream",
+    "WorkloadFSource",
+    "matrix_column",
+    "run",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,210 @@
+"""``Batch``: the columnar micro-batch that moves between operators.
+
+A thin immutable wrapper over a ``pyarrow.RecordBatch``. Besides user columns every batch carries
+metadata columns whose names start with ``_``:
+
+* ``_id``          int64, an id unique within a run (the source's sequence number);
+* ``_ingest_ns``   int64, ``time.monotonic_ns()`` when the row entered the engine;
+* ``_key``         optional, the row's key code (int64) once ``key_by`` ran;
+* ``_tier``        optional int8 priority level (higher is served first);
+* ``_deadline_ns`` optional int64 monotonic deadline (0 means none).
+
+Numeric columns convert to numpy without a copy; operators work on whole columns, never per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+
+from aisp.errors import ConfigError
+
+__all__ = [
+    "DEADLINE_NS",
+    "ID",
+    "INGEST_NS",
+    "KEY",
+    "META_COLUMNS",
+    "TIER",
+    "Batch",
+    "matrix_column",
+]
+
+ID = "_id"
+INGEST_NS = "_ingest_ns"
+KEY = "_key"
+TIER = "_tier"
+DEADLINE_NS = "_deadline_ns"
+META_COLUMNS = (ID, INGEST_NS, KEY, TIER, DEADLINE_NS)
+
+ColumnLike = pa.Array | pa.ChunkedArray | np.ndarray | Sequence[Any]
+
+
+def matrix_column(matrix: npt.NDArray[Any]) -> pa.FixedSizeListArray:
+    """Wrap a 2-D numpy array as an Arrow fixed-size-list column without copying.
+
+    >>> col = matrix_column(np.zeros((3, 4), dtype=np.float32))
+    >>> col.type
+    FixedSizeListType(fixed_size_list<item: float>[4])
+    """
+    if matrix.ndim != 2:
+        raise ConfigError(f"matrix_column needs a 2-D array, got {matrix.ndim}-D")
+    flat = np.ascontiguousarray(matrix).reshape(-1)
+    return pa.FixedSizeListArray.from_arrays(pa.array(flat), matrix.shape[1])
+
+
+def _to_arrow(values: ColumnLike) -> pa.Array:
+    if isinstance(values, pa.ChunkedArray):
+        return values.combine_chunks()
+    if isinstance(values, pa.Array):
+        return values
+    if isinstance(values, np.ndarray) and values.ndim == 2:
+        return matrix_column(values)
+    return pa.array(values)
+
+
+class Batch:
+    """An immutable columnar micro-batch.
+
+    >>> b = Batch.from_columns({"x": np.arange(3)}, ingest_ns=5)
+    >>> b.num_rows, b.column_names
+    (3, ['x', '_id', '_ingest_ns'])
+    >>> b.numpy("x").tolist()
+    [0, 1, 2]
+    """
+
+    __slots__ = ("_rb",)
+
+    def __init__(self, record_batch: pa.RecordBatch) -> None:
+        self._rb = record_batch
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_columns(
+        cls,
+        columns: Mapping[str, ColumnLike],
+        *,
+        ids: npt.NDArray[np.int64] | None = None,
+        ingest_ns: int | npt.NDArray[np.int64] | None = None,
+    ) -> Batch:
+        """Build a batch from user columns, adding ``_id`` and ``_ingest_ns`` when absent."""
+        arrays = {name: _to_arrow(values) for name, values in columns.items()}
+        n = len(next(iter(arrays.values()))) if arrays else 0
+        if ID not in arrays:
+            arrays[ID] = pa.array(np.arange(n, dtype=np.int64) if ids is None else ids)
+        if INGEST_NS not in arrays:
+            if ingest_ns is None:
+                import time
+
+                ingest_ns = time.monotonic_ns()
+            arr = np.full(n, ingest_ns, dtype=np.int64) if isinstance(ingest_ns, int) else ingest_ns
+            arrays[INGEST_NS] = pa.array(arr)
+        return cls(pa.RecordBatch.from_arrays(list(arrays.values()), names=list(arrays)))
+
+    @classmethod
+    def concat(cls, batches: Sequence[Batch]) -> Batch:
+        """Concatenate batches with the same schema into one (copies the data once)."""
+        if len(batches) == 1:
+            return batches[0]
+        if not batches:
+            raise ConfigError("Batch.concat needs at least one batch, got 0")
+        table = pa.Table.from_batches([b._rb for b in batches])
+        return cls(table.combine_chunks().to_batches(max_chunksize=table.num_rows)[0])
+
+    # -- access -------------------------------------------------------------------------------
+    @property
+    def record_batch(self) -> pa.RecordBatch:
+        return self._rb
+
+    @property
+    def num_rows(self) -> int:
+        return int(self._rb.num_rows)
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(self._rb.schema.names)
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self._rb.schema
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._rb.schema.names
+
+    def column(self, name: str) -> pa.Array:
+        """The Arrow column ``name``; ``KeyError`` naming the known columns if absent."""
+        idx = self._rb.schema.get_field_index(name)
+        if idx < 0:
+            raise KeyError(f"no column {name!r}; columns are {self.column_names}")
+        return self._rb.column(idx)
+
+    def numpy(self, name: str) -> npt.NDArray[Any]:
+        """Column ``name`` as numpy: zero-copy for numeric columns without nulls.
+
+        A fixed-size-list column comes back as a 2-D ``(rows, width)`` array.
+        """
+        col = self.column(name)
+        if isinstance(col, pa.FixedSizeListArray):
+            width = col.type.list_size
+            flat = col.flatten()
+            return flat.to_numpy(zero_copy_only=False).reshape(len(col), width)
+        return col.to_numpy(zero_copy_only=False)
+
+    def pylist(self, name: str) -> list[Any]:
+        return self.column(name).to_pylist()  # type: ignore[no-any-return]
+
+    @property
+    def ids(self) -> npt.NDArray[np.int64]:
+        return self.numpy(ID)
+
+    @property
+    def ingest_ns(self) -> npt.NDArray[np.int64]:
+        return self.numpy(INGEST_NS)
+
+    def meta(self, name: str, default: int = 0) -> npt.NDArray[np.int64]:
+        """Metadata column ``name`` (e.g. ``_tier``); a constant array of ``default`` when absent."""
+        if name in self:
+            return self.numpy(name)
+        return np.full(self.num_rows, default, dtype=np.int64)
+
+    def rows(self) -> Iterator[dict[str, Any]]:
+        """Iterate rows as dicts: the slow per-row path, for fallbacks and dead letters."""
+        return iter(self._rb.to_pylist())
+
+    # -- derivation (all return new batches) ---------------------------------------------------
+    def with_columns(self, columns: Mapping[str, ColumnLike]) -> Batch:
+        """A batch with ``columns`` added or replaced."""
+        rb = self._rb
+        for name, values in columns.items():
+            arr = _to_arrow(values)
+            idx = rb.schema.get_field_index(name)
+            rb = rb.set_column(idx, name, arr) if idx >= 0 else rb.append_column(name, arr)
+        return Batch(rb)
+
+    def drop(self, names: Iterable[str]) -> Batch:
+        keep = [n for n in self.column_names if n not in set(names)]
+        return self.select(keep)
+
+    def select(self, names: Sequence[str]) -> Batch:
+        return Batch(self._rb.select(list(names)))
+
+    def slice(self, offset: int, length: int | None = None) -> Batch:
+        """Zero-copy slice of ``length`` rows from ``offset``."""
+        return Batch(self._rb.slice(offset, length))
+
+    def filter(self, mask: npt.NDArray[np.bool_] | pa.BooleanArray) -> Batch:
+        """Rows where ``mask`` is true."""
+        return Batch(self._rb.filter(pa.array(mask) if isinstance(mask, np.ndarray) else mask))
+
+    def take(self, indices: npt.NDArray[np.integer[Any]] | Sequence[int]) -> Batch:
+        return Batch(self._rb.take(pa.array(indices)))
+
+    def __repr__(self) -> str:
+        return f"Batch(rows={self.num_rows}, columns={self.column_names})"

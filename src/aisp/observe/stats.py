@@ -1,0 +1,57 @@
+"""Per-stage counters the executor updates and the live view, summary and metrics read."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aisp.observe.latency import LatencyHistogram
+
+__all__ = ["RunStats", "StageStats"]
+
+
+@dataclass
+class StageStats:
+    """Counters for one stage. Updated by the stage's own thread; read racily by observers."""
+
+    step_id: str
+    kind: str
+    rows_in: int = 0
+    rows_out: int = 0
+    batches: int = 0
+    errors: int = 0
+    busy_ns: int = 0
+    queue_rows: Callable[[], int] = field(default=lambda: 0, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step_id,
+            "kind": self.kind,
+            "rows_in": self.rows_in,
+            "rows_out": self.rows_out,
+            "batches": self.batches,
+            "errors": self.errors,
+            "busy_s": round(self.busy_ns / 1e9, 3),
+            "queue_rows": self.queue_rows(),
+        }
+
+
+@dataclass
+class RunStats:
+    """Whole-run counters: events in/out, dead letters, end-to-end latency."""
+
+    started_ns: int = field(default_factory=time.monotonic_ns)
+    ended_ns: int | None = None
+    events_in: int = 0
+    events_out: int = 0
+    e2e: LatencyHistogram = field(default_factory=LatencyHistogram)
+    stages: dict[str, StageStats] = field(default_factory=dict)
+
+    def seconds(self) -> float:
+        end = self.ended_ns if self.ended_ns is not None else time.monotonic_ns()
+        return (end - self.started_ns) / 1e9
+
+    def stage(self, step_id: str, kind: str) -> StageStats:
+        return self.stages.setdefault(step_id, StageStats(step_id, kind))

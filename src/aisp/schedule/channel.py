@@ -1,0 +1,73 @@
+"""Bounded channels between executor tasks, sized in rows.
+
+``put`` blocks while the channel holds ``capacity_rows`` or more, which is how backpressure
+travels upstream: a slow stage stalls the task feeding it, and so on up to the source, which
+then reads its input more slowly. A batch larger than the capacity is still accepted into an
+empty channel, so no batch size can deadlock a pipeline.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from aisp.batch import Batch
+from aisp.errors import ConfigError
+
+__all__ = ["Channel"]
+
+
+class Channel:
+    """A multi-producer, single-consumer FIFO of batches bounded by total rows.
+
+    >>> ch = Channel(capacity_rows=10, producers=1)
+    >>> ch.put(Batch.from_columns({"x": [1, 2]}, ingest_ns=0)); ch.rows
+    2
+    >>> ch.close_producer(); ch.get().num_rows, ch.get()
+    (2, None)
+    """
+
+    def __init__(self, capacity_rows: int, producers: int = 1) -> None:
+        if capacity_rows < 1:
+            raise ConfigError(f"capacity_rows must be >= 1, got {capacity_rows}")
+        self.capacity_rows = capacity_rows
+        self._items: deque[Batch] = deque()
+        self._rows = 0
+        self._open_producers = producers
+        self._cond = threading.Condition()
+        self.blocked_ns = 0  # total time producers spent waiting for room
+
+    @property
+    def rows(self) -> int:
+        return self._rows
+
+    def put(self, batch: Batch) -> None:
+        n = batch.num_rows
+        with self._cond:
+            if self._rows and self._rows + n > self.capacity_rows:
+                import time
+
+                t0 = time.monotonic_ns()
+                while self._rows and self._rows + n > self.capacity_rows:
+                    self._cond.wait()
+                self.blocked_ns += time.monotonic_ns() - t0
+            self._items.append(batch)
+            self._rows += n
+            self._cond.notify_all()
+
+    def get(self) -> Batch | None:
+        """The next batch, blocking; ``None`` once every producer closed and the channel is empty."""
+        with self._cond:
+            while not self._items:
+                if self._open_producers <= 0:
+                    return None
+                self._cond.wait()
+            batch = self._items.popleft()
+            self._rows -= batch.num_rows
+            self._cond.notify_all()
+            return batch
+
+    def close_producer(self) -> None:
+        with self._cond:
+            self._open_producers -= 1
+            self._cond.notify_all()

@@ -1,0 +1,27 @@
+"""Vectorised operators: map, filter, key-by, keyed state, routing, union."""
+
+from aisp.transform.operators import (
+    Filter,
+    KeyBy,
+    MapBatch,
+    MapRows,
+    Operator,
+    OperatorContext,
+    Passthrough,
+    Route,
+)
+from aisp.transform.stateful import RunningStats, Stateful, StateView
+
+__all__ = [
+    "Filter",
+    "KeyBy",
+    "MapBatch",
+    "MapRows",
+    "Operator",
+    "OperatorContext",
+    "Passthrough",
+    "Route",
+    "RunningStats",
+    "StateView",
+    "Stateful",
+]

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aisp.batch import Batch
+from aisp.state.keyed import KeyedState, KeyIndex
+from aisp.transform.operators import KeyBy, OperatorContext
+from aisp.transform.stateful import RunningStats, occurrence_rank
+
+
+def ctx() -> OperatorContext:
+    return OperatorContext("t", lambda b, s, r: None)
+
+
+def test_key_index_assigns_first_seen_codes() -> None:
+    idx = KeyIndex()
+    assert idx.encode(pa.array(["b", "a", "b"])).tolist() == [0, 1, 0]
+    assert idx.encode(pa.array(["c", "b"])).tolist() == [2, 0]
+    assert idx.keys() == ["b", "a", "c"]
+
+
+def test_keyed_state_grows_and_keeps_values() -> None:
+    s = KeyedState(initial_capacity=2)
+    s.declare("n", "int64", 0)
+    s.column("n")[1] = 5
+    s.ensure(10)
+    assert s.column("n").shape[0] >= 10 and s.column("n")[1] == 5 and s.column("n")[9] == 0
+
+
+@given(st.lists(st.integers(0, 5), max_size=40))
+def test_occurrence_rank_matches_loop(codes: list[int]) -> None:
+    seen: dict[int, int] = {}
+    expected = []
+    for c in codes:
+        expected.append(seen.get(c, 0))
+        seen[c] = seen.get(c, 0) + 1
+    assert occurrence_rank(np.array(codes, dtype=np.int64)).tolist() == expected
+
+
+@given(
+    st.lists(
+        st.lists(st.tuples(st.sampled_from("abcde"), st.floats(-1e6, 1e6, allow_nan=False)), max_size=20),
+        max_size=6,
+    )
+)
+def test_running_stats_equal_sequential_reference(batches: list[list[tuple[str, float]]]) -> None:
+    c = ctx()
+    key_op = KeyBy("user", "k").build(c)
+    stats_op = RunningStats("amount", "k", count="n", sum="s", mean="m").build(c)
+    count: dict[str, int] = {}
+    total: dict[str, float] = {}
+    for rows in batches:
+        if not rows:
+            continue
+        b = Batch.from_columns({"user": [u for u, _ in rows], "amount": np.array([a for _, a in rows])})
+        (_, keyed), = key_op.process(b)
+        (_, out), = stats_op.process(keyed)
+        for (u, a), n, s, m in zip(rows, out.numpy("n"), out.numpy("s"), out.numpy("m"), strict=True):
+            count[u] = count.get(u, 0) + 1
+            total[u] = total.get(u, 0.0) + a
+            assert n == count[u]
+            assert s == total[u]  # bit-exact: same order of float additions
+            assert m == total[u] / count[u]
