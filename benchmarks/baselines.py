@@ -1,0 +1,328 @@
+"""Plain-Python baselines for workload F (fraud scoring), to put the engine's numbers in context.
+
+- ``naive``: one event at a time: ``orjson.loads`` per line, dict-based running state, one
+  ONNX Runtime call per event with a [1, 18] array, ``orjson.dumps`` per output line.
+- ``tuned``: the hand-tuned single-loop limit (DESIGN.md section 7): chunks of 512 lines,
+  ``orjson.loads`` per line, dict-based running state, one numpy feature matrix and one ONNX
+  Runtime call per chunk, ``orjson.dumps`` per output line, one write per chunk.
+
+Both use one ORT thread, apply the validity rules of ``benchmarks/workload.py`` (invalid lines
+are counted and skipped) and write the same output lines::
+
+    {"id":0,"user":"u47318","score":0.0123,"alert":false,"n":1,"mean_amount":5.93}
+
+``score`` is the float32 probability as a Python float, ``alert`` is ``score > 0.9``, ``n`` and
+``mean_amount`` are the user's running count and mean amount counting this event.
+
+Usage::
+
+    python benchmarks/baselines.py {naive|tuned} --input F --output OUT --model examples/fraud/model.onnx
+
+prints one JSON line: ``{"name", "events", "invalid", "seconds", "events_per_s", "p99_ms",
+"peak_rss_mb"}``. ``p99_ms`` is the per-event latency from the moment its line was read to the
+moment its output line was written (``time.perf_counter_ns``); in ``tuned`` every event of a
+chunk gets the time from the start of reading the chunk to the end of writing its outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from time import perf_counter_ns
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import orjson
+
+N_F = 16
+ALERT_THRESHOLD = 0.9
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "examples" / "fraud" / "model.onnx"
+_NL = orjson.OPT_APPEND_NEWLINE
+
+
+def make_session(model_path: str | Path) -> ort.InferenceSession:
+    """An ORT CPU session on one thread (intra and inter op), sequential execution."""
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
+
+
+def _is_int64(x: Any) -> bool:
+    return type(x) is int and INT64_MIN <= x <= INT64_MAX
+
+
+def _is_finite_number(x: Any) -> bool:
+    t = type(x)
+    if t is float:
+        return math.isfinite(x)
+    if t is int:
+        try:
+            return math.isfinite(float(x))
+        except OverflowError:
+            return False
+    return False
+
+
+def _finite_numbers(values: list[Any]) -> bool:
+    return all(_is_finite_number(v) for v in values)
+
+
+def is_valid(ev: Any) -> bool:
+    """The workload-F validity rules, checked exactly on a parsed event."""
+    if type(ev) is not dict:
+        return False
+    f = ev.get("f")
+    return (
+        _is_int64(ev.get("id"))
+        and type(ev.get("user")) is str
+        and _is_finite_number(ev.get("amount"))
+        and _is_int64(ev.get("ts"))
+        and type(f) is list
+        and len(f) == N_F
+        and _finite_numbers(f)
+    )
+
+
+def _peak_rss_mb() -> float:
+    try:
+        import resource
+
+        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)
+    except ImportError:  # not on Linux/macOS: current RSS is the best psutil offers
+        import psutil
+
+        return round(float(psutil.Process().memory_info().rss) / 2**20, 1)
+
+
+def _result(name: str, events: int, invalid: int, elapsed_ns: int, lat_ns: np.ndarray) -> dict[str, Any]:
+    secs = elapsed_ns / 1e9
+    return {
+        "name": name,
+        "events": events,
+        "invalid": invalid,
+        "seconds": round(secs, 3),
+        "events_per_s": round(events / secs, 1) if secs > 0 else 0.0,
+        "p99_ms": round(float(np.percentile(lat_ns, 99)) / 1e6, 3) if len(lat_ns) else 0.0,
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+
+
+def run_naive(input_path: str | Path, output_path: str | Path, model_path: str | Path) -> dict[str, Any]:
+    """Per-event loop: parse, update state, score with a [1, 18] ORT call, write, per event."""
+    sess = make_session(model_path)
+    loads, dumps, run = orjson.loads, orjson.dumps, sess.run
+    state: dict[str, list[Any]] = {}  # user -> [count (int), sum of amounts (float)]
+    lat: list[int] = []
+    invalid = 0
+    t_start = perf_counter_ns()
+    with open(input_path, "rb") as fin, open(output_path, "wb") as fout:
+        for raw in fin:
+            t0 = perf_counter_ns()
+            try:
+                ev = loads(raw)
+            except orjson.JSONDecodeError:
+                invalid += 1
+                continue
+            if not is_valid(ev):
+                invalid += 1
+                continue
+            user = ev["user"]
+            st = state.get(user)
+            if st is None:
+                st = state[user] = [0, 0.0]
+            st[0] += 1
+            st[1] += ev["amount"]
+            n = st[0]
+            mean = st[1] / n
+            row = np.array([[*ev["f"], n, mean]], dtype=np.float32)
+            score = float(run(["score"], {"features": row})[0][0, 0])
+            out = {
+                "id": ev["id"],
+                "user": user,
+                "score": score,
+                "alert": score > ALERT_THRESHOLD,
+                "n": n,
+                "mean_amount": mean,
+            }
+            fout.write(dumps(out, option=_NL))
+            lat.append(perf_counter_ns() - t0)
+    elapsed = perf_counter_ns() - t_start
+    return _result("naive", len(lat), invalid, elapsed, np.asarray(lat, dtype=np.int64))
+
+
+def _chunks(lines: Iterable[bytes], size: int) -> Iterator[tuple[int, list[bytes]]]:
+    it = iter(lines)
+    while True:
+        t0 = perf_counter_ns()
+        chunk = list(itertools.islice(it, size))
+        if not chunk:
+            return
+        yield t0, chunk
+
+
+def run_tuned(
+    input_path: str | Path, output_path: str | Path, model_path: str | Path, chunk_size: int = 512
+) -> dict[str, Any]:
+    """Chunked loop: per chunk, parse lines, update state, one [k, 18] ORT call, one write."""
+    sess = make_session(model_path)
+    loads, dumps, run = orjson.loads, orjson.dumps, sess.run
+    decode_error = orjson.JSONDecodeError
+    isfinite = math.isfinite
+    state: dict[str, list[Any]] = {}  # user -> [count (int), sum of amounts (float)]
+    lat_chunks: list[tuple[int, int]] = []  # (latency ns, events)
+    events = 0
+    invalid = 0
+    t_start = perf_counter_ns()
+    with open(input_path, "rb") as fin, open(output_path, "wb") as fout:
+        for t0, lines in _chunks(fin, chunk_size):
+            rows: list[tuple[int, str, float, list[Any]]] = []
+            for raw in lines:
+                try:
+                    ev = loads(raw)
+                    i, user, a, ts, f = ev["id"], ev["user"], ev["amount"], ev["ts"], ev["f"]
+                except (decode_error, KeyError, TypeError):
+                    invalid += 1
+                    continue
+                # Cheap checks per event; the entries of f are checked per chunk with numpy below.
+                if (
+                    type(i) is int
+                    and type(user) is str
+                    and type(ts) is int
+                    and type(f) is list
+                    and len(f) == N_F
+                    and (type(a) is float or type(a) is int)
+                    and isfinite(a)
+                    and INT64_MIN <= i <= INT64_MAX
+                    and INT64_MIN <= ts <= INT64_MAX
+                    # numpy turns bools into numbers: lines with true/false are checked exactly
+                    and ((b"true" not in raw and b"false" not in raw) or _finite_numbers(f))
+                ):
+                    rows.append((i, user, a, f))
+                else:
+                    invalid += 1
+            if not rows:
+                continue
+            kind: str
+            try:
+                feats = np.array([r[3] for r in rows])
+                kind = feats.dtype.kind
+            except (ValueError, TypeError):
+                kind = "?"
+            if kind not in "fi":  # a str, null or nested value somewhere in f: exact path
+                keep = [_finite_numbers(r[3]) for r in rows]
+                invalid += keep.count(False)
+                rows = [r for r, ok in zip(rows, keep, strict=True) if ok]
+                if not rows:
+                    continue
+                feats = np.array([r[3] for r in rows], dtype=np.float64)
+            finite = np.isfinite(feats).all(axis=1)
+            if not finite.all():
+                invalid += int((~finite).sum())
+                rows = [r for r, ok in zip(rows, finite.tolist(), strict=True) if ok]
+                feats = feats[finite]
+                if not rows:
+                    continue
+            k = len(rows)
+            x = np.empty((k, N_F + 2), dtype=np.float32)
+            x[:, :N_F] = feats
+            counts = [0] * k
+            means = [0.0] * k
+            for j, r in enumerate(rows):
+                st = state.get(r[1])
+                if st is None:
+                    st = state[r[1]] = [0, 0.0]
+                st[0] += 1
+                st[1] += r[2]
+                counts[j] = st[0]
+                means[j] = st[1] / st[0]
+            x[:, N_F] = counts
+            x[:, N_F + 1] = means
+            scores = run(["score"], {"features": x})[0][:, 0].tolist()
+            out = b"".join(
+                [
+                    dumps(
+                        {
+                            "id": r[0],
+                            "user": r[1],
+                            "score": s,
+                            "alert": s > ALERT_THRESHOLD,
+                            "n": c,
+                            "mean_amount": m,
+                        },
+                        option=_NL,
+                    )
+                    for r, s, c, m in zip(rows, scores, counts, means, strict=True)
+                ]
+            )
+            fout.write(out)
+            lat_chunks.append((perf_counter_ns() - t0, k))
+            events += k
+    elapsed = perf_counter_ns() - t_start
+    if lat_chunks:
+        lat_arr = np.array(lat_chunks, dtype=np.int64)
+        lat = np.repeat(lat_arr[:, 0], lat_arr[:, 1])
+    else:
+        lat = np.zeros(0, dtype=np.int64)
+    return _result("tuned", events, invalid, elapsed, lat)
+
+
+BASELINES: dict[str, Callable[[str | Path, str | Path, str | Path], dict[str, Any]]] = {
+    "naive": run_naive,
+    "tuned": run_tuned,
+}
+
+
+def compare_outputs(path_a: str | Path, path_b: str | Path, score_tol: float = 1e-6) -> list[str]:
+    """Differences between two output files (same lines up to float formatting); [] if equal.
+
+    Scores may differ by ``score_tol`` (ORT's batch-1 and batched kernels may round differently);
+    ``alert`` must agree unless the score is within ``score_tol`` of the threshold.
+    """
+    problems: list[str] = []
+    with open(path_a, "rb") as fa, open(path_b, "rb") as fb:
+        for i, (la, lb) in enumerate(itertools.zip_longest(fa, fb)):
+            if la is None or lb is None:
+                problems.append(f"line {i}: only in {'b' if la is None else 'a'}")
+                break
+            a, b = orjson.loads(la), orjson.loads(lb)
+            if set(a) != set(b):
+                problems.append(f"line {i}: keys {sorted(a)} != {sorted(b)}")
+                continue
+            for key in ("id", "user", "n"):
+                if a[key] != b[key]:
+                    problems.append(f"line {i}: {key} {a[key]!r} != {b[key]!r}")
+            if a["mean_amount"] != b["mean_amount"]:
+                problems.append(f"line {i}: mean_amount {a['mean_amount']!r} != {b['mean_amount']!r}")
+            if abs(a["score"] - b["score"]) > score_tol:
+                problems.append(f"line {i}: score {a['score']!r} != {b['score']!r}")
+            near = abs(a["score"] - ALERT_THRESHOLD) <= score_tol
+            if a["alert"] != b["alert"] and not near:
+                problems.append(f"line {i}: alert {a['alert']!r} != {b['alert']!r}")
+            if len(problems) >= 20:
+                break
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Workload-F baselines (naive, tuned).")
+    parser.add_argument("name", choices=sorted(BASELINES))
+    parser.add_argument("--input", required=True, type=Path)
+    parser.add_argument("--output", required=True, type=Path)
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    args = parser.parse_args(argv)
+    result = BASELINES[args.name](args.input, args.output, args.model)
+    sys.stdout.write(orjson.dumps(result, option=_NL).decode())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""Reference workload F: fraud scoring (see README.md in this folder).
+
+parse -> per-user running count and mean of ``amount`` -> 18 features -> ONNX MLP with dynamic
+batching -> ``{"id", "user", "score", "alert", "n", "mean_amount"}``.
+
+Run it: ``aisp run examples/fraud/pipeline.py --input IN.jsonl --output OUT.jsonl``; without
+``--input`` it scores generated events.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+import numpy as np
+
+from aisp import Batch, BatcherConfig, NullSink, OnnxRuntime, Pipeline, WorkloadFSource
+
+HERE = Path(__file__).resolve().parent
+MODEL = HERE / "model.onnx"
+ALERT_THRESHOLD = 0.9
+OUTPUT_COLUMNS = ["id", "user", "score", "alert", "n", "mean_amount"]
+
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+
+
+class Event(msgspec.Struct):
+    """One workload-F event; decoding validates types, required fields and the 16 features."""
+
+    id: Int64
+    user: str
+    amount: float
+    ts: Int64
+    f: Annotated[list[float], msgspec.Meta(min_length=16, max_length=16)]
+
+
+def features(batch: Batch) -> Batch:
+    """18 float32 features: f[0..15], the user's running count, the user's running mean amount."""
+    f = batch.numpy("f")
+    x = np.empty((batch.num_rows, 18), dtype=np.float32)
+    x[:, :16] = f
+    x[:, 16] = batch.numpy("n")
+    x[:, 17] = batch.numpy("mean_amount")
+    return batch.with_columns({"features": x})
+
+
+def emit(batch: Batch) -> Batch:
+    """The output row: id, user, score, alert (score > 0.9), n, mean_amount."""
+    score = batch.numpy("score")
+    out = batch.with_columns({"alert": score > ALERT_THRESHOLD})
+    return out.select([*OUTPUT_COLUMNS, "_id", "_ingest_ns"])
+
+
+def build(events: int = 1_000_000, seed: int = 0, model: str | Path = MODEL) -> Pipeline:
+    p = Pipeline("fraud", output_columns=OUTPUT_COLUMNS)
+    src = p.source("events", WorkloadFSource(events=events, seed=seed), schema=Event)
+    stats = src.key_by("by_user", "user").running_stats(
+        "user_stats", "amount", count="n", mean="mean_amount"
+    )
+    scored = stats.map_batch("features", features).infer(
+        "score",
+        OnnxRuntime(str(model), name="fraud"),
+        inputs={"features": "features"},
+        outputs={"score": "score"},
+        batcher=BatcherConfig(max_batch_size=512, max_queue_delay_ms=1.0),
+        latency_budget_ms=10.0,
+    )
+    scored.map_batch("emit", emit).sink("out", NullSink())
+    return p

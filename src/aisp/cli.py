@@ -1,0 +1,119 @@
+"""The ``aisp`` command: ``run`` a pipeline file, print its ``topology``."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from aisp.errors import AispError
+from aisp.pipeline import Pipeline
+
+__all__ = ["app", "load_pipeline", "main"]
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="AISP: AI-native stream processing.")
+err = Console(stderr=True)
+
+
+def load_pipeline(path: str, **params: Any) -> Pipeline:
+    """Import a pipeline file and return its pipeline.
+
+    The file defines ``build(**params) -> Pipeline`` (preferred; it receives options such as
+    ``events`` and ``schema``-dependent ``input``) or a module-level ``pipeline``.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise typer.BadParameter(f"no pipeline file at {path!r}")
+    spec = importlib.util.spec_from_file_location(f"aisp_user_{file.stem}", file)
+    if spec is None or spec.loader is None:
+        raise typer.BadParameter(f"cannot import {path!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    build = getattr(module, "build", None)
+    if callable(build):
+        p = build(**params)
+    else:
+        p = getattr(module, "pipeline", None)
+    if not isinstance(p, Pipeline):
+        raise typer.BadParameter(f"{path!r} defines neither build() -> Pipeline nor a `pipeline` object")
+    return p
+
+
+@app.command()
+def run(
+    pipeline: Annotated[str, typer.Argument(help="Python file defining build() or `pipeline`.")],
+    input: Annotated[str | None, typer.Option("--input", "-i", help="JSONL input file.")] = None,  # noqa: A002
+    output: Annotated[str | None, typer.Option("--output", "-o", help="JSONL output file.")] = None,
+    dead_letter: Annotated[str | None, typer.Option("--dead-letter", help="JSONL dead-letter file.")] = None,
+    rate: Annotated[float, typer.Option(help="Pace the source at N events/s, open loop (0: max).")] = 0.0,
+    events: Annotated[int | None, typer.Option(help="Events for a generator source.")] = None,
+    batch_rows: Annotated[int, typer.Option(help="Rows per source batch.")] = 512,
+    summary_json: Annotated[str | None, typer.Option("--summary-json", help="Write the summary here.")] = None,
+    live: Annotated[bool | None, typer.Option("--live/--no-live", help="Live progress view.")] = None,
+) -> None:
+    """Run PIPELINE to the end of its input (Ctrl-C / SIGTERM drain cleanly)."""
+    from aisp.runner import RunOptions
+    from aisp.runner import run as run_pipeline
+
+    params: dict[str, Any] = {}
+    if events is not None:
+        params["events"] = events
+    try:
+        p = load_pipeline(pipeline, **params)
+        _bind(p, input, output)
+        show_live = sys.stderr.isatty() if live is None else live
+        summary = run_pipeline(
+            p,
+            RunOptions(
+                dead_letter=dead_letter,
+                rate_events_per_s=rate,
+                batch_rows=batch_rows,
+                live=show_live,
+                handle_signals=True,
+                summary_json=summary_json,
+            ),
+        )
+    except AispError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    lat = summary.latency_ms
+    err.print(
+        f"[bold]{summary.pipeline}[/bold]: {summary.events_in:,} in, {summary.events_out:,} out, "
+        f"{summary.dead_letters:,} dead letters in {summary.seconds:.2f} s "
+        f"({summary.events_per_s:,.0f} events/s); e2e p50 {lat['p50']} ms, p99 {lat['p99']} ms, "
+        f"p99.9 {lat['p999']} ms, max {lat['max']} ms; peak RSS {summary.peak_rss_mb:.0f} MB"
+        + (" (stopped early, drained)" if summary.stopped_early else "")
+    )
+
+
+def _bind(p: Pipeline, input: str | None, output: str | None) -> None:  # noqa: A002
+    from aisp.connectors import sink_from_url, source_for
+
+    if input is not None:
+        p.bind(source=source_for(p, input))
+    if output is not None:
+        p.bind(sink=sink_from_url(output, p))
+
+
+@app.command()
+def topology(pipeline: Annotated[str, typer.Argument(help="Python file defining build() or `pipeline`.")]) -> None:
+    """Print the DAG in topological order and its static end-to-end latency bound."""
+    try:
+        graph = load_pipeline(pipeline).build()
+    except AispError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    print(graph.render())
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The source contract.
+
+A ``Source`` is a config-only factory (cheap to build, safe to copy, no live resources).
+``Source.open(ctx)`` returns a ``SourcePartition`` that owns the live reader:
+
+* ``next_batch(max_rows)`` returns the next ``Batch`` of at most ``max_rows`` rows, or ``None``
+  once the input is exhausted. It may return an empty batch when everything it read was invalid
+  (those lines went to ``ctx.dead_letter``).
+* ``snapshot()`` returns the position *after* the last row handed out, as plain JSON-able data;
+  ``Source.open(ctx, resume_from=snapshot)`` continues from there, so a checkpoint holding state
+  and this position replays exactly the rows that came later.
+* ``close()`` releases the reader; it is called once, also after errors.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aisp.batch import Batch
+
+__all__ = ["DeadLetterRecord", "Source", "SourceContext", "SourcePartition"]
+
+DeadLetterRecord = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SourceContext:
+    """What the engine hands a source partition."""
+
+    step_id: str
+    dead_letter: Callable[[list[DeadLetterRecord]], None]
+
+
+class SourcePartition(abc.ABC):
+    """The live reader of a source (see the module docstring for the contract)."""
+
+    @abc.abstractmethod
+    def next_batch(self, max_rows: int) -> Batch | None: ...
+
+    def snapshot(self) -> Any:
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources."""
+
+
+class Source(abc.ABC):
+    """Config-only factory of ``SourcePartition``s."""
+
+    @abc.abstractmethod
+    def open(self, ctx: SourceContext, resume_from: Any = None) -> SourcePartition: ...
+
+    def describe(self) -> str:
+        return type(self).__name__

@@ -1,0 +1,206 @@
+"""The fluent builder users write: ``Pipeline`` and ``Stream``.
+
+>>> import msgspec
+import numpy as np
+>>> from aisp.sinks import CollectSink
+>>> from aisp.ingest import WorkloadFSource
+>>> p = Pipeline("demo")
+>>> big = p.source("events", WorkloadFSource(events=1000)).filter(
+...     "big", lambda b: b.numpy("amount") > 100)
+>>> out = CollectSink(columns=["id", "amount"])
+>>> big.sink("out", out)
+>>> summary = p.run()
+>>> summary.events_out == len(out.rows) and all(r["amount"] > 100 for r in out.rows)
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from aisp.batch import Batch
+from aisp.errors import GraphError
+from aisp.graph import DEFAULT_PORT, Graph, Node
+from aisp.infer.batcher import BatcherConfig
+from aisp.infer.runtime import Runtime
+from aisp.infer.stage import InferSpec
+from aisp.ingest.base import Source
+from aisp.sinks.base import Sink
+from aisp.transform.operators import Filter, KeyBy, MapBatch, MapRows, Passthrough, Route
+from aisp.transform.stateful import RunningStats, Stateful, StateFn
+
+__all__ = ["KeyedStream", "Pipeline", "Stream"]
+
+
+class Pipeline:
+    """A named DAG under construction. ``build()`` validates it and returns the ``Graph``."""
+
+    def __init__(self, name: str, *, output_columns: Sequence[str] | None = None) -> None:
+        self.name = name
+        self.graph = Graph(name)
+        self.input_schema: type[msgspec.Struct] | None = None
+        self.output_columns = list(output_columns) if output_columns is not None else None
+
+    def source(
+        self,
+        step_id: str,
+        source: Source,
+        *,
+        schema: type[msgspec.Struct] | None = None,
+        latency_budget_ms: float = 1.0,
+    ) -> Stream:
+        """Add a source. ``schema`` types its records, so ``--input FILE`` can replace it."""
+        if schema is not None:
+            self.input_schema = schema
+        self.graph.add(Node(step_id=step_id, kind="source", spec=source, latency_budget_ms=latency_budget_ms))
+        return Stream(self, step_id)
+
+    def union(self, step_id: str, *streams: Stream) -> Stream:
+        """Merge several streams into one (rows keep their ids and ingest times)."""
+        if len(streams) < 2:
+            raise GraphError(f"union {step_id!r} needs at least two streams, got {len(streams)}", step=step_id)
+        self.graph.add(
+            Node(step_id=step_id, kind="union", spec=Passthrough(), inputs=tuple(s.ref for s in streams))
+        )
+        return Stream(self, step_id)
+
+    def build(self) -> Graph:
+        self.graph.validate()
+        return self.graph
+
+    def bind(self, *, source: Source | None = None, sink: Sink | None = None) -> None:
+        """Replace the single source and/or the primary sink (what ``--input``/``--output`` do).
+
+        The primary sink is the one named ``"out"`` if present, else the only sink.
+        """
+        if source is not None:
+            srcs = [n for n in self.graph.nodes if n.kind == "source"]
+            if len(srcs) != 1:
+                raise GraphError(f"cannot bind an input: pipeline has {len(srcs)} sources")
+            self.graph.replace(srcs[0].step_id, spec=source)
+        if sink is not None:
+            sinks = [n for n in self.graph.nodes if n.kind == "sink"]
+            primary = [n for n in sinks if n.step_id == "out"] or sinks
+            if len(primary) != 1:
+                raise GraphError(f"cannot bind an output: pipeline has {len(sinks)} sinks and none named 'out'")
+            self.graph.replace(primary[0].step_id, spec=sink)
+
+    def run(self, **options: Any) -> Any:
+        """Run to completion in this process and return the ``RunSummary``."""
+        from aisp.runner import RunOptions, run
+
+        return run(self, RunOptions(**options))
+
+
+@dataclass(frozen=True)
+class Stream:
+    """The output of one step; each method adds a step reading it and returns that step's output."""
+
+    pipeline: Pipeline
+    step_id: str
+    port: str = DEFAULT_PORT
+
+    @property
+    def ref(self) -> str:
+        return self.step_id if self.port == DEFAULT_PORT else f"{self.step_id}:{self.port}"
+
+    def _add(self, step_id: str, kind: str, spec: Any, budget: float, ports: tuple[str, ...] = (DEFAULT_PORT,)) -> Stream:
+        self.pipeline.graph.add(
+            Node(step_id=step_id, kind=kind, spec=spec, inputs=(self.ref,), ports=ports, latency_budget_ms=budget)
+        )
+        return Stream(self.pipeline, step_id)
+
+    def map_batch(self, step_id: str, fn: Callable[[Batch], Batch], *, latency_budget_ms: float = 1.0) -> Stream:
+        """Vectorised map: ``fn`` gets a whole ``Batch`` and returns one."""
+        return self._add(step_id, "map_batch", MapBatch(fn), latency_budget_ms)
+
+    def map(
+        self, step_id: str, fn: Callable[[dict[str, Any]], dict[str, Any] | None], *, latency_budget_ms: float = 5.0
+    ) -> Stream:
+        """Per-row map (slower fallback): ``fn(row_dict) -> row_dict | None``."""
+        return self._add(step_id, "map", MapRows(fn), latency_budget_ms)
+
+    def filter(
+        self, step_id: str, predicate: Callable[[Batch], npt.NDArray[np.bool_] | Any], *, latency_budget_ms: float = 0.5
+    ) -> Stream:
+        """Keep rows where ``predicate(batch)`` (a boolean array) is true."""
+        return self._add(step_id, "filter", Filter(predicate), latency_budget_ms)
+
+    def key_by(self, step_id: str, column: str, *, latency_budget_ms: float = 0.5) -> KeyedStream:
+        """Partition by ``column``: adds the ``_key`` code that keyed state operators index by."""
+        self._add(step_id, "key_by", KeyBy(column, step_id), latency_budget_ms)
+        return KeyedStream(self.pipeline, step_id, space=step_id)
+
+    def infer(
+        self,
+        step_id: str,
+        runtime: Runtime,
+        *,
+        inputs: Mapping[str, str],
+        outputs: Mapping[str, str],
+        batcher: BatcherConfig | None = None,
+        latency_budget_ms: float = 10.0,
+    ) -> Stream:
+        """Model call with dynamic batching: model input name -> column, model output name -> column."""
+        spec = InferSpec(runtime=runtime, inputs=dict(inputs), outputs=dict(outputs), batcher=batcher or BatcherConfig())
+        return self._add(step_id, "infer", spec, latency_budget_ms)
+
+    def route(
+        self,
+        step_id: str,
+        branches: Sequence[str],
+        *,
+        column: str | None = None,
+        predicates: Mapping[str, Callable[[Batch], Any]] | None = None,
+        default: str | None = None,
+        latency_budget_ms: float = 0.5,
+    ) -> dict[str, Stream]:
+        """Send each row to one branch, by a column of branch names or by predicates (first wins)."""
+        spec = Route(tuple(branches), column=column, predicates=predicates, default=default)
+        self._add(step_id, "route", spec, latency_budget_ms, ports=tuple(branches))
+        return {b: Stream(self.pipeline, step_id, b) for b in branches}
+
+    def sink(self, step_id: str, sink: Sink, *, latency_budget_ms: float = 2.0) -> None:
+        self.pipeline.graph.add(
+            Node(step_id=step_id, kind="sink", spec=sink, inputs=(self.ref,), ports=(), latency_budget_ms=latency_budget_ms)
+        )
+
+
+@dataclass(frozen=True)
+class KeyedStream(Stream):
+    """A stream whose rows carry ``_key``; keyed state operators are available on it."""
+
+    space: str = ""
+
+    def stateful(
+        self,
+        step_id: str,
+        fn: StateFn,
+        *,
+        state: Sequence[tuple[str, str, float]] = (),
+        latency_budget_ms: float = 1.0,
+    ) -> KeyedStream:
+        """``fn(batch, state_view) -> Batch`` over per-key state columns declared in ``state``."""
+        self._add(step_id, "stateful", Stateful(fn, self.space, tuple(state)), latency_budget_ms)
+        return KeyedStream(self.pipeline, step_id, space=self.space)
+
+    def running_stats(
+        self,
+        step_id: str,
+        column: str,
+        *,
+        count: str | None = "count",
+        sum: str | None = None,  # noqa: A002 - mirrors the column it names
+        mean: str | None = "mean",
+        latency_budget_ms: float = 1.0,
+    ) -> KeyedStream:
+        """Per-key running count/sum/mean of ``column``, including the current row."""
+        spec = RunningStats(column, self.space, count=count, sum=sum, mean=mean)
+        self._add(step_id, "stateful", spec, latency_budget_ms)
+        return KeyedStream(self.pipeline, step_id, space=self.space)

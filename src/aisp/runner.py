@@ -1,0 +1,152 @@
+"""Run a pipeline to completion: executor, dead letters, signals, live view and the summary."""
+
+from __future__ import annotations
+
+import resource
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from aisp.infer.batcher import DynamicBatcher
+from aisp.schedule.executor import ExecutorOptions, LocalExecutor
+from aisp.sinks.deadletter import DeadLetterSink
+
+if TYPE_CHECKING:
+    from aisp.pipeline import Pipeline
+
+__all__ = ["RunOptions", "RunSummary", "run"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """How to run: dead-letter file, pacing, batch and queue sizes, live view, signal handling."""
+
+    dead_letter: str | None = None
+    rate_events_per_s: float = 0.0
+    batch_rows: int = 512
+    channel_capacity_rows: int = 8192
+    live: bool = False
+    handle_signals: bool = False
+    summary_json: str | None = None
+    on_progress: Callable[[LocalExecutor], None] | None = None
+
+
+@dataclass
+class RunSummary:
+    pipeline: str
+    events_in: int
+    events_out: int
+    dead_letters: int
+    seconds: float
+    events_per_s: float
+    latency_ms: dict[str, float]
+    peak_rss_mb: float
+    stopped_early: bool
+    dead_letters_by_step: dict[str, int] = field(default_factory=dict)
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        return msgspec.json.format(msgspec.json.encode(self), indent=2)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def summarize(ex: LocalExecutor) -> RunSummary:
+    st = ex.stats
+    secs = st.seconds()
+    models = {sid: _model_summary(b) for sid, b in ex.batchers.items()}
+    return RunSummary(
+        pipeline=ex.graph.name,
+        events_in=st.events_in,
+        events_out=st.events_out,
+        dead_letters=ex.dead_letter.count,
+        seconds=round(secs, 3),
+        events_per_s=round(st.events_in / secs, 1) if secs > 0 else 0.0,
+        latency_ms=st.e2e.summary_ms(),
+        peak_rss_mb=round(peak_rss_mb(), 1),
+        stopped_early=ex.stopping,
+        dead_letters_by_step=dict(ex.dead_letter.by_step),
+        stages=[s.as_dict() for s in st.stages.values()],
+        models=models,
+    )
+
+
+def _model_summary(b: DynamicBatcher) -> dict[str, Any]:
+    st = b.stats
+    rt = b.runtime
+    return {
+        "model": rt.name,
+        "version": rt.version,
+        "provider": rt.provider,
+        "batches": st.batches,
+        "rows": st.rows,
+        "mean_batch_rows": round(st.rows / st.batches, 1) if st.batches else 0.0,
+        "timeouts": st.timeouts,
+        "errors": st.errors,
+    }
+
+
+def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
+    """Build, start and drain ``pipeline``; SIGINT/SIGTERM (when handled) trigger a clean drain."""
+    opts = options or RunOptions()
+    graph = pipeline.build()
+    writer = DeadLetterSink(path=opts.dead_letter).open()
+    ex = LocalExecutor(
+        graph,
+        dead_letter=writer,
+        options=ExecutorOptions(
+            channel_capacity_rows=opts.channel_capacity_rows,
+            source_batch_rows=opts.batch_rows,
+            rate_events_per_s=opts.rate_events_per_s,
+        ),
+    )
+    restore = _install_signals(ex) if opts.handle_signals else None
+    try:
+        ex.start()
+        if opts.live:
+            from aisp.live import LiveView
+
+            with LiveView(ex) as view:
+                while not ex.join(timeout_s=0.25):
+                    view.update()
+        elif opts.on_progress is not None:
+            while not ex.join(timeout_s=0.25):
+                opts.on_progress(ex)
+        else:
+            ex.join()
+    finally:
+        if restore is not None:
+            restore()
+        writer.close()
+    if ex.errors:
+        raise ex.errors[0]
+    summary = summarize(ex)
+    if opts.summary_json:
+        with open(opts.summary_json, "wb") as fh:
+            fh.write(summary.to_json())
+    return summary
+
+
+def _install_signals(ex: LocalExecutor) -> Callable[[], None] | None:
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        ex.request_stop()
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore() -> None:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    return restore
+

@@ -1,0 +1,339 @@
+"""The local executor: runs a validated graph in one process.
+
+Steps are grouped into tasks (operator chaining, as in Flink): a step joins its upstream's task
+when it has one input, that output feeds only it, and the upstream is a plain operator. Each task
+is one thread reading one bounded ``Channel``; sources run in their own threads; an ``infer``
+step hands rows to its ``DynamicBatcher``, whose dispatcher threads call the model (ONNX Runtime
+releases the GIL) and feed the next task's channel. Sinks record each event's end-to-end latency
+when its row is written.
+
+End of input flows downstream: a source that is exhausted (or told to stop) flushes and closes its
+outputs; every task drains its channel, flushes its operators in order and closes its own
+outputs, so a stop never loses a row that was accepted. An exception from an operator sends that
+batch's rows to the dead-letter sink with the step and the cause, and the pipeline goes on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from aisp.batch import INGEST_NS, Batch
+from aisp.errors import AispError
+from aisp.graph import Graph, Node, split_ref
+from aisp.infer.batcher import DynamicBatcher
+from aisp.infer.stage import InferSpec, build_batcher
+from aisp.ingest.base import Source, SourceContext, SourcePartition
+from aisp.observe.stats import RunStats, StageStats
+from aisp.schedule.channel import Channel
+from aisp.sinks.base import Sink, SinkPartition
+from aisp.sinks.deadletter import DeadLetterWriter
+from aisp.state.keyed import KeyIndex
+from aisp.transform.operators import Emit, Operator, OperatorContext
+
+__all__ = ["ExecutorOptions", "LocalExecutor"]
+
+CHAINABLE = frozenset({"map_batch", "map", "filter", "key_by", "stateful", "route", "union", "sink"})
+CHAIN_UPSTREAM = frozenset({"map_batch", "map", "filter", "key_by", "stateful", "route", "union"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecutorOptions:
+    """Executor settings. ``rate_events_per_s`` paces sources open-loop (0: as fast as possible)."""
+
+    channel_capacity_rows: int = 8192
+    source_batch_rows: int = 512
+    rate_events_per_s: float = 0.0
+    paced_linger_ms: float = 1.0
+
+
+class _SinkOp:
+    def __init__(self, part: SinkPartition, run: RunStats) -> None:
+        self.part, self._run = part, run
+
+    def process(self, batch: Batch) -> Emit:
+        self.part.write(batch)
+        if batch.num_rows:
+            now = time.monotonic_ns()
+            self._run.e2e.record(now - batch.numpy(INGEST_NS))
+            self._run.events_out += batch.num_rows
+        return []
+
+    def flush(self) -> Emit:
+        self.part.flush()
+        return []
+
+
+class _InferOp:
+    def __init__(self, batcher: DynamicBatcher) -> None:
+        self.batcher = batcher
+
+    def process(self, batch: Batch) -> Emit:
+        self.batcher.submit(batch)
+        return []
+
+    def flush(self) -> Emit:
+        self.batcher.close()
+        return []
+
+
+class LocalExecutor:
+    """Runs ``graph`` with threads in this process; ``run()`` blocks until the pipeline drained."""
+
+    def __init__(
+        self, graph: Graph, *, dead_letter: DeadLetterWriter, options: ExecutorOptions | None = None
+    ) -> None:
+        graph.validate()
+        self.graph = graph
+        self.options = options or ExecutorOptions()
+        self.dead_letter = dead_letter
+        self.stats = RunStats()
+        self._stop = threading.Event()
+        self._errors: list[BaseException] = []
+        self._nodes = {n.step_id: n for n in graph.topological_order()}
+        self._consumers = graph.consumers()
+        self._task_of = self._assign_tasks()
+        self._channels: dict[str, Channel] = {}
+        self._ops: dict[str, Operator] = {}
+        self._pending_inputs: dict[str, int] = {}
+        self._threads: list[threading.Thread] = []
+        self._key_indexes: dict[str, KeyIndex] = {}
+        self._sink_parts: list[SinkPartition] = []
+        self.batchers: dict[str, DynamicBatcher] = {}
+
+    # -- planning -----------------------------------------------------------------------------
+    def _assign_tasks(self) -> dict[str, str]:
+        task_of: dict[str, str] = {}
+        for sid, node in self._nodes.items():
+            task_of[sid] = sid
+            if node.kind in CHAINABLE and len(node.inputs) == 1:
+                up, port = split_ref(node.inputs[0])
+                if self._nodes[up].kind in CHAIN_UPSTREAM and len(self._consumers[(up, port)]) == 1:
+                    task_of[sid] = task_of[up]
+        return task_of
+
+    def _chained(self, step_id: str) -> bool:
+        return self._task_of[step_id] != step_id
+
+    def tasks(self) -> dict[str, list[str]]:
+        """Task id -> the step ids it runs, in order."""
+        out: dict[str, list[str]] = defaultdict(list)
+        for sid in self._nodes:
+            out[self._task_of[sid]].append(sid)
+        return dict(out)
+
+    # -- building -----------------------------------------------------------------------------
+    def _dead_letter_rows(self, batch: Batch, step: str, reason: str) -> None:
+        self.dead_letter.rows(batch, step, reason)
+
+    def _build(self) -> None:
+        for sid, node in self._nodes.items():
+            st = self.stats.stage(sid, node.kind)
+            self._pending_inputs[sid] = len(node.inputs)
+            if node.kind != "source" and not self._chained(sid):
+                ch = Channel(self.options.channel_capacity_rows, producers=len(node.inputs))
+                self._channels[sid] = ch
+                st.queue_rows = lambda ch=ch: ch.rows  # type: ignore[misc]
+            if node.kind == "source":
+                continue
+            if node.kind == "sink":
+                spec: Sink = node.spec
+                part = spec.open()
+                self._sink_parts.append(part)
+                self._ops[sid] = _SinkOp(part, self.stats)
+            elif node.kind == "infer":
+                self._ops[sid] = _InferOp(self._make_batcher(node, st))
+            else:
+                ctx = OperatorContext(sid, self._dead_letter_rows, self._key_indexes)
+                self._ops[sid] = node.spec.build(ctx)
+
+    def _make_batcher(self, node: Node, st: StageStats) -> DynamicBatcher:
+        spec: InferSpec = node.spec
+        sid = node.step_id
+
+        def emit(batch: Batch) -> None:
+            st.rows_out += batch.num_rows
+            self._emit(sid, "out", batch)
+
+        def on_batch(rows: int, queue_wait_ns: int, compute_ns: int) -> None:
+            st.batches += 1
+            st.busy_ns += compute_ns
+
+        batcher = build_batcher(
+            spec,
+            emit=emit,
+            dead_letter=lambda b, reason: self._dead_letter_rows(b, sid, reason),
+            on_batch=on_batch,
+        )
+        ch = self._channels.get(sid)
+        st.queue_rows = lambda: batcher.queued_rows + (ch.rows if ch else 0)
+        self.batchers[sid] = batcher
+        return batcher
+
+    # -- data flow ----------------------------------------------------------------------------
+    def _push(self, sid: str, batch: Batch) -> None:
+        st = self.stats.stages[sid]
+        st.rows_in += batch.num_rows
+        t0 = time.perf_counter_ns()
+        try:
+            outs = self._ops[sid].process(batch)
+        except Exception as exc:  # noqa: BLE001 - rows go to the dead-letter sink, the pipeline goes on
+            st.errors += 1
+            self._dead_letter_rows(batch, sid, f"{type(exc).__name__}: {exc}")
+            return
+        finally:
+            st.busy_ns += time.perf_counter_ns() - t0
+        if self._nodes[sid].kind != "infer":
+            st.batches += 1
+        for port, out in outs:
+            if self._nodes[sid].kind != "infer":
+                st.rows_out += out.num_rows
+            self._emit(sid, port, out)
+
+    def _emit(self, sid: str, port: str, batch: Batch) -> None:
+        for consumer in self._consumers.get((sid, port), ()):
+            if self._chained(consumer):
+                self._push(consumer, batch)
+            else:
+                self._channels[consumer].put(batch)
+
+    def _finish(self, sid: str) -> None:
+        """``sid`` will get no more input: flush it and tell everything downstream."""
+        node = self._nodes[sid]
+        if node.kind != "source":
+            try:
+                outs = self._ops[sid].flush()
+            except Exception as exc:  # noqa: BLE001 - a failing flush must not stop the drain
+                self._errors.append(exc)
+                outs = []
+            for port, out in outs:
+                self._emit(sid, port, out)
+        for port in node.ports:
+            for consumer in self._consumers.get((sid, port), ()):
+                if self._chained(consumer):
+                    self._pending_inputs[consumer] -= 1
+                    if self._pending_inputs[consumer] == 0:
+                        self._finish(consumer)
+                else:
+                    self._channels[consumer].close_producer()
+
+    # -- tasks --------------------------------------------------------------------------------
+    def _source_task(self, node: Node) -> None:
+        spec: Source = node.spec
+        st = self.stats.stages[node.step_id]
+        ctx = SourceContext(node.step_id, self.dead_letter.records)
+        part: SourcePartition | None = None
+        try:
+            part = spec.open(ctx)
+            self._pump(node, part, st)
+        except BaseException as exc:
+            self._errors.append(exc)
+            self._stop.set()
+        finally:
+            if part is not None:
+                part.close()
+            self._finish(node.step_id)
+
+    def _pump(self, node: Node, part: SourcePartition, st: StageStats) -> None:
+        opts = self.options
+        rate = opts.rate_events_per_s
+        max_rows = opts.source_batch_rows
+        if rate > 0:
+            max_rows = max(1, min(max_rows, int(rate * opts.paced_linger_ms / 1000)))
+        start = time.monotonic_ns()
+        sent = 0
+        while not self._stop.is_set():
+            t0 = time.perf_counter_ns()
+            batch = part.next_batch(max_rows)
+            st.busy_ns += time.perf_counter_ns() - t0
+            if batch is None:
+                return
+            n = batch.num_rows
+            if n and rate > 0:
+                period = 1e9 / rate
+                due = start + ((sent + np.arange(n, dtype=np.float64)) * period).astype(np.int64)
+                batch = batch.with_columns({INGEST_NS: due})
+                wait = (int(due[-1]) - time.monotonic_ns()) / 1e9
+                if wait > 0:
+                    self._stop.wait(wait)
+            sent += n
+            st.rows_out += n
+            st.batches += 1
+            self.stats.events_in += n
+            if n:
+                self._emit(node.step_id, "out", batch)
+
+    def _chain_task(self, sid: str) -> None:
+        ch = self._channels[sid]
+        try:
+            while (batch := ch.get()) is not None:
+                self._push(sid, batch)
+        except BaseException as exc:
+            self._errors.append(exc)
+            self._stop.set()
+            while ch.get() is not None:  # keep upstream from blocking forever
+                pass
+        finally:
+            self._finish(sid)
+
+    # -- control ------------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Stop reading sources; everything already read is processed and written (a drain)."""
+        self._stop.set()
+
+    @property
+    def errors(self) -> list[BaseException]:
+        """Fatal errors raised by tasks (operator errors on rows are dead letters, not these)."""
+        return list(self._errors)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def start(self) -> None:
+        self._build()
+        for batcher in self.batchers.values():
+            batcher.start()
+        for sid, node in self._nodes.items():
+            if node.kind == "source":
+                target: Callable[..., None] = self._source_task
+                args: tuple[Any, ...] = (node,)
+            elif not self._chained(sid):
+                target, args = self._chain_task, (sid,)
+            else:
+                continue
+            t = threading.Thread(target=target, args=args, name=f"aisp-{sid}", daemon=True)
+            self._threads.append(t)
+        self.stats.started_ns = time.monotonic_ns()
+        for t in self._threads:
+            t.start()
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Wait for the drain to finish; True when every task ended."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for t in self._threads:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            t.join(remaining)
+        done = not any(t.is_alive() for t in self._threads)
+        if done and self.stats.ended_ns is None:
+            self.stats.ended_ns = time.monotonic_ns()
+            for part in self._sink_parts:
+                part.close()
+            self.dead_letter.flush()
+        return done
+
+    def run(self) -> RunStats:
+        self.start()
+        self.join()
+        if self._errors:
+            err = self._errors[0]
+            if isinstance(err, AispError):
+                raise err
+            raise AispError(f"pipeline {self.graph.name!r} failed: {type(err).__name__}: {err}") from err
+        return self.stats

@@ -1,0 +1,71 @@
+"""The sink contract.
+
+A ``Sink`` is a config-only factory; ``Sink.open()`` returns a ``SinkPartition`` that owns the
+live writer. ``write(batch)`` is called from one thread at a time with batches in arrival order;
+``flush()`` makes everything written so far durable (called at drain and before checkpoints);
+``close()`` flushes and releases the writer.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import pyarrow as pa
+
+from aisp.batch import META_COLUMNS, Batch
+
+__all__ = ["RowEncoder", "Sink", "SinkPartition", "user_columns"]
+
+
+def user_columns(batch: Batch) -> list[str]:
+    return [c for c in batch.column_names if c not in META_COLUMNS]
+
+
+class RowEncoder:
+    """Encodes batches as JSON lines: one msgspec struct per row, one encode call per batch."""
+
+    def __init__(self, columns: Sequence[str] | None = None) -> None:
+        self._columns = list(columns) if columns is not None else None
+        self._struct: Any = None
+        self._struct_names: tuple[str, ...] = ()
+        self._encoder = msgspec.json.Encoder()
+
+    def encode(self, batch: Batch) -> bytes:
+        names = tuple(self._columns if self._columns is not None else user_columns(batch))
+        if names != self._struct_names:
+            self._struct = msgspec.defstruct("Row", list(names))
+            self._struct_names = names
+        cols = [_pylist(batch.column(n)) for n in names]
+        return self._encoder.encode_lines(list(map(self._struct, *cols)))
+
+
+def _pylist(col: pa.Array) -> list[Any]:
+    if pa.types.is_floating(col.type) or pa.types.is_integer(col.type) or pa.types.is_boolean(col.type):
+        if col.null_count == 0:
+            return col.to_numpy(zero_copy_only=False).tolist()  # type: ignore[no-any-return]
+    if isinstance(col, pa.FixedSizeListArray) and col.null_count == 0:
+        width = col.type.list_size
+        return col.flatten().to_numpy(zero_copy_only=False).reshape(-1, width).tolist()  # type: ignore[no-any-return]
+    return col.to_pylist()  # type: ignore[no-any-return]
+
+
+class SinkPartition(abc.ABC):
+    @abc.abstractmethod
+    def write(self, batch: Batch) -> None: ...
+
+    def flush(self) -> None:  # noqa: B027 - optional hook
+        """Make what was written durable."""
+
+    def close(self) -> None:
+        self.flush()
+
+
+class Sink(abc.ABC):
+    @abc.abstractmethod
+    def open(self) -> SinkPartition: ...
+
+    def describe(self) -> str:
+        return type(self).__name__

@@ -1,0 +1,80 @@
+"""The dead-letter sink: every event the pipeline could not process, with the step and the cause.
+
+Records are JSON lines ``{"step", "reason", ...}`` plus ``line`` and ``raw`` (the original line)
+for input that did not parse, or ``row`` (the event's columns) for rows an operator, the batcher
+or a model rejected. Writes are serialised by a lock: dead letters are rare and may come from any
+stage's thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+
+from aisp.batch import ID, Batch
+from aisp.sinks.base import user_columns
+
+__all__ = ["DeadLetterSink", "DeadLetterWriter"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeadLetterSink:
+    """Where dead letters go: a JSONL file, or ``None`` to only count them."""
+
+    path: str | None = None
+    keep_last: int = 1000
+
+    def open(self) -> DeadLetterWriter:
+        return DeadLetterWriter(self)
+
+
+class DeadLetterWriter:
+    """Thread-safe writer; ``count`` and ``by_reason`` feed the run summary."""
+
+    def __init__(self, cfg: DeadLetterSink) -> None:
+        self._lock = threading.Lock()
+        self._fh: IO[bytes] | None = Path(cfg.path).open("wb") if cfg.path else None  # noqa: SIM115
+        self._encoder = msgspec.json.Encoder()
+        self.count = 0
+        self.by_step: dict[str, int] = {}
+        self.recent: list[dict[str, Any]] = []
+        self._keep = cfg.keep_last
+
+    def records(self, records: Iterable[dict[str, Any]]) -> None:
+        recs = list(records)
+        if not recs:
+            return
+        data = self._encoder.encode_lines(recs)
+        with self._lock:
+            self.count += len(recs)
+            for r in recs:
+                step = str(r.get("step"))
+                self.by_step[step] = self.by_step.get(step, 0) + 1
+            self.recent = (self.recent + recs)[-self._keep :]
+            if self._fh is not None:
+                self._fh.write(data)
+
+    def rows(self, batch: Batch, step: str, reason: str) -> None:
+        """Dead-letter every row of ``batch`` with ``step`` and ``reason``."""
+        if not batch.num_rows:
+            return
+        cols = user_columns(batch)
+        rows = batch.select(cols).record_batch.to_pylist()
+        ids = batch.numpy(ID).tolist() if ID in batch else [None] * batch.num_rows
+        self.records({"id": i, "step": step, "reason": reason, "row": r} for i, r in zip(ids, rows, strict=True))
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None

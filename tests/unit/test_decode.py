@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+import numpy as np
+
+from aisp.ingest.decode import ColumnarDecoder
+
+
+class Ev(msgspec.Struct):
+    id: int
+    user: str
+    amount: float
+    f: Annotated[list[float], msgspec.Meta(min_length=3, max_length=3)]
+
+
+def test_fast_path_builds_typed_columns() -> None:
+    lines = [b'{"id":1,"user":"a","amount":2,"f":[1,2,3]}', b'{"id":2,"user":"b","amount":0.5,"f":[4,5,6]}']
+    d = ColumnarDecoder(Ev).decode(lines)
+    assert d.kept is None and not d.errors
+    assert d.columns["id"].to_pylist() == [1, 2]
+    assert d.columns["amount"].to_numpy().dtype == np.float64
+    assert d.columns["f"].flatten().to_pylist() == [1, 2, 3, 4, 5, 6]
+
+
+def test_each_bad_line_is_pinned_with_reason() -> None:
+    lines = [
+        b'{"id":1,"user":"a","amount":2,"f":[1,2,3]}',
+        b"not json",
+        b'{"id":2,"user":"b","f":[1,2,3]}',
+        b'{"id":3,"user":"c","amount":"x","f":[1,2,3]}',
+        b'{"id":4,"user":"d","amount":1,"f":[1,2]}',
+        b'{"id":5,"user":"e","amount":1e999,"f":[1,2,3]}',
+        b'{"id":true,"user":"e","amount":1,"f":[1,2,3]}',
+        b"",
+        b'{"id":8,"user":"h","amount":1,"f":[1,2,3]}',
+    ]
+    d = ColumnarDecoder(Ev).decode(lines)
+    assert d.kept is not None and d.kept.tolist() == [0, 8]
+    reasons = {e.index: e.reason for e in d.errors}
+    assert sorted(reasons) == [1, 2, 3, 4, 5, 6, 7]
+    assert "malformed" in reasons[1]
+    assert "missing required field `amount`" in reasons[2]
+    assert "Expected `float`, got `str`" in reasons[3]
+    assert "length >= 3" in reasons[4]
+    assert "out of range" in reasons[5]
+    assert "got `bool`" in reasons[6]
+    assert reasons[7] == "empty line"
+    assert d.columns["id"].to_pylist() == [1, 8]
+
+
+def test_ints_are_accepted_as_floats() -> None:
+    class F(msgspec.Struct):
+        x: float
+
+    d = ColumnarDecoder(F).decode([b'{"x": 1.5}', b'{"x": 2}'])
+    assert d.columns["x"].to_pylist() == [1.5, 2.0]
