@@ -55,9 +55,7 @@ def emit(batch: Batch) -> Batch:
 def build(events: int = 1_000_000, seed: int = 0, model: str | Path = MODEL) -> Pipeline:
     p = Pipeline("fraud", output_columns=OUTPUT_COLUMNS)
     src = p.source("events", WorkloadFSource(events=events, seed=seed), schema=Event)
-    stats = src.key_by("by_user", "user").running_stats(
-        "user_stats", "amount", count="n", mean="mean_amount"
-    )
+    stats = src.key_by("by_user", "user").running_stats("user_stats", "amount", count="n", mean="mean_amount")
     scored = stats.map_batch("features", features).infer(
         "score",
         OnnxRuntime(str(model), name="fraud"),

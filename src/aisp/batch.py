@@ -15,7 +15,7 @@ Numeric columns convert to numpy without a copy; operators work on whole columns
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -41,7 +41,7 @@ TIER = "_tier"
 DEADLINE_NS = "_deadline_ns"
 META_COLUMNS = (ID, INGEST_NS, KEY, TIER, DEADLINE_NS)
 
-ColumnLike = pa.Array | pa.ChunkedArray | np.ndarray | Sequence[Any]
+ColumnLike: TypeAlias = pa.Array | pa.ChunkedArray | npt.NDArray[Any] | Sequence[Any]
 
 
 def matrix_column(matrix: npt.NDArray[Any]) -> pa.FixedSizeListArray:
@@ -154,8 +154,10 @@ class Batch:
         if isinstance(col, pa.FixedSizeListArray):
             width = col.type.list_size
             flat = col.flatten()
-            return flat.to_numpy(zero_copy_only=False).reshape(len(col), width)
-        return col.to_numpy(zero_copy_only=False)
+            matrix: npt.NDArray[Any] = flat.to_numpy(zero_copy_only=False).reshape(len(col), width)
+            return matrix
+        arr: npt.NDArray[Any] = col.to_numpy(zero_copy_only=False)
+        return arr
 
     def pylist(self, name: str) -> list[Any]:
         return self.column(name).to_pylist()  # type: ignore[no-any-return]

@@ -35,10 +35,7 @@ def load_pipeline(path: str, **params: Any) -> Pipeline:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     build = getattr(module, "build", None)
-    if callable(build):
-        p = build(**params)
-    else:
-        p = getattr(module, "pipeline", None)
+    p = build(**params) if callable(build) else getattr(module, "pipeline", None)
     if not isinstance(p, Pipeline):
         raise typer.BadParameter(f"{path!r} defines neither build() -> Pipeline nor a `pipeline` object")
     return p
@@ -53,7 +50,9 @@ def run(
     rate: Annotated[float, typer.Option(help="Pace the source at N events/s, open loop (0: max).")] = 0.0,
     events: Annotated[int | None, typer.Option(help="Events for a generator source.")] = None,
     batch_rows: Annotated[int, typer.Option(help="Rows per source batch.")] = 512,
-    summary_json: Annotated[str | None, typer.Option("--summary-json", help="Write the summary here.")] = None,
+    summary_json: Annotated[
+        str | None, typer.Option("--summary-json", help="Write the summary here.")
+    ] = None,
     live: Annotated[bool | None, typer.Option("--live/--no-live", help="Live progress view.")] = None,
 ) -> None:
     """Run PIPELINE to the end of its input (Ctrl-C / SIGTERM drain cleanly)."""
@@ -101,7 +100,9 @@ def _bind(p: Pipeline, input: str | None, output: str | None) -> None:  # noqa: 
 
 
 @app.command()
-def topology(pipeline: Annotated[str, typer.Argument(help="Python file defining build() or `pipeline`.")]) -> None:
+def topology(
+    pipeline: Annotated[str, typer.Argument(help="Python file defining build() or `pipeline`.")],
+) -> None:
     """Print the DAG in topological order and its static end-to-end latency bound."""
     try:
         graph = load_pipeline(pipeline).build()

@@ -33,7 +33,7 @@ from aisp.infer.stage import InferSpec
 from aisp.ingest.base import Source
 from aisp.sinks.base import Sink
 from aisp.transform.operators import Filter, KeyBy, MapBatch, MapRows, Passthrough, Route
-from aisp.transform.stateful import RunningStats, Stateful, StateFn
+from aisp.transform.stateful import RunningStats, StateFn, Stateful
 
 __all__ = ["KeyedStream", "Pipeline", "Stream"]
 
@@ -64,7 +64,9 @@ class Pipeline:
     def union(self, step_id: str, *streams: Stream) -> Stream:
         """Merge several streams into one (rows keep their ids and ingest times)."""
         if len(streams) < 2:
-            raise GraphError(f"union {step_id!r} needs at least two streams, got {len(streams)}", step=step_id)
+            raise GraphError(
+                f"union {step_id!r} needs at least two streams, got {len(streams)}", step=step_id
+            )
         self.graph.add(
             Node(step_id=step_id, kind="union", spec=Passthrough(), inputs=tuple(s.ref for s in streams))
         )
@@ -88,7 +90,9 @@ class Pipeline:
             sinks = [n for n in self.graph.nodes if n.kind == "sink"]
             primary = [n for n in sinks if n.step_id == "out"] or sinks
             if len(primary) != 1:
-                raise GraphError(f"cannot bind an output: pipeline has {len(sinks)} sinks and none named 'out'")
+                raise GraphError(
+                    f"cannot bind an output: pipeline has {len(sinks)} sinks and none named 'out'"
+                )
             self.graph.replace(primary[0].step_id, spec=sink)
 
     def run(self, **options: Any) -> Any:
@@ -110,24 +114,43 @@ class Stream:
     def ref(self) -> str:
         return self.step_id if self.port == DEFAULT_PORT else f"{self.step_id}:{self.port}"
 
-    def _add(self, step_id: str, kind: str, spec: Any, budget: float, ports: tuple[str, ...] = (DEFAULT_PORT,)) -> Stream:
+    def _add(
+        self, step_id: str, kind: str, spec: Any, budget: float, ports: tuple[str, ...] = (DEFAULT_PORT,)
+    ) -> Stream:
         self.pipeline.graph.add(
-            Node(step_id=step_id, kind=kind, spec=spec, inputs=(self.ref,), ports=ports, latency_budget_ms=budget)
+            Node(
+                step_id=step_id,
+                kind=kind,
+                spec=spec,
+                inputs=(self.ref,),
+                ports=ports,
+                latency_budget_ms=budget,
+            )
         )
         return Stream(self.pipeline, step_id)
 
-    def map_batch(self, step_id: str, fn: Callable[[Batch], Batch], *, latency_budget_ms: float = 1.0) -> Stream:
+    def map_batch(
+        self, step_id: str, fn: Callable[[Batch], Batch], *, latency_budget_ms: float = 1.0
+    ) -> Stream:
         """Vectorised map: ``fn`` gets a whole ``Batch`` and returns one."""
         return self._add(step_id, "map_batch", MapBatch(fn), latency_budget_ms)
 
     def map(
-        self, step_id: str, fn: Callable[[dict[str, Any]], dict[str, Any] | None], *, latency_budget_ms: float = 5.0
+        self,
+        step_id: str,
+        fn: Callable[[dict[str, Any]], dict[str, Any] | None],
+        *,
+        latency_budget_ms: float = 5.0,
     ) -> Stream:
         """Per-row map (slower fallback): ``fn(row_dict) -> row_dict | None``."""
         return self._add(step_id, "map", MapRows(fn), latency_budget_ms)
 
     def filter(
-        self, step_id: str, predicate: Callable[[Batch], npt.NDArray[np.bool_] | Any], *, latency_budget_ms: float = 0.5
+        self,
+        step_id: str,
+        predicate: Callable[[Batch], npt.NDArray[np.bool_] | Any],
+        *,
+        latency_budget_ms: float = 0.5,
     ) -> Stream:
         """Keep rows where ``predicate(batch)`` (a boolean array) is true."""
         return self._add(step_id, "filter", Filter(predicate), latency_budget_ms)
@@ -148,7 +171,9 @@ class Stream:
         latency_budget_ms: float = 10.0,
     ) -> Stream:
         """Model call with dynamic batching: model input name -> column, model output name -> column."""
-        spec = InferSpec(runtime=runtime, inputs=dict(inputs), outputs=dict(outputs), batcher=batcher or BatcherConfig())
+        spec = InferSpec(
+            runtime=runtime, inputs=dict(inputs), outputs=dict(outputs), batcher=batcher or BatcherConfig()
+        )
         return self._add(step_id, "infer", spec, latency_budget_ms)
 
     def route(
@@ -168,7 +193,14 @@ class Stream:
 
     def sink(self, step_id: str, sink: Sink, *, latency_budget_ms: float = 2.0) -> None:
         self.pipeline.graph.add(
-            Node(step_id=step_id, kind="sink", spec=sink, inputs=(self.ref,), ports=(), latency_budget_ms=latency_budget_ms)
+            Node(
+                step_id=step_id,
+                kind="sink",
+                spec=sink,
+                inputs=(self.ref,),
+                ports=(),
+                latency_budget_ms=latency_budget_ms,
+            )
         )
 
 

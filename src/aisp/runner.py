@@ -149,4 +149,3 @@ def _install_signals(ex: LocalExecutor) -> Callable[[], None] | None:
             signal.signal(s, h)
 
     return restore
-

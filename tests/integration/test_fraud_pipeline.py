@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from benchmarks.workload import reference_outputs, write_events
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,8 +31,17 @@ def run_with_bad_lines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
     paths["summary"] = d / "s.json"
     write_events(paths["in"], 20_000, seed=7, bad_every=97)
     res = aisp(
-        "run", str(PIPELINE), "--input", str(paths["in"]), "--output", str(paths["out"]),
-        "--dead-letter", str(paths["dl"]), "--summary-json", str(paths["summary"]), "--no-live",
+        "run",
+        str(PIPELINE),
+        "--input",
+        str(paths["in"]),
+        "--output",
+        str(paths["out"]),
+        "--dead-letter",
+        str(paths["dl"]),
+        "--summary-json",
+        str(paths["summary"]),
+        "--no-live",
     )
     assert res.returncode == 0, res.stderr
     return paths
@@ -91,8 +99,20 @@ def test_sigterm_mid_run_drains_cleanly(tmp_path: Path) -> None:
     src, out, summary = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "s.json"
     write_events(src, 200_000, seed=3)
     cmd = [
-        sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--input", str(src), "--output", str(out),
-        "--summary-json", str(summary), "--rate", "20000", "--no-live",
+        sys.executable,
+        "-m",
+        "aisp.cli",
+        "run",
+        str(PIPELINE),
+        "--input",
+        str(src),
+        "--output",
+        str(out),
+        "--summary-json",
+        str(summary),
+        "--rate",
+        "20000",
+        "--no-live",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

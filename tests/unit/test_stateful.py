@@ -56,8 +56,8 @@ def test_running_stats_equal_sequential_reference(batches: list[list[tuple[str, 
         if not rows:
             continue
         b = Batch.from_columns({"user": [u for u, _ in rows], "amount": np.array([a for _, a in rows])})
-        (_, keyed), = key_op.process(b)
-        (_, out), = stats_op.process(keyed)
+        ((_, keyed),) = key_op.process(b)
+        ((_, out),) = stats_op.process(keyed)
         for (u, a), n, s, m in zip(rows, out.numpy("n"), out.numpy("s"), out.numpy("m"), strict=True):
             count[u] = count.get(u, 0) + 1
             total[u] = total.get(u, 0.0) + a

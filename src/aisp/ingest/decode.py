@@ -151,4 +151,3 @@ class ColumnarDecoder:
             for r in rows.tolist():
                 found.setdefault(r, f"non-finite number in field `{name}`")
         return sorted(found.items()) if found else None
-

@@ -232,7 +232,7 @@ class LocalExecutor:
         try:
             part = spec.open(ctx)
             self._pump(node, part, st)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by run() after the drain
             self._errors.append(exc)
             self._stop.set()
         finally:
@@ -274,7 +274,7 @@ class LocalExecutor:
         try:
             while (batch := ch.get()) is not None:
                 self._push(sid, batch)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by run() after the drain
             self._errors.append(exc)
             self._stop.set()
             while ch.get() is not None:  # keep upstream from blocking forever

@@ -43,9 +43,9 @@ class RowEncoder:
 
 
 def _pylist(col: pa.Array) -> list[Any]:
-    if pa.types.is_floating(col.type) or pa.types.is_integer(col.type) or pa.types.is_boolean(col.type):
-        if col.null_count == 0:
-            return col.to_numpy(zero_copy_only=False).tolist()  # type: ignore[no-any-return]
+    t = col.type
+    if (pa.types.is_floating(t) or pa.types.is_integer(t) or pa.types.is_boolean(t)) and col.null_count == 0:
+        return col.to_numpy(zero_copy_only=False).tolist()  # type: ignore[no-any-return]
     if isinstance(col, pa.FixedSizeListArray) and col.null_count == 0:
         width = col.type.list_size
         return col.flatten().to_numpy(zero_copy_only=False).reshape(-1, width).tolist()  # type: ignore[no-any-return]

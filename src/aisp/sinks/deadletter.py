@@ -66,7 +66,9 @@ class DeadLetterWriter:
         cols = user_columns(batch)
         rows = batch.select(cols).record_batch.to_pylist()
         ids = batch.numpy(ID).tolist() if ID in batch else [None] * batch.num_rows
-        self.records({"id": i, "step": step, "reason": reason, "row": r} for i, r in zip(ids, rows, strict=True))
+        self.records(
+            {"id": i, "step": step, "reason": reason, "row": r} for i, r in zip(ids, rows, strict=True)
+        )
 
     def flush(self) -> None:
         with self._lock:

@@ -50,7 +50,8 @@ class KeyIndex:
                 code = codes[value] = len(codes)
             mapping[i] = code
         indices = encoded.indices.to_numpy(zero_copy_only=False)
-        return mapping[indices]
+        out: npt.NDArray[np.int64] = mapping[indices]
+        return out
 
     def keys(self) -> list[Any]:
         return list(self._codes)

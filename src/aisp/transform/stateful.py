@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -46,7 +47,7 @@ class StateView:
         self._state = state
         self.codes = codes
 
-    def column(self, name: str) -> npt.NDArray[np.generic]:
+    def column(self, name: str) -> npt.NDArray[Any]:
         return self._state.column(name)
 
     def rounds(self) -> list[npt.NDArray[np.int64]]:
