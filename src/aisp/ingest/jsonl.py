@@ -6,7 +6,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, ClassVar
 
 import msgspec
 import numpy as np
@@ -30,6 +30,7 @@ class JsonlFileSource(Source):
     path: str
     schema: type[msgspec.Struct]
     read_block_bytes: int = 1 << 20
+    decode_heavy: ClassVar[bool] = True
 
     def open(self, ctx: SourceContext, resume_from: Any = None) -> SourcePartition:
         return _JsonlPartition(self, ctx, resume_from)

@@ -38,7 +38,8 @@ class LatencyHistogram:
     @staticmethod
     def _index(values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         v = np.clip(values, 0, (1 << _MAX_EXP) - 1).astype(np.int64)
-        exp = np.maximum(np.floor(np.log2(np.maximum(v, 1))).astype(np.int64) - 6, 0)
+        _, e = np.frexp(v.astype(np.float64))  # v = m * 2**e with m in [0.5, 1): floor(log2 v) = e - 1
+        exp = np.maximum(e.astype(np.int64) - 7, 0)
         big = v >= _LINEAR
         return np.where(big, _LINEAR + (exp - 1) * _HALF + ((v >> exp) - _HALF), v)
 
@@ -54,9 +55,9 @@ class LatencyHistogram:
         if values_ns.size == 0:
             return
         idx = self._index(values_ns)
-        add = np.bincount(idx, minlength=self._counts.shape[0])
+        add = np.bincount(idx)
         with self._lock:
-            self._counts += add
+            self._counts[: add.shape[0]] += add
             self.count += int(values_ns.size)
             self.max_ns = max(self.max_ns, int(values_ns.max()))
             self.sum_ns += int(values_ns.sum())

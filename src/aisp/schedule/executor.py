@@ -30,6 +30,7 @@ from aisp.graph import Graph, Node, split_ref
 from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.stage import InferSpec, build_batcher
 from aisp.ingest.base import Source, SourceContext, SourcePartition
+from aisp.ingest.process import ProcessSource
 from aisp.observe.stats import RunStats, StageStats
 from aisp.schedule.channel import Channel
 from aisp.sinks.base import Sink, SinkPartition
@@ -39,8 +40,8 @@ from aisp.transform.operators import Emit, Operator, OperatorContext
 
 __all__ = ["ExecutorOptions", "LocalExecutor"]
 
-CHAINABLE = frozenset({"map_batch", "map", "filter", "key_by", "stateful", "route", "union", "sink"})
-CHAIN_UPSTREAM = frozenset({"map_batch", "map", "filter", "key_by", "stateful", "route", "union"})
+CHAINABLE = frozenset({"map_batch", "map", "filter", "key_by", "stateful", "route", "union", "sink", "infer"})
+CHAIN_UPSTREAM = frozenset({"source", "map_batch", "map", "filter", "key_by", "stateful", "route", "union"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +52,14 @@ class ExecutorOptions:
     source_batch_rows: int = 512
     rate_events_per_s: float = 0.0
     paced_linger_ms: float = 1.0
+    offload_sources: bool = True
+
+    def batch_rows(self) -> int:
+        """Rows per source batch: when paced, about ``paced_linger_ms`` worth of arrivals."""
+        if self.rate_events_per_s > 0:
+            paced = int(self.rate_events_per_s * self.paced_linger_ms / 1000)
+            return max(1, min(self.source_batch_rows, paced))
+        return self.source_batch_rows
 
 
 class _SinkOp:
@@ -105,17 +114,29 @@ class LocalExecutor:
         self._threads: list[threading.Thread] = []
         self._key_indexes: dict[str, KeyIndex] = {}
         self._sink_parts: list[SinkPartition] = []
+        self._source_parts: dict[str, SourcePartition] = {}
         self.batchers: dict[str, DynamicBatcher] = {}
 
     # -- planning -----------------------------------------------------------------------------
     def _assign_tasks(self) -> dict[str, str]:
+        """Chain each step into its upstream's thread where that is safe and saves a hand-off.
+
+        Every Python stage holds the GIL, so a thread per stage buys no parallelism, only
+        switches; chains keep a batch in one thread from the source to the model, and from the
+        model's dispatcher thread to the sink. A step downstream of a model with several
+        instances gets its own task, since those dispatchers run concurrently.
+        """
         task_of: dict[str, str] = {}
         for sid, node in self._nodes.items():
             task_of[sid] = sid
-            if node.kind in CHAINABLE and len(node.inputs) == 1:
-                up, port = split_ref(node.inputs[0])
-                if self._nodes[up].kind in CHAIN_UPSTREAM and len(self._consumers[(up, port)]) == 1:
-                    task_of[sid] = task_of[up]
+            if node.kind not in CHAINABLE or len(node.inputs) != 1:
+                continue
+            up, port = split_ref(node.inputs[0])
+            up_node = self._nodes[up]
+            single = len(self._consumers[(up, port)]) == 1
+            after_model = up_node.kind == "infer" and up_node.spec.batcher.instances == 1
+            if single and (up_node.kind in CHAIN_UPSTREAM or after_model):
+                task_of[sid] = task_of[up]
         return task_of
 
     def _chained(self, step_id: str) -> bool:
@@ -224,28 +245,28 @@ class LocalExecutor:
                     self._channels[consumer].close_producer()
 
     # -- tasks --------------------------------------------------------------------------------
-    def _source_task(self, node: Node) -> None:
+    def _open_source(self, node: Node) -> SourcePartition:
         spec: Source = node.spec
+        if self.options.offload_sources and spec.decode_heavy:
+            spec = ProcessSource(inner=spec)
+        ctx = SourceContext(node.step_id, self.dead_letter.records, self.options.batch_rows())
+        return spec.open(ctx)
+
+    def _source_task(self, node: Node) -> None:
         st = self.stats.stages[node.step_id]
-        ctx = SourceContext(node.step_id, self.dead_letter.records)
-        part: SourcePartition | None = None
+        part = self._source_parts[node.step_id]
         try:
-            part = spec.open(ctx)
             self._pump(node, part, st)
         except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by run() after the drain
             self._errors.append(exc)
             self._stop.set()
         finally:
-            if part is not None:
-                part.close()
+            part.close()
             self._finish(node.step_id)
 
     def _pump(self, node: Node, part: SourcePartition, st: StageStats) -> None:
-        opts = self.options
-        rate = opts.rate_events_per_s
-        max_rows = opts.source_batch_rows
-        if rate > 0:
-            max_rows = max(1, min(max_rows, int(rate * opts.paced_linger_ms / 1000)))
+        rate = self.options.rate_events_per_s
+        max_rows = self.options.batch_rows()
         start = time.monotonic_ns()
         sent = 0
         while not self._stop.is_set():
@@ -297,7 +318,16 @@ class LocalExecutor:
         return self._stop.is_set()
 
     def start(self) -> None:
+        """Open sources (forking source processes while this is the only thread), then start."""
         self._build()
+        try:
+            for sid, node in self._nodes.items():
+                if node.kind == "source":
+                    self._source_parts[sid] = self._open_source(node)
+        except BaseException:
+            for part in self._source_parts.values():
+                part.close()
+            raise
         for batcher in self.batchers.values():
             batcher.start()
         for sid, node in self._nodes.items():

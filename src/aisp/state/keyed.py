@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
-import pyarrow.compute as pc
 
 __all__ = ["KeyIndex", "KeyedState"]
 
@@ -20,7 +19,8 @@ __all__ = ["KeyIndex", "KeyedState"]
 class KeyIndex:
     """Maps key values to dense int64 codes, assigning new codes in first-seen order.
 
-    Python work is per distinct key in a batch, not per row.
+    One dict lookup per row: measured faster than Arrow's dictionary_encode plus a lookup per
+    distinct key, because a batch of 512 rows rarely repeats a key.
 
     >>> idx = KeyIndex()
     >>> idx.encode(pa.array(["a", "b", "a"])).tolist()
@@ -40,18 +40,14 @@ class KeyIndex:
             keys = keys.combine_chunks()
         if keys.null_count:
             raise ValueError(f"key column has {keys.null_count} null value(s)")
-        encoded = pc.dictionary_encode(keys)
-        uniques = encoded.dictionary.to_pylist()
-        codes = self._codes
-        mapping = np.empty(len(uniques), dtype=np.int64)
-        for i, value in enumerate(uniques):
-            code = codes.get(value)
-            if code is None:
-                code = codes[value] = len(codes)
-            mapping[i] = code
-        indices = encoded.indices.to_numpy(zero_copy_only=False)
-        out: npt.NDArray[np.int64] = mapping[indices]
-        return out
+        values = keys.to_pylist()
+        get = self._codes.get
+        codes = [get(v, -1) for v in values]
+        if -1 in codes:
+            for i, v in enumerate(values):
+                if codes[i] < 0:
+                    codes[i] = self._codes.setdefault(v, len(self._codes))
+        return np.array(codes, dtype=np.int64)
 
     def keys(self) -> list[Any]:
         return list(self._codes)
