@@ -35,6 +35,7 @@ class RunOptions:
     handle_signals: bool = False
     summary_json: str | None = None
     offload_sources: bool = True
+    offload_sinks: bool = False
     tune_gc: bool = True
     on_progress: Callable[[LocalExecutor], None] | None = None
 
@@ -110,6 +111,7 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
             source_batch_rows=opts.batch_rows,
             rate_events_per_s=opts.rate_events_per_s,
             offload_sources=opts.offload_sources,
+            offload_sinks=opts.offload_sinks,
         ),
     )
     restore = _install_signals(ex) if opts.handle_signals else None

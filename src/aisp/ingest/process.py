@@ -15,7 +15,6 @@ record batch; ``D`` JSON dead-letter records; ``E`` end of input; ``X`` an error
 
 from __future__ import annotations
 
-import fcntl
 import gc
 import multiprocessing as mp
 import struct
@@ -30,10 +29,10 @@ import pyarrow as pa
 from aisp.batch import Batch
 from aisp.errors import SourceError
 from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
+from aisp.ipc import set_pipe_size
 
 __all__ = ["ProcessSource"]
 
-F_SETPIPE_SZ = 1031  # Linux fcntl: set pipe capacity
 _HEADER = struct.Struct("<I")
 
 
@@ -47,7 +46,7 @@ class ProcessSource(Source):
     """
 
     inner: Source
-    pipe_bytes: int = 4 << 20
+    pipe_bytes: int = 1 << 20
 
     def open(self, ctx: SourceContext, resume_from: Any = None) -> SourcePartition:
         if threading.active_count() > 1:
@@ -101,10 +100,7 @@ class _ParentPartition(SourcePartition):
         self._ctx = ctx
         ctx_mp = mp.get_context("fork")
         self._rx, tx = ctx_mp.Pipe(duplex=False)
-        try:
-            fcntl.fcntl(tx.fileno(), F_SETPIPE_SZ, cfg.pipe_bytes)
-        except OSError:
-            pass  # capacity is an optimisation; the default pipe still works
+        set_pipe_size(tx, cfg.pipe_bytes)
         self._proc = ctx_mp.Process(
             target=_child_main,
             args=(cfg, ctx.step_id, ctx.batch_rows, resume_from, tx),

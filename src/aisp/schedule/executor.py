@@ -15,6 +15,7 @@ batch's rows to the dead-letter sink with the step and the cause, and the pipeli
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from aisp.batch import INGEST_NS, Batch
 from aisp.errors import AispError
@@ -35,10 +37,13 @@ from aisp.observe.stats import RunStats, StageStats
 from aisp.schedule.channel import Channel
 from aisp.sinks.base import Sink, SinkPartition
 from aisp.sinks.deadletter import DeadLetterWriter
+from aisp.sinks.process import ProcessSink
 from aisp.state.keyed import KeyIndex
 from aisp.transform.operators import Emit, Operator, OperatorContext
 
 __all__ = ["ExecutorOptions", "LocalExecutor"]
+
+log = logging.getLogger("aisp.executor")
 
 CHAINABLE = frozenset({"map_batch", "map", "filter", "key_by", "stateful", "route", "union", "sink", "infer"})
 CHAIN_UPSTREAM = frozenset({"source", "map_batch", "map", "filter", "key_by", "stateful", "route", "union"})
@@ -53,6 +58,7 @@ class ExecutorOptions:
     rate_events_per_s: float = 0.0
     paced_linger_ms: float = 1.0
     offload_sources: bool = True
+    offload_sinks: bool = False
 
     def batch_rows(self) -> int:
         """Rows per source batch: when paced, about ``paced_linger_ms`` worth of arrivals."""
@@ -62,16 +68,36 @@ class ExecutorOptions:
         return self.source_batch_rows
 
 
+def _can_fork(step_id: str) -> bool:
+    """Process offload forks; that is only safe while this is the process's only thread."""
+    if threading.active_count() == 1:
+        return True
+    log.warning(
+        "step %r runs in-process: %d threads are already running, so forking a worker is unsafe",
+        step_id,
+        threading.active_count(),
+    )
+    return False
+
+
 class _SinkOp:
+    """Writes to a sink partition and records each row's end-to-end latency once written."""
+
     def __init__(self, part: SinkPartition, run: RunStats) -> None:
         self.part, self._run = part, run
+        if part.reports_written:
+            part.on_written = self._written
+
+    def _written(self, ingest_ns: npt.NDArray[np.int64], written_ns: int) -> None:
+        self._run.e2e.record(written_ns - ingest_ns)
+        self._run.events_out += ingest_ns.shape[0]
 
     def process(self, batch: Batch) -> Emit:
+        if not batch.num_rows:
+            return []
         self.part.write(batch)
-        if batch.num_rows:
-            now = time.monotonic_ns()
-            self._run.e2e.record(now - batch.numpy(INGEST_NS))
-            self._run.events_out += batch.num_rows
+        if not self.part.reports_written:
+            self._written(batch.numpy(INGEST_NS), time.monotonic_ns())
         return []
 
     def flush(self) -> Emit:
@@ -165,6 +191,8 @@ class LocalExecutor:
                 continue
             if node.kind == "sink":
                 spec: Sink = node.spec
+                if self.options.offload_sinks and spec.encode_heavy and _can_fork(sid):
+                    spec = ProcessSink(inner=spec)
                 part = spec.open()
                 self._sink_parts.append(part)
                 self._ops[sid] = _SinkOp(part, self.stats)
@@ -247,7 +275,7 @@ class LocalExecutor:
     # -- tasks --------------------------------------------------------------------------------
     def _open_source(self, node: Node) -> SourcePartition:
         spec: Source = node.spec
-        if self.options.offload_sources and spec.decode_heavy:
+        if self.options.offload_sources and spec.decode_heavy and _can_fork(node.step_id):
             spec = ProcessSource(inner=spec)
         ctx = SourceContext(node.step_id, self.dead_letter.records, self.options.batch_rows())
         return spec.open(ctx)

@@ -9,10 +9,12 @@ live writer. ``write(batch)`` is called from one thread at a time with batches i
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 
 from aisp.batch import META_COLUMNS, Batch
@@ -52,7 +54,20 @@ def _pylist(col: pa.Array) -> list[Any]:
     return col.to_pylist()  # type: ignore[no-any-return]
 
 
+WrittenFn = Callable[[npt.NDArray[np.int64], int], None]
+
+
 class SinkPartition(abc.ABC):
+    """The live writer of a sink.
+
+    A partition with ``reports_written`` calls ``on_written(ingest_ns, written_ns)`` itself when
+    rows are really written (e.g. by another process); for the others the engine reports a batch
+    as written when ``write`` returns.
+    """
+
+    reports_written: ClassVar[bool] = False
+    on_written: WrittenFn | None = None
+
     @abc.abstractmethod
     def write(self, batch: Batch) -> None: ...
 
@@ -64,6 +79,13 @@ class SinkPartition(abc.ABC):
 
 
 class Sink(abc.ABC):
+    """Config-only factory of ``SinkPartition``s.
+
+    ``encode_heavy`` sinks (JSON encoding) are run in a child process by the executor.
+    """
+
+    encode_heavy: ClassVar[bool] = False
+
     @abc.abstractmethod
     def open(self) -> SinkPartition: ...
 

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, ClassVar
 
 import msgspec
 
@@ -24,6 +24,7 @@ class JsonlFileSink(Sink):
     path: str
     columns: Sequence[str] | None = None
     buffer_bytes: int = 1 << 20
+    encode_heavy: ClassVar[bool] = True
 
     def open(self) -> SinkPartition:
         return _JsonlWriter(self)

@@ -1,0 +1,126 @@
+"""`make bench`: workload F through (a) the naive loop, (b) the hand-tuned loop, (c) `aisp run`.
+
+Every contender runs in its own process, one after another (never two at once), on the same
+JSONL file, ``--repeats`` times; the report gives the median events/s, its p99 latency and the
+peak RSS of the whole process tree (the engine's source process included), then the ratios c/a
+and c/b. A last run paces the engine open loop at 80% of its measured maximum and reports the
+end-to-end latency percentiles under that load.
+
+    python benchmarks/bench_fraud.py --events 1000000 --repeats 3 [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.workload import write_events  # noqa: E402
+
+MODEL = ROOT / "examples" / "fraud" / "model.onnx"
+PIPELINE = ROOT / "examples" / "fraud" / "pipeline.py"
+
+
+def run_tree(cmd: list[str]) -> tuple[str, float]:
+    """Run ``cmd``; return its stdout and the peak RSS (MB) of its process tree, sampled at 20 Hz."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    ps = psutil.Process(proc.pid)
+    peak = 0
+    while proc.poll() is None:
+        try:
+            tree = [ps, *ps.children(recursive=True)]
+            peak = max(peak, sum(p.memory_info().rss for p in tree))
+        except psutil.Error:
+            pass
+        time.sleep(0.05)
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[:4]} failed ({proc.returncode}): {err[-2000:]}")
+    return out, peak / 2**20
+
+
+def baseline(name: str, data: Path, out: Path) -> dict[str, Any]:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "baselines.py"), name, "--input", str(data)]
+    stdout, rss = run_tree([*cmd, "--output", str(out), "--model", str(MODEL)])
+    res = json.loads(stdout.strip().splitlines()[-1])
+    return {"events_per_s": res["events_per_s"], "p99_ms": res["p99_ms"], "rss_mb": rss}
+
+
+def engine(data: Path, out: Path, rate: float = 0.0) -> dict[str, Any]:
+    summary = out.with_suffix(".summary.json")
+    cmd = [sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--input", str(data), "--output", str(out)]
+    cmd += ["--summary-json", str(summary), "--no-live", "--rate", str(rate)]
+    _, rss = run_tree(cmd)
+    s = json.loads(summary.read_text())
+    return {
+        "events_per_s": s["events_per_s"],
+        "p99_ms": s["latency_ms"]["p99"],
+        "latency_ms": s["latency_ms"],
+        "rss_mb": rss,
+    }
+
+
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    best = sorted(runs, key=lambda r: r["events_per_s"])[len(runs) // 2]
+    return {**best, "all_events_per_s": [r["events_per_s"] for r in runs]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--events", type=int, default=1_000_000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-naive", action="store_true", help="skip (a); it takes ~1 min per 1M events")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="aisp-bench-"))
+    data = work / "events.jsonl"
+    write_events(data, args.events, seed=0)
+    out = work / "out.jsonl"
+    results: dict[str, Any] = {}
+    order = ([] if args.skip_naive else ["naive"]) + ["tuned", "aisp"]
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in order}
+    for i in range(args.repeats):
+        for name in order:
+            r = engine(data, out) if name == "aisp" else baseline(name, data, out)
+            runs[name].append(r)
+            print(
+                f"  run {i + 1} {name:6s} {r['events_per_s']:>12,.0f} ev/s  p99 {r['p99_ms']:8.2f} ms"
+                f"  rss {r['rss_mb']:6.0f} MB",
+                file=sys.stderr,
+            )
+    for name in order:
+        results[name] = median_of(runs[name])
+    c = results["aisp"]["events_per_s"]
+    results["ratio_c_b"] = round(c / results["tuned"]["events_per_s"], 2)
+    if "naive" in results:
+        results["ratio_c_a"] = round(c / results["naive"]["events_per_s"], 2)
+    rate = round(0.8 * c)
+    results["paced_80pct"] = {"rate": rate, **engine(data, out, rate=rate)}
+    results["machine"] = {
+        "cpus": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "events": args.events,
+    }
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

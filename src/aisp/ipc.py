@@ -1,0 +1,28 @@
+"""Inter-process plumbing shared by the process-offloaded sources and sinks."""
+
+from __future__ import annotations
+
+import fcntl
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+__all__ = ["set_pipe_size"]
+
+F_SETPIPE_SZ = 1031  # Linux fcntl: set a pipe's capacity
+F_GETPIPE_SZ = 1032
+
+
+def set_pipe_size(conn: Connection, size_bytes: int) -> int:
+    """Grow the pipe behind ``conn`` to ``size_bytes`` (capped by the system limit); returns the size.
+
+    Unprivileged processes may not exceed ``/proc/sys/fs/pipe-max-size``; the request is capped
+    there. A failure keeps the default size (64 KiB), which works, with less decoupling.
+    """
+    try:
+        limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+    except (OSError, ValueError):
+        limit = size_bytes
+    try:
+        return int(fcntl.fcntl(conn.fileno(), F_SETPIPE_SZ, min(size_bytes, limit)))
+    except OSError:
+        return int(fcntl.fcntl(conn.fileno(), F_GETPIPE_SZ))
