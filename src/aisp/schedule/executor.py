@@ -35,6 +35,7 @@ from aisp.ingest.base import Source, SourceContext, SourcePartition
 from aisp.ingest.process import ProcessSource
 from aisp.observe.stats import RunStats, StageStats
 from aisp.schedule.channel import Channel
+from aisp.schedule.pacing import Pacer
 from aisp.sinks.base import Sink, SinkPartition
 from aisp.sinks.deadletter import DeadLetterWriter
 from aisp.sinks.process import ProcessSink
@@ -59,13 +60,6 @@ class ExecutorOptions:
     paced_linger_ms: float = 1.0
     offload_sources: bool = True
     offload_sinks: bool = False
-
-    def batch_rows(self) -> int:
-        """Rows per source batch: when paced, about ``paced_linger_ms`` worth of arrivals."""
-        if self.rate_events_per_s > 0:
-            paced = int(self.rate_events_per_s * self.paced_linger_ms / 1000)
-            return max(1, min(self.source_batch_rows, paced))
-        return self.source_batch_rows
 
 
 def _can_fork(step_id: str) -> bool:
@@ -277,7 +271,7 @@ class LocalExecutor:
         spec: Source = node.spec
         if self.options.offload_sources and spec.decode_heavy and _can_fork(node.step_id):
             spec = ProcessSource(inner=spec)
-        ctx = SourceContext(node.step_id, self.dead_letter.records, self.options.batch_rows())
+        ctx = SourceContext(node.step_id, self.dead_letter.records, self.options.source_batch_rows)
         return spec.open(ctx)
 
     def _source_task(self, node: Node) -> None:
@@ -294,29 +288,33 @@ class LocalExecutor:
 
     def _pump(self, node: Node, part: SourcePartition, st: StageStats) -> None:
         rate = self.options.rate_events_per_s
-        max_rows = self.options.batch_rows()
-        start = time.monotonic_ns()
-        sent = 0
+        pacer: Pacer | None = None  # the schedule starts when the first rows are in hand
+        held: Batch | None = None
         while not self._stop.is_set():
-            t0 = time.perf_counter_ns()
-            batch = part.next_batch(max_rows)
-            st.busy_ns += time.perf_counter_ns() - t0
-            if batch is None:
-                return
-            n = batch.num_rows
-            if n and rate > 0:
-                period = 1e9 / rate
-                due = start + ((sent + np.arange(n, dtype=np.float64)) * period).astype(np.int64)
-                batch = batch.with_columns({INGEST_NS: due})
-                wait = (int(due[-1]) - time.monotonic_ns()) / 1e9
-                if wait > 0:
-                    self._stop.wait(wait)
-            sent += n
-            st.rows_out += n
+            if held is None or held.num_rows == 0:
+                t0 = time.perf_counter_ns()
+                held = part.next_batch(self.options.source_batch_rows)
+                st.busy_ns += time.perf_counter_ns() - t0
+                if held is None:
+                    return
+                if not held.num_rows:
+                    continue
+            if rate <= 0:
+                out, held = held, None
+            else:
+                if pacer is None:
+                    pacer = Pacer(rate, self.options.paced_linger_ms, time.monotonic_ns())
+                now = time.monotonic_ns()
+                n, wait_until = pacer.take(now, held.num_rows)
+                if n == 0:
+                    self._stop.wait((wait_until - now) / 1e9)
+                    continue
+                out, held = held.slice(0, n), held.slice(n)
+                out = out.with_columns({INGEST_NS: pacer.times(n)})
+            st.rows_out += out.num_rows
             st.batches += 1
-            self.stats.events_in += n
-            if n:
-                self._emit(node.step_id, "out", batch)
+            self.stats.events_in += out.num_rows
+            self._emit(node.step_id, "out", out)
 
     def _chain_task(self, sid: str) -> None:
         ch = self._channels[sid]
