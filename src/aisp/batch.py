@@ -148,14 +148,17 @@ class Batch:
     def numpy(self, name: str) -> npt.NDArray[Any]:
         """Column ``name`` as numpy: zero-copy for numeric columns without nulls.
 
-        A fixed-size-list column comes back as a 2-D ``(rows, width)`` array.
+        A fixed-size-list column comes back as a 2-D ``(rows, width)`` array, also without a copy.
         """
         col = self.column(name)
-        if isinstance(col, pa.FixedSizeListArray):
+        if isinstance(col, pa.FixedSizeListArray) and col.null_count == 0:
             width = col.type.list_size
-            flat = col.flatten()
-            matrix: npt.NDArray[Any] = flat.to_numpy(zero_copy_only=False).reshape(len(col), width)
-            return matrix
+            values: npt.NDArray[Any] = col.values.to_numpy(zero_copy_only=False)
+            start = col.offset * width
+            return values[start : start + len(col) * width].reshape(len(col), width)
+        if isinstance(col, pa.FixedSizeListArray):
+            flat: npt.NDArray[Any] = col.flatten().to_numpy(zero_copy_only=False)
+            return flat.reshape(len(col), col.type.list_size)
         arr: npt.NDArray[Any] = col.to_numpy(zero_copy_only=False)
         return arr
 

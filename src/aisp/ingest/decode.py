@@ -23,7 +23,7 @@ from aisp.batch import matrix_column
 
 __all__ = ["ColumnarDecoder", "DecodeError", "Decoded"]
 
-Converter = Callable[[list[Any]], pa.Array]
+Converter = Callable[[Sequence[Any]], pa.Array]
 
 
 @dataclass(frozen=True)
@@ -43,16 +43,20 @@ class Decoded:
     errors: list[DecodeError]
 
 
-def _converter(t: msgspec.inspect.Type) -> tuple[Converter, bool]:
-    """Column builder for one field type, and whether its values need a finiteness check."""
+def _converter(t: msgspec.inspect.Type) -> Converter:
+    """Column builder for one field type.
+
+    Floats need no finiteness check: msgspec rejects NaN/Infinity literals (not JSON) and
+    numbers beyond the float64 range ("Number out of range"), and columns stay float64.
+    """
     if isinstance(t, msgspec.inspect.IntType):
-        return (lambda v: pa.array(np.array(v, dtype=np.int64))), False
+        return lambda v: pa.array(np.array(v, dtype=np.int64))
     if isinstance(t, msgspec.inspect.FloatType):
-        return (lambda v: pa.array(np.array(v, dtype=np.float64))), True
+        return lambda v: pa.array(np.array(v, dtype=np.float64))
     if isinstance(t, msgspec.inspect.BoolType):
-        return (lambda v: pa.array(np.array(v, dtype=np.bool_))), False
+        return lambda v: pa.array(np.array(v, dtype=np.bool_))
     if isinstance(t, msgspec.inspect.StrType):
-        return (lambda v: pa.array(v, type=pa.string())), False
+        return lambda v: pa.array(v, type=pa.string())
     if (
         isinstance(t, msgspec.inspect.ListType)
         and isinstance(t.item_type, msgspec.inspect.FloatType | msgspec.inspect.IntType)
@@ -62,12 +66,12 @@ def _converter(t: msgspec.inspect.Type) -> tuple[Converter, bool]:
         width = t.min_length
         dtype = np.float64 if isinstance(t.item_type, msgspec.inspect.FloatType) else np.int64
 
-        def fixed(v: list[Any]) -> pa.Array:
+        def fixed(v: Sequence[Any]) -> pa.Array:
             flat = np.fromiter(chain.from_iterable(v), dtype=dtype, count=len(v) * width)
             return matrix_column(flat.reshape(len(v), width))
 
-        return fixed, True
-    return (lambda v: pa.array(v)), False
+        return fixed
+    return lambda v: pa.array(v)
 
 
 class ColumnarDecoder:
@@ -86,9 +90,7 @@ class ColumnarDecoder:
         assert isinstance(info, msgspec.inspect.StructType)
         self.schema = schema
         self.fields = [f.name for f in info.fields]
-        built = [_converter(f.type) for f in info.fields]
-        self._converters = [c for c, _ in built]
-        self._check_finite = [name for name, (_, fin) in zip(self.fields, built, strict=True) if fin]
+        self._converters = [_converter(f.type) for f in info.fields]
         self._many = msgspec.json.Decoder(list[schema])  # type: ignore[valid-type]
         self._one = msgspec.json.Decoder(schema)
         self._getter = attrgetter(*self.fields)
@@ -100,17 +102,7 @@ class ColumnarDecoder:
             errors: list[DecodeError] = []
         except (msgspec.DecodeError, msgspec.ValidationError):
             items, kept, errors = self._decode_each(lines)
-        columns = self._columns(items)
-        bad = self._non_finite(columns)
-        if bad is not None:
-            idx = kept if kept is not None else np.arange(len(lines))
-            errors.extend(DecodeError(int(idx[i]), reason) for i, reason in bad)
-            errors.sort(key=lambda e: e.index)
-            mask = np.ones(len(idx), dtype=bool)
-            mask[[i for i, _ in bad]] = False
-            kept = idx[mask]
-            columns = {k: v.filter(pa.array(mask)) for k, v in columns.items()}
-        return Decoded(columns, kept, errors)
+        return Decoded(self._columns(items), kept, errors)
 
     def _decode_each(self, lines: Sequence[bytes]) -> tuple[list[Any], np.ndarray, list[DecodeError]]:
         items: list[Any] = []
@@ -129,27 +121,11 @@ class ColumnarDecoder:
 
     def _columns(self, items: list[Any]) -> dict[str, pa.Array]:
         if not items:
-            values: list[Any] = [[] for _ in self.fields]
+            values: list[Sequence[Any]] = [[] for _ in self.fields]
         elif len(self.fields) == 1:
             values = [[self._getter(x) for x in items]]
         else:
-            values = [list(col) for col in zip(*map(self._getter, items), strict=True)]
+            values = list(zip(*map(self._getter, items), strict=True))
         return {
             name: conv(vals) for name, conv, vals in zip(self.fields, self._converters, values, strict=True)
         }
-
-    def _non_finite(self, columns: dict[str, pa.Array]) -> list[tuple[int, str]] | None:
-        """Rows with a non-finite number (possible after float narrowing), or None when all finite."""
-        found: dict[int, str] = {}
-        for name in self._check_finite:
-            col = columns[name]
-            arr = col.flatten() if isinstance(col, pa.FixedSizeListArray) else col
-            vals = arr.to_numpy(zero_copy_only=False)
-            ok = np.isfinite(vals)
-            if ok.all():
-                continue
-            width = col.type.list_size if isinstance(col, pa.FixedSizeListArray) else 1
-            rows = np.flatnonzero(~ok.reshape(-1, width).all(axis=1))
-            for r in rows.tolist():
-                found.setdefault(r, f"non-finite number in field `{name}`")
-        return sorted(found.items()) if found else None

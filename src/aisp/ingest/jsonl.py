@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
@@ -50,31 +49,36 @@ class _JsonlPartition(SourcePartition):
         if resume_from:
             self._offset, self._line = int(resume_from["offset"]), int(resume_from["line"])
             self._fh.seek(self._offset)
-        self._pending: deque[bytes] = deque()
+        self._lines: list[bytes] = []
+        self._next_line = 0
         self._tail = b""
         self._eof = False
         self._decoder = ColumnarDecoder(cfg.schema)
         self._next_id = self._line
 
     def _fill(self, want: int) -> None:
-        while len(self._pending) < want and not self._eof:
+        """Read blocks until ``want`` lines are buffered or the file ends."""
+        while len(self._lines) - self._next_line < want and not self._eof:
             block = self._fh.read(self._cfg.read_block_bytes)
+            rest = self._lines[self._next_line :]
+            self._next_line = 0
             if not block:
                 self._eof = True
-                if self._tail:
-                    self._pending.append(self._tail)
-                    self._tail = b""
+                self._lines = [*rest, self._tail] if self._tail else rest
+                self._tail = b""
                 break
             parts = (self._tail + block).split(b"\n")
             self._tail = parts.pop()
-            self._pending.extend(parts)
+            self._lines = rest + parts if rest else parts
 
     def next_batch(self, max_rows: int) -> Batch | None:
         self._fill(max_rows)
-        if not self._pending:
+        start = self._next_line
+        take = min(max_rows, len(self._lines) - start)
+        if take <= 0:
             return None
-        take = min(max_rows, len(self._pending))
-        lines = [self._pending.popleft() for _ in range(take)]
+        lines = self._lines[start : start + take]
+        self._next_line = start + take
         first = self._line + 1
         self._line += take
         self._offset += sum(map(len, lines)) + take

@@ -28,12 +28,46 @@ class LatencyHistogram:
     (2.0, 3)
     """
 
+    _PENDING = 16384  # raw values buffered before they are folded into buckets
+
     def __init__(self) -> None:
         self._counts = np.zeros(_BUCKETS, dtype=np.int64)
         self._lock = threading.Lock()
-        self.count = 0
-        self.max_ns = 0
-        self.sum_ns = 0
+        self._pending = np.empty(self._PENDING, dtype=np.int64)
+        self._npending = 0
+        self._count = 0
+        self._max_ns = 0
+        self._sum_ns = 0
+
+    @property
+    def count(self) -> int:
+        with self._lock:
+            return self._count + self._npending
+
+    @property
+    def max_ns(self) -> int:
+        with self._lock:
+            self._fold()
+            return self._max_ns
+
+    @property
+    def sum_ns(self) -> int:
+        with self._lock:
+            self._fold()
+            return self._sum_ns
+
+    def _fold(self) -> None:
+        """Under the lock: move buffered raw values into the buckets."""
+        n = self._npending
+        if not n:
+            return
+        values = self._pending[:n]
+        add = np.bincount(self._index(values))
+        self._counts[: add.shape[0]] += add
+        self._count += n
+        self._max_ns = max(self._max_ns, int(values.max()))
+        self._sum_ns += int(values.sum())
+        self._npending = 0
 
     @staticmethod
     def _index(values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
@@ -52,46 +86,54 @@ class LatencyHistogram:
         return np.where(big, mid, index.astype(np.float64))
 
     def record(self, values_ns: npt.NDArray[np.int64]) -> None:
-        if values_ns.size == 0:
+        """Add latencies; cost is a copy into a buffer, bucketing happens once per 16k values."""
+        n = values_ns.shape[0]
+        if n == 0:
             return
-        idx = self._index(values_ns)
-        add = np.bincount(idx)
         with self._lock:
-            self._counts[: add.shape[0]] += add
-            self.count += int(values_ns.size)
-            self.max_ns = max(self.max_ns, int(values_ns.max()))
-            self.sum_ns += int(values_ns.sum())
+            if self._npending + n > self._PENDING:
+                self._fold()
+            if n > self._PENDING:
+                self._pending = np.empty(n, dtype=np.int64)
+            self._pending[self._npending : self._npending + n] = values_ns
+            self._npending += n
 
     def merge(self, other: LatencyHistogram) -> None:
+        snap = other.snapshot()
         with self._lock:
-            self._counts += other._counts
-            self.count += other.count
-            self.max_ns = max(self.max_ns, other.max_ns)
-            self.sum_ns += other.sum_ns
+            self._fold()
+            self._counts += snap._counts
+            self._count += snap._count
+            self._max_ns = max(self._max_ns, snap._max_ns)
+            self._sum_ns += snap._sum_ns
 
     def percentile(self, q: float) -> float:
         """The ``q``-th percentile in nanoseconds (0 when empty); ``q=100`` is the exact max."""
-        if self.count == 0:
+        with self._lock:
+            self._fold()
+            count, max_ns, counts = self._count, self._max_ns, self._counts.copy()
+        if count == 0:
             return 0.0
         if q >= 100:
-            return float(self.max_ns)
-        rank = max(1, int(np.ceil(self.count * q / 100.0)))
-        cum = np.cumsum(self._counts)
-        i = int(np.searchsorted(cum, rank))
-        return float(min(self._value(np.array([i]))[0], self.max_ns))
+            return float(max_ns)
+        rank = max(1, int(np.ceil(count * q / 100.0)))
+        i = int(np.searchsorted(np.cumsum(counts), rank))
+        return float(min(self._value(np.array([i]))[0], max_ns))
 
     def summary_ms(self) -> dict[str, float]:
+        count, total = self.count, self.sum_ns
         return {
             "p50": round(self.percentile(50) / 1e6, 3),
             "p99": round(self.percentile(99) / 1e6, 3),
             "p999": round(self.percentile(99.9) / 1e6, 3),
             "max": round(self.max_ns / 1e6, 3),
-            "mean": round(self.sum_ns / self.count / 1e6, 3) if self.count else 0.0,
+            "mean": round(total / count / 1e6, 3) if count else 0.0,
         }
 
     def snapshot(self) -> LatencyHistogram:
         h = LatencyHistogram()
         with self._lock:
+            self._fold()
             h._counts = self._counts.copy()
-            h.count, h.max_ns, h.sum_ns = self.count, self.max_ns, self.sum_ns
+            h._count, h._max_ns, h._sum_ns = self._count, self._max_ns, self._sum_ns
         return h
