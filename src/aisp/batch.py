@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
+import numpy.ma  # noqa: F401 - pyarrow imports it lazily on its first numpy conversion (~60 ms)
 import numpy.typing as npt
 import pyarrow as pa
 
