@@ -6,16 +6,19 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test check fmt lint types bench clean
 
+# uv installs in seconds; plain pip is the fallback when uv cannot be had.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check "uv>=0.4,<1" \
+	( $(BIN)/python -m pip install --quiet --disable-pip-version-check "uv>=0.4,<1" \
+	  && $(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[dev]' ) \
 	  || $(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
-	test -x $(BIN)/uv && $(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[dev]' || true
 	$(BIN)/python -c "import aisp, onnxruntime, pytest, hypothesis"
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/aisp run examples/fraud/pipeline.py --events 2000000 --rate 0 --output /dev/null
+	mkdir -p out
+	$(BIN)/aisp run examples/fraud/pipeline.py --events 2000000 --live \
+	  --output out/fraud-scores.jsonl --dead-letter out/dead-letters.jsonl --summary-json out/summary.json
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

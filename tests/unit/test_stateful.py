@@ -64,3 +64,37 @@ def test_running_stats_equal_sequential_reference(batches: list[list[tuple[str, 
             assert n == count[u]
             assert s == total[u]  # bit-exact: same order of float additions
             assert m == total[u] / count[u]
+
+
+key_values = st.one_of(
+    st.text(max_size=3),  # packs (UTF-8 up to 7 bytes... mostly)
+    st.text(min_size=8, max_size=12),  # too long: dict path
+)
+
+
+@given(st.lists(st.lists(key_values, max_size=30), max_size=8))
+def test_key_index_matches_a_dict_reference(batches: list[list[str]]) -> None:
+    idx = KeyIndex()
+    ref: dict[str, int] = {}
+    for batch in batches:
+        codes = idx.encode(pa.array(batch, type=pa.string())).tolist()
+        assert codes == [ref.setdefault(k, len(ref)) for k in batch]
+        assert len(idx) == len(ref)
+    assert idx.keys() == list(ref)
+
+
+@given(st.lists(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=30), max_size=8))
+def test_integer_keys_are_packed_exactly(batches: list[list[int]]) -> None:
+    idx = KeyIndex()
+    ref: dict[int, int] = {}
+    for batch in batches:
+        codes = idx.encode(pa.array(batch, type=pa.int64())).tolist()
+        assert codes == [ref.setdefault(k, len(ref)) for k in batch]
+    assert idx.keys() == list(ref)
+
+
+def test_sliced_string_columns_pack_correctly() -> None:
+    arr = pa.array(["zz", "a", "bb", "a", "ccc"]).slice(1, 3)
+    idx = KeyIndex()
+    assert idx.encode(arr).tolist() == [0, 1, 0]
+    assert idx.keys() == ["a", "bb"]
