@@ -81,6 +81,8 @@ def run(
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
     lat = summary.latency_ms
+    if show_live:
+        err.print()
     err.print(
         f"[bold]{summary.pipeline}[/bold]: {summary.events_in:,} in, {summary.events_out:,} out, "
         f"{summary.dead_letters:,} dead letters in {summary.seconds:.2f} s "

@@ -129,3 +129,15 @@ def test_sigterm_mid_run_drains_cleanly(tmp_path: Path) -> None:
     assert len(rows) == s["events_out"] == s["events_in"], "an accepted event was lost in the drain"
     ids = [json.loads(r)["id"] for r in rows]
     assert len(set(ids)) == len(ids)
+
+
+def test_memory_stays_bounded_on_a_large_file(tmp_path: Path) -> None:
+    """The file is streamed, never loaded whole: the process tree stays far below the file size."""
+    from benchmarks.bench_fraud import run_tree
+
+    src = tmp_path / "in.jsonl"
+    write_events(src, 400_000, seed=5)
+    cmd = [sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--input", str(src), "--output", "null:", "--no-live"]
+    _, peak_mb = run_tree(cmd)
+    assert src.stat().st_size > 70 * 2**20
+    assert peak_mb < 400, f"peak RSS of the process tree {peak_mb:.0f} MB"
