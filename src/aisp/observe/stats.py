@@ -40,7 +40,11 @@ class StageStats:
 
 @dataclass
 class RunStats:
-    """Whole-run counters: events in/out, dead letters, end-to-end latency."""
+    """Whole-run counters: events in/out, dead letters, end-to-end latency.
+
+    ``events_in`` counts every record read, including those dead-lettered by the source's
+    decoder; ``events_out`` counts rows written by sinks.
+    """
 
     started_ns: int = field(default_factory=time.monotonic_ns)
     ended_ns: int | None = None

@@ -31,7 +31,7 @@ from aisp.errors import AispError
 from aisp.graph import Graph, Node, split_ref
 from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.stage import InferSpec, build_batcher
-from aisp.ingest.base import Source, SourceContext, SourcePartition
+from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
 from aisp.ingest.process import ProcessSource
 from aisp.observe.stats import RunStats, StageStats
 from aisp.schedule.channel import Channel
@@ -271,8 +271,13 @@ class LocalExecutor:
         spec: Source = node.spec
         if self.options.offload_sources and spec.decode_heavy and _can_fork(node.step_id):
             spec = ProcessSource(inner=spec)
-        ctx = SourceContext(node.step_id, self.dead_letter.records, self.options.source_batch_rows)
+        ctx = SourceContext(node.step_id, self._source_dead_letters, self.options.source_batch_rows)
         return spec.open(ctx)
+
+    def _source_dead_letters(self, records: list[DeadLetterRecord]) -> None:
+        """Input a source could not decode: counted as read (``events_in``) and dead-lettered."""
+        self.stats.events_in += len(records)
+        self.dead_letter.records(records)
 
     def _source_task(self, node: Node) -> None:
         st = self.stats.stages[node.step_id]
