@@ -39,10 +39,10 @@ import numpy as np
 import onnxruntime as ort
 import orjson
 
-N_F = 16
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.workload import INT64_MAX, INT64_MIN, N_F, finite_numbers, is_valid_event  # noqa: E402
+
 ALERT_THRESHOLD = 0.9
-INT64_MIN = -(2**63)
-INT64_MAX = 2**63 - 1
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "examples" / "fraud" / "model.onnx"
 _NL = orjson.OPT_APPEND_NEWLINE
 
@@ -56,40 +56,7 @@ def make_session(model_path: str | Path) -> ort.InferenceSession:
     return ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
 
 
-def _is_int64(x: Any) -> bool:
-    return type(x) is int and INT64_MIN <= x <= INT64_MAX
-
-
-def _is_finite_number(x: Any) -> bool:
-    t = type(x)
-    if t is float:
-        return math.isfinite(x)
-    if t is int:
-        try:
-            return math.isfinite(float(x))
-        except OverflowError:
-            return False
-    return False
-
-
-def _finite_numbers(values: list[Any]) -> bool:
-    return all(_is_finite_number(v) for v in values)
-
-
-def is_valid(ev: Any) -> bool:
-    """The workload-F validity rules, checked exactly on a parsed event."""
-    if type(ev) is not dict:
-        return False
-    f = ev.get("f")
-    return (
-        _is_int64(ev.get("id"))
-        and type(ev.get("user")) is str
-        and _is_finite_number(ev.get("amount"))
-        and _is_int64(ev.get("ts"))
-        and type(f) is list
-        and len(f) == N_F
-        and _finite_numbers(f)
-    )
+is_valid = is_valid_event
 
 
 def _peak_rss_mb() -> float:
@@ -204,7 +171,7 @@ def run_tuned(
                     and INT64_MIN <= i <= INT64_MAX
                     and INT64_MIN <= ts <= INT64_MAX
                     # numpy turns bools into numbers: lines with true/false are checked exactly
-                    and ((b"true" not in raw and b"false" not in raw) or _finite_numbers(f))
+                    and ((b"true" not in raw and b"false" not in raw) or finite_numbers(f))
                 ):
                     rows.append((i, user, a, f))
                 else:
@@ -218,7 +185,7 @@ def run_tuned(
             except (ValueError, TypeError):
                 kind = "?"
             if kind not in "fi":  # a str, null or nested value somewhere in f: exact path
-                keep = [_finite_numbers(r[3]) for r in rows]
+                keep = [finite_numbers(r[3]) for r in rows]
                 invalid += keep.count(False)
                 rows = [r for r, ok in zip(rows, keep, strict=True) if ok]
                 if not rows:

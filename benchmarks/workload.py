@@ -222,26 +222,33 @@ def _is_finite_number(x: Any) -> bool:
     return False
 
 
-def parse_valid(line: str | bytes) -> dict[str, Any] | None:
-    """Parse one line with ``json.loads``; return the event if it is valid, else ``None``."""
-    try:
-        ev = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(ev, dict):
-        return None
+def finite_numbers(values: list[Any]) -> bool:
+    return all(_is_finite_number(v) for v in values)
+
+
+def is_valid_event(ev: Any) -> bool:
+    """The workload-F validity rules, checked exactly on a parsed event."""
+    if type(ev) is not dict:
+        return False
     f = ev.get("f")
-    if not (
+    return (
         _is_int64(ev.get("id"))
         and type(ev.get("user")) is str
         and _is_finite_number(ev.get("amount"))
         and _is_int64(ev.get("ts"))
         and type(f) is list
         and len(f) == N_F
-        and all(_is_finite_number(v) for v in f)
-    ):
+        and finite_numbers(f)
+    )
+
+
+def parse_valid(line: str | bytes) -> dict[str, Any] | None:
+    """Parse one line with ``json.loads``; return the event if it is valid, else ``None``."""
+    try:
+        ev = json.loads(line)
+    except ValueError:
         return None
-    return ev
+    return ev if is_valid_event(ev) else None
 
 
 def reference_outputs(path: str | Path, model_path: str | Path) -> dict[int, dict[str, Any]]:

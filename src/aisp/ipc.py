@@ -6,7 +6,7 @@ import fcntl
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-__all__ = ["set_pipe_size"]
+__all__ = ["report_error", "set_pipe_size"]
 
 F_SETPIPE_SZ = 1031  # Linux fcntl: set a pipe's capacity
 F_GETPIPE_SZ = 1032
@@ -26,3 +26,11 @@ def set_pipe_size(conn: Connection, size_bytes: int) -> int:
         return int(fcntl.fcntl(conn.fileno(), F_SETPIPE_SZ, min(size_bytes, limit)))
     except OSError:
         return int(fcntl.fcntl(conn.fileno(), F_GETPIPE_SZ))
+
+
+def report_error(conn: Connection, exc: BaseException) -> None:
+    """From a worker process: send ``X`` + the error to the parent, if it still listens."""
+    try:
+        conn.send_bytes(b"X" + f"{type(exc).__name__}: {exc}".encode())
+    except OSError:
+        pass

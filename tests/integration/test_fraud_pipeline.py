@@ -18,9 +18,28 @@ PIPELINE = ROOT / "examples" / "fraud" / "pipeline.py"
 MODEL = ROOT / "examples" / "fraud" / "model.onnx"
 
 
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+
+
+def fraud_cmd(src: Path, output: str, *extra: str) -> list[str]:
+    """``aisp run`` on the fraud example, as a command line."""
+    return [
+        sys.executable,
+        "-m",
+        "aisp.cli",
+        "run",
+        str(PIPELINE),
+        "--input",
+        str(src),
+        "--output",
+        output,
+        *extra,
+    ]
+
+
 def aisp(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "aisp.cli", *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = ENV
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False, **kw)  # type: ignore[call-overload]
 
 
@@ -98,24 +117,8 @@ def test_topology_prints_dag_and_bound() -> None:
 def test_sigterm_mid_run_drains_cleanly(tmp_path: Path) -> None:
     src, out, summary = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "s.json"
     write_events(src, 200_000, seed=3)
-    cmd = [
-        sys.executable,
-        "-m",
-        "aisp.cli",
-        "run",
-        str(PIPELINE),
-        "--input",
-        str(src),
-        "--output",
-        str(out),
-        "--summary-json",
-        str(summary),
-        "--rate",
-        "20000",
-        "--no-live",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = fraud_cmd(src, str(out), "--summary-json", str(summary), "--rate", "20000", "--no-live")
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (not out.exists() or out.stat().st_size < 200_000):
         time.sleep(0.05)
@@ -137,18 +140,7 @@ def test_memory_stays_bounded_on_a_large_file(tmp_path: Path) -> None:
 
     src = tmp_path / "in.jsonl"
     write_events(src, 400_000, seed=5)
-    cmd = [
-        sys.executable,
-        "-m",
-        "aisp.cli",
-        "run",
-        str(PIPELINE),
-        "--input",
-        str(src),
-        "--output",
-        "null:",
-        "--no-live",
-    ]
+    cmd = fraud_cmd(src, "null:", "--no-live")
     _, peak_mb = run_tree(cmd)
     assert src.stat().st_size > 70 * 2**20
     assert peak_mb < 400, f"peak RSS of the process tree {peak_mb:.0f} MB"

@@ -29,7 +29,7 @@ import pyarrow as pa
 from aisp.batch import Batch
 from aisp.errors import SourceError
 from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
-from aisp.ipc import set_pipe_size
+from aisp.ipc import report_error, set_pipe_size
 
 __all__ = ["ProcessSource"]
 
@@ -85,10 +85,7 @@ def _child_main(
     except (BrokenPipeError, ConnectionResetError):
         return  # the parent stopped reading: a stop, not an error
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
-        try:
-            conn.send_bytes(b"X" + f"{type(exc).__name__}: {exc}".encode())
-        except OSError:
-            pass
+        report_error(conn, exc)
     finally:
         if part is not None:
             part.close()

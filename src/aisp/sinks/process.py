@@ -30,7 +30,7 @@ import pyarrow as pa
 
 from aisp.batch import INGEST_NS, Batch
 from aisp.errors import SinkError
-from aisp.ipc import set_pipe_size
+from aisp.ipc import report_error, set_pipe_size
 from aisp.sinks.base import Sink, SinkPartition
 
 __all__ = ["ProcessSink"]
@@ -83,10 +83,7 @@ def _child_main(cfg: ProcessSink, rx: Connection, ack: Connection) -> None:
     except EOFError:
         return  # the parent went away
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
-        try:
-            ack.send_bytes(b"X" + f"{type(exc).__name__}: {exc}".encode())
-        except OSError:
-            pass
+        report_error(ack, exc)
     finally:
         if part is not None:
             part.close()
