@@ -1,7 +1,5 @@
 """The fluent builder users write: ``Pipeline`` and ``Stream``.
 
->>> import msgspec
-import numpy as np
 >>> from aisp.sinks import CollectSink
 >>> from aisp.ingest import WorkloadFSource
 >>> p = Pipeline("demo")
@@ -132,7 +130,16 @@ class Stream:
     def map_batch(
         self, step_id: str, fn: Callable[[Batch], Batch], *, latency_budget_ms: float = 1.0
     ) -> Stream:
-        """Vectorised map: ``fn`` gets a whole ``Batch`` and returns one."""
+        """Vectorised map: ``fn`` gets a whole ``Batch`` and returns one.
+
+        >>> from aisp import CollectSink, WorkloadFSource
+        >>> p, out = Pipeline("m"), CollectSink(columns=["id", "double"])
+        >>> p.source("src", WorkloadFSource(events=3)).map_batch(
+        ...     "double", lambda b: b.with_columns({"double": b.numpy("amount") * 2})).sink("out", out)
+        >>> _ = p.run()
+        >>> len(out.rows)
+        3
+        """
         return self._add(step_id, "map_batch", MapBatch(fn), latency_budget_ms)
 
     def map(
@@ -156,7 +163,17 @@ class Stream:
         return self._add(step_id, "filter", Filter(predicate), latency_budget_ms)
 
     def key_by(self, step_id: str, column: str, *, latency_budget_ms: float = 0.5) -> KeyedStream:
-        """Partition by ``column``: adds the ``_key`` code that keyed state operators index by."""
+        """Partition by ``column``: adds the ``_key`` code that keyed state operators index by.
+
+        >>> from aisp import CollectSink, WorkloadFSource
+        >>> p, out = Pipeline("k"), CollectSink(columns=["user", "n"])
+        >>> src = p.source("src", WorkloadFSource(events=500, users=3))
+        >>> src.key_by("by_user", "user").running_stats("stats", "amount", count="n").sink("out", out)
+        >>> _ = p.run()
+        >>> sorted(max(r["n"] for r in out.rows if r["user"] == u) for u in ("u0", "u1", "u2")) == sorted(
+        ...     sum(1 for r in out.rows if r["user"] == u) for u in ("u0", "u1", "u2"))
+        True
+        """
         self._add(step_id, "key_by", KeyBy(column, step_id), latency_budget_ms)
         return KeyedStream(self.pipeline, step_id, space=step_id)
 
@@ -186,7 +203,17 @@ class Stream:
         default: str | None = None,
         latency_budget_ms: float = 0.5,
     ) -> dict[str, Stream]:
-        """Send each row to one branch, by a column of branch names or by predicates (first wins)."""
+        """Send each row to one branch, by a column of branch names or by predicates (first wins).
+
+        >>> from aisp import CollectSink, WorkloadFSource
+        >>> p, big, small = Pipeline("r"), CollectSink(columns=["amount"]), CollectSink(columns=["amount"])
+        >>> b = p.source("src", WorkloadFSource(events=200)).route(
+        ...     "split", ["big", "small"], predicates={"big": lambda b: b.numpy("amount") > 20}, default="small")
+        >>> b["big"].sink("big_out", big); b["small"].sink("small_out", small)
+        >>> _ = p.run()
+        >>> len(big.rows) + len(small.rows), all(r["amount"] > 20 for r in big.rows)
+        (200, True)
+        """
         spec = Route(tuple(branches), column=column, predicates=predicates, default=default)
         self._add(step_id, "route", spec, latency_budget_ms, ports=tuple(branches))
         return {b: Stream(self.pipeline, step_id, b) for b in branches}

@@ -24,7 +24,7 @@ class LatencyHistogram:
 
     >>> h = LatencyHistogram()
     >>> h.record(np.array([1_000_000, 2_000_000, 3_000_000]))
-    >>> round(h.percentile(50) / 1e6, 2), h.count
+    >>> round(h.percentile(50) / 1e6, 1), h.count
     (2.0, 3)
     """
 
