@@ -207,8 +207,9 @@ class Stream:
 
         >>> from aisp import CollectSink, WorkloadFSource
         >>> p, big, small = Pipeline("r"), CollectSink(columns=["amount"]), CollectSink(columns=["amount"])
+        >>> is_big = {"big": lambda b: b.numpy("amount") > 20}
         >>> b = p.source("src", WorkloadFSource(events=200)).route(
-        ...     "split", ["big", "small"], predicates={"big": lambda b: b.numpy("amount") > 20}, default="small")
+        ...     "split", ["big", "small"], predicates=is_big, default="small")
         >>> b["big"].sink("big_out", big); b["small"].sink("small_out", small)
         >>> _ = p.run()
         >>> len(big.rows) + len(small.rows), all(r["amount"] > 20 for r in big.rows)
