@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import fcntl
+import gc
+import signal
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-__all__ = ["report_error", "set_pipe_size"]
+__all__ = ["report_error", "set_pipe_size", "worker_init"]
 
 F_SETPIPE_SZ = 1031  # Linux fcntl: set a pipe's capacity
 F_GETPIPE_SZ = 1032
@@ -34,3 +36,16 @@ def report_error(conn: Connection, exc: BaseException) -> None:
         conn.send_bytes(b"X" + f"{type(exc).__name__}: {exc}".encode())
     except OSError:
         pass
+
+
+def worker_init() -> None:
+    """First thing in a forked worker: leave stopping to the parent, and tune the GC.
+
+    Ctrl-C reaches every process of the terminal's group; the parent turns it into a drain and
+    then closes the worker's pipe, so the worker ignores SIGINT/SIGTERM instead of dying
+    mid-batch. The inherited heap is frozen so collections do not rescan it.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)

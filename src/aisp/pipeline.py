@@ -15,7 +15,7 @@ True
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -29,6 +29,7 @@ from aisp.infer.batcher import BatcherConfig
 from aisp.infer.runtime import Runtime
 from aisp.infer.stage import InferSpec
 from aisp.ingest.base import Source
+from aisp.runner import RunOptions, RunSummary, run
 from aisp.sinks.base import Sink
 from aisp.transform.operators import Filter, KeyBy, MapBatch, MapRows, Passthrough, Route
 from aisp.transform.stateful import RunningStats, StateFn, Stateful
@@ -93,11 +94,13 @@ class Pipeline:
                 )
             self.graph.replace(primary[0].step_id, spec=sink)
 
-    def run(self, **options: Any) -> Any:
-        """Run to completion in this process and return the ``RunSummary``."""
-        from aisp.runner import RunOptions, run
+    def run(self, options: RunOptions | None = None, **overrides: Any) -> RunSummary:
+        """Run to completion in this process and return the ``RunSummary``.
 
-        return run(self, RunOptions(**options))
+        ``overrides`` are ``RunOptions`` fields, e.g. ``p.run(dead_letter="dl.jsonl")``.
+        """
+        opts = options or RunOptions()
+        return run(self, replace(opts, **overrides) if overrides else opts)
 
 
 @dataclass(frozen=True)

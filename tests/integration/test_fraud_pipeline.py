@@ -114,15 +114,22 @@ def test_topology_prints_dag_and_bound() -> None:
     assert "static end-to-end latency bound:" in res.stdout
 
 
-def test_sigterm_mid_run_drains_cleanly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+def test_signal_mid_run_drains_cleanly(tmp_path: Path, how: str) -> None:
+    """SIGTERM to the process, or SIGINT to its whole process group as a terminal's Ctrl-C does."""
     src, out, summary = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "s.json"
     write_events(src, 200_000, seed=3)
     cmd = fraud_cmd(src, str(out), "--summary-json", str(summary), "--rate", "20000", "--no-live")
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (not out.exists() or out.stat().st_size < 200_000):
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    if how == "sigterm":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     s = json.loads(summary.read_text())

@@ -15,7 +15,6 @@ record batch; ``D`` JSON dead-letter records; ``E`` end of input; ``X`` an error
 
 from __future__ import annotations
 
-import gc
 import multiprocessing as mp
 import struct
 import threading
@@ -29,7 +28,7 @@ import pyarrow as pa
 from aisp.batch import Batch
 from aisp.errors import SourceError
 from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
-from aisp.ipc import report_error, set_pipe_size
+from aisp.ipc import report_error, set_pipe_size, worker_init
 
 __all__ = ["ProcessSource"]
 
@@ -63,8 +62,7 @@ class ProcessSource(Source):
 def _child_main(
     cfg: ProcessSource, ctx_step: str, batch_rows: int, resume_from: Any, conn: Connection
 ) -> None:
-    gc.freeze()
-    gc.set_threshold(100_000, 50, 100)
+    worker_init()
     enc = msgspec.json.Encoder()
 
     def dead_letter(records: list[DeadLetterRecord]) -> None:

@@ -14,7 +14,6 @@ Child -> parent: ``A`` + int64 ns (one batch written), ``F`` flushed, ``C`` clos
 
 from __future__ import annotations
 
-import gc
 import multiprocessing as mp
 import struct
 import threading
@@ -30,7 +29,7 @@ import pyarrow as pa
 
 from aisp.batch import INGEST_NS, Batch
 from aisp.errors import SinkError
-from aisp.ipc import report_error, set_pipe_size
+from aisp.ipc import report_error, set_pipe_size, worker_init
 from aisp.sinks.base import Sink, SinkPartition
 
 __all__ = ["ProcessSink"]
@@ -58,8 +57,7 @@ class ProcessSink(Sink):
 
 
 def _child_main(cfg: ProcessSink, rx: Connection, ack: Connection) -> None:
-    gc.freeze()
-    gc.set_threshold(100_000, 50, 100)
+    worker_init()
     part: SinkPartition | None = None
     schema: pa.Schema | None = None
     try:
