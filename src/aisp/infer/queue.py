@@ -1,0 +1,227 @@
+"""The batching policy: per-tier queues, flush rules, expiry and shedding, over an injected clock.
+
+``BatchQueue.push`` queues rows, ``pop_ready`` forms the next model batch when a flush rule
+holds, ``expire`` removes rows past their timeout or deadline, ``shed`` makes room for higher
+tiers by dropping the lowest. Every call takes ``now_ns``; nothing sleeps, so tests need no
+real time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import numpy.typing as npt
+
+from aisp.batch import DEADLINE_NS, TIER, Batch
+from aisp.infer.config import _MS, BatcherConfig
+from aisp.infer.runtime import CostModel
+
+__all__ = ["BatchQueue"]
+
+
+class _Piece:
+    """Queued rows from one pushed batch (or its tier): one enqueue time, optional deadlines."""
+
+    __slots__ = ("batch", "deadlines", "enqueue_ns", "min_deadline")
+
+    def __init__(self, batch: Batch, enqueue_ns: int, deadlines: npt.NDArray[np.int64] | None) -> None:
+        self.batch = batch
+        self.enqueue_ns = enqueue_ns
+        self.deadlines = deadlines
+        set_ = None if deadlines is None else deadlines[deadlines != 0]
+        self.min_deadline = int(set_.min()) if set_ is not None and set_.size else None
+        if self.min_deadline is None:
+            self.deadlines = None  # no row has a deadline
+
+    def rest(self, offset: int) -> _Piece:
+        """The piece without its first ``offset`` rows."""
+        deadlines = None if self.deadlines is None else self.deadlines[offset:]
+        return _Piece(self.batch.slice(offset), self.enqueue_ns, deadlines)
+
+
+class BatchQueue:
+    """The batching policy over a clock the caller supplies; no threads, no sleeping.
+
+    Rows are queued per tier (``_tier`` column, 0 when absent), higher tiers served first, FIFO
+    within a tier. A formed batch never exceeds ``max_batch_size``; queued pieces are split with
+    ``Batch.slice`` and joined with ``Batch.concat``. Pieces whose schema differs from the first
+    piece taken wait for the next batch.
+
+    >>> q = BatchQueue(BatcherConfig(max_batch_size=2))
+    >>> q.push(Batch.from_columns({"x": [1, 2, 3]}), now_ns=0)
+    >>> q.pop_ready(now_ns=0, idle=False).num_rows, q.queued_rows
+    (2, 1)
+    """
+
+    def __init__(self, config: BatcherConfig, cost: CostModel | None = None) -> None:
+        self.config = config
+        self.cost = cost or CostModel()
+        self.queued_rows = 0
+        self.last_wait_ns = 0
+        """How long the oldest row of the last formed batch waited in the queue."""
+        self._tiers: dict[int, deque[_Piece]] = {}
+        self._order: list[int] = []
+        self._min_deadline: int | None = None
+        self._deadline_stale = False
+        self._delay_ns = int(config.max_queue_delay_ms * _MS)
+        self._margin_ns = int(config.safety_margin_ms * _MS)
+        self._timeout_ns = None if config.timeout_ms is None else int(config.timeout_ms * _MS)
+        self._timeout_reason = f"timeout after {config.timeout_ms or 0:g} ms in batcher queue"
+
+    # -- input ------------------------------------------------------------------------------
+    def push(self, batch: Batch, now_ns: int) -> None:
+        """Queue ``batch``'s rows as enqueued at ``now_ns``, split by ``_tier`` when mixed."""
+        if batch.num_rows == 0:
+            return
+        if TIER not in batch:
+            self._append(0, batch, now_ns)
+            return
+        tiers = batch.numpy(TIER)
+        if (tiers == tiers[0]).all():
+            self._append(int(tiers[0]), batch, now_ns)
+            return
+        for tier in np.unique(tiers)[::-1]:
+            self._append(int(tier), batch.filter(tiers == tier), now_ns)
+
+    def _append(self, tier: int, batch: Batch, now_ns: int) -> None:
+        deadlines = batch.numpy(DEADLINE_NS).astype(np.int64, copy=False) if DEADLINE_NS in batch else None
+        piece = _Piece(batch, now_ns, deadlines)
+        if tier not in self._tiers:
+            self._tiers[tier] = deque()
+            self._order = sorted(self._tiers, reverse=True)
+        self._tiers[tier].append(piece)
+        self.queued_rows += batch.num_rows
+        if piece.min_deadline is not None:  # a lower bound stays one when rows leave
+            md = self._min_deadline
+            self._min_deadline = piece.min_deadline if md is None else min(md, piece.min_deadline)
+
+    # -- policy -----------------------------------------------------------------------------
+    def target_size(self) -> int:
+        """Rows the next batch takes: the largest preferred size that fits, else up to max."""
+        n = min(self.queued_rows, self.config.max_batch_size)
+        for size in reversed(self.config.preferred_batch_sizes):
+            if size <= n:
+                return size
+        return n
+
+    def ready(self, now_ns: int, idle: bool) -> bool:
+        """Whether a flush rule holds at ``now_ns`` (``idle``: a model instance is free)."""
+        cfg = self.config
+        if self.queued_rows == 0:
+            return False
+        if (cfg.eager and idle) or self.queued_rows >= cfg.max_batch_size:
+            return True
+        if cfg.preferred_batch_sizes and self.queued_rows >= cfg.preferred_batch_sizes[0]:
+            return True
+        return now_ns >= min(self._oldest_ns() + self._delay_ns, self._budget_flush_ns(now_ns))
+
+    def pop_ready(self, now_ns: int, idle: bool) -> Batch | None:
+        """The next model batch if a flush rule holds at ``now_ns``, else ``None``."""
+        return self.form_batch(now_ns) if self.ready(now_ns, idle) else None
+
+    def next_wakeup_ns(self, now_ns: int) -> int | None:
+        """When a time rule (delay, latency budget, timeout, deadline) next fires; None if empty."""
+        if self.queued_rows == 0:
+            return None
+        oldest = self._oldest_ns()
+        wake = min(oldest + self._delay_ns, self._budget_flush_ns(now_ns))
+        if self._timeout_ns is not None:
+            wake = min(wake, oldest + self._timeout_ns)
+        md = self._deadline(now_ns + 1)
+        return wake if md is None else min(wake, md)
+
+    def _oldest_ns(self) -> int:
+        return min(d[0].enqueue_ns for d in self._tiers.values() if d)
+
+    def _budget_flush_ns(self, now_ns: int) -> int:
+        """Latest time the most urgent row can be dispatched and still meet its deadline."""
+        spare = self.cost.expected_ns(self.target_size()) + self._margin_ns
+        urgent = self._deadline(now_ns + spare + 1)
+        if self._timeout_ns is not None:
+            by_timeout = self._oldest_ns() + self._timeout_ns
+            urgent = by_timeout if urgent is None else min(urgent, by_timeout)
+        return 2**63 - 1 if urgent is None else urgent - spare
+
+    def _deadline(self, exact_below: int) -> int | None:
+        """A lower bound on the earliest ``_deadline_ns`` queued; exact when under ``exact_below``.
+
+        Removing rows only marks the bound stale; the O(pieces) rescan runs when it could matter.
+        """
+        md = self._min_deadline
+        if self._deadline_stale and md is not None and md < exact_below:
+            mins = [p.min_deadline for d in self._tiers.values() for p in d if p.min_deadline is not None]
+            self._min_deadline = min(mins) if mins else None
+            self._deadline_stale = False
+        return self._min_deadline
+
+    # -- output -----------------------------------------------------------------------------
+    def form_batch(self, now_ns: int) -> Batch | None:
+        """Take the next batch now, whatever the flush rules say (used to drain on close)."""
+        need = self.target_size()
+        if need == 0:
+            return None
+        taken: list[Batch] = []
+        schema = None
+        oldest = now_ns
+        for tier in self._order:
+            queue = self._tiers[tier]
+            while queue and need:
+                piece = queue[0]
+                if schema is None:
+                    schema = piece.batch.schema
+                elif piece.batch.schema is not schema and not piece.batch.schema.equals(schema):
+                    need = 0
+                    break
+                oldest = min(oldest, piece.enqueue_ns)
+                rows = piece.batch.num_rows
+                self._deadline_stale |= piece.min_deadline is not None
+                if rows <= need:
+                    queue.popleft()
+                    taken.append(piece.batch)
+                    need -= rows
+                else:
+                    taken.append(piece.batch.slice(0, need))
+                    queue[0] = piece.rest(need)
+                    need = 0
+            if not need:
+                break
+        self.queued_rows -= sum(b.num_rows for b in taken)
+        self.last_wait_ns = now_ns - oldest
+        return Batch.concat(taken)
+
+    def expire(self, now_ns: int) -> list[tuple[Batch, str]]:
+        """Remove and return rows past ``timeout_ms`` since enqueue or past ``_deadline_ns``."""
+        out: list[tuple[Batch, str]] = []
+        if self.queued_rows == 0:
+            return out
+        md = self._deadline(now_ns + 1)
+        scan_all = md is not None and md <= now_ns
+        for tier, queue in self._tiers.items():
+            if scan_all:
+                kept = (self._expire_piece(p, now_ns, out) for p in queue)
+                self._tiers[tier] = deque(p for p in kept if p is not None)
+            elif self._timeout_ns is not None:  # FIFO: only the front pieces can have timed out
+                while queue and self._expire_piece(queue[0], now_ns, out) is None:
+                    queue.popleft()
+        return out
+
+    def _expire_piece(self, piece: _Piece, now_ns: int, out: list[tuple[Batch, str]]) -> _Piece | None:
+        """Move ``piece``'s expired rows to ``out``; return what is left of it, if anything."""
+        timed_out = self._timeout_ns is not None and piece.enqueue_ns + self._timeout_ns <= now_ns
+        if piece.min_deadline is not None and piece.min_deadline <= now_ns:
+            assert piece.deadlines is not None
+            self._deadline_stale = True
+            late = (piece.deadlines != 0) & (piece.deadlines <= now_ns)
+            whole = bool(late.all())
+            out.append((piece.batch if whole else piece.batch.filter(late), "deadline exceeded"))
+            self.queued_rows -= piece.batch.num_rows if whole else int(late.sum())
+            if whole:
+                return None
+            piece = _Piece(piece.batch.filter(~late), piece.enqueue_ns, piece.deadlines[~late])
+        if not timed_out:
+            return piece
+        self._deadline_stale |= piece.min_deadline is not None
+        out.append((piece.batch, self._timeout_reason))
+        self.queued_rows -= piece.batch.num_rows
+        return None
