@@ -52,13 +52,15 @@ class BatcherStats:
     """Counters of a ``DynamicBatcher``: model calls made (``batches``), then rows by fate.
 
     Every submitted row is in exactly one of ``rows`` (emitted with results), ``timeouts``
-    (expired in the queue), ``errors`` (its call failed) and ``queued_rows`` (still waiting).
+    (expired in the queue), ``errors`` (its call failed), ``shed`` (dropped under overload for a
+    higher tier) and ``queued_rows`` (still waiting).
     """
 
     batches: int = 0
     rows: int = 0
     timeouts: int = 0
     errors: int = 0
+    shed: int = 0
     queued_rows: int = 0
 
 
@@ -155,6 +157,8 @@ class DynamicBatcher:
         rows = batch.num_rows
         if rows == 0:
             return
+        shed: list[Batch] = []
+        admitted: Batch | None = batch
         limit = None if timeout_ms is None else time.monotonic_ns() + int(timeout_ms * _MS)
         with self._lock:
             while True:
@@ -163,6 +167,11 @@ class DynamicBatcher:
                 queued = self._queue.queued_rows
                 if queued == 0 or queued + rows <= self.config.capacity_rows:
                     break
+                if self.config.overload == "shed":
+                    admitted, shed = self._queue.shed(batch, self.config.capacity_rows)
+                    self._count["shed"] += sum(b.num_rows for b in shed)
+                    self._not_full.notify_all()
+                    break
                 wait_s = None if limit is None else (limit - time.monotonic_ns()) / 1e9
                 if wait_s is not None and wait_s <= 0:
                     raise TimeoutError(
@@ -170,8 +179,11 @@ class DynamicBatcher:
                         f" for {timeout_ms:g} ms"
                     )
                 self._not_full.wait(wait_s)
-            self._queue.push(batch, self._clock())
-            self._not_empty.notify()
+            if admitted is not None:
+                self._queue.push(admitted, self._clock())
+                self._not_empty.notify()
+        for rows_shed in shed:
+            self._guard(self._dead, rows_shed, "shed")
 
     @property
     def queued_rows(self) -> int:

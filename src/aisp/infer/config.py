@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
 
 from aisp.errors import ConfigError
 
@@ -27,6 +29,11 @@ def _ms_at_least(name: str, value: object, low: float, strict: bool = False) -> 
 class BatcherConfig:
     """How a batcher forms batches. Sizes are in rows, times in milliseconds.
 
+    Tiers (the ``_tier`` column, ``default_tier`` when absent) are served highest first;
+    ``tier_timeout_ms`` overrides ``timeout_ms`` per tier. When the queue holds ``capacity_rows``,
+    ``overload="block"`` makes ``submit`` wait (backpressure) and ``overload="shed"`` drops the
+    lowest-tier rows instead (dead-lettered with reason ``shed``), so higher tiers get in.
+
     >>> BatcherConfig(max_batch_size=64, preferred_batch_sizes=(32, 16)).preferred_batch_sizes
     (16, 32)
     """
@@ -39,6 +46,9 @@ class BatcherConfig:
     eager: bool = True
     capacity_rows: int = 8192
     instances: int = 1
+    default_tier: int = 0
+    tier_timeout_ms: Mapping[int, float] = field(default_factory=dict)
+    overload: Literal["block", "shed"] = "block"
 
     def __post_init__(self) -> None:
         _int_at_least("max_batch_size", self.max_batch_size, 1)
@@ -56,3 +66,13 @@ class BatcherConfig:
             raise ConfigError(f"eager must be a bool, got {self.eager!r}")
         _int_at_least("capacity_rows", self.capacity_rows, self.max_batch_size, top)
         _int_at_least("instances", self.instances, 1)
+        _int_at_least("default_tier", self.default_tier, 0)
+        for tier, ms in self.tier_timeout_ms.items():
+            _int_at_least("tier_timeout_ms keys", tier, 0)
+            _ms_at_least(f"tier_timeout_ms[{tier}]", ms, 0.0, strict=True)
+        if self.overload not in ("block", "shed"):
+            raise ConfigError(f"overload must be 'block' or 'shed', got {self.overload!r}")
+
+    def timeout_for(self, tier: int) -> float | None:
+        """The queue timeout of rows of ``tier`` in ms (per-tier, else ``timeout_ms``)."""
+        return self.tier_timeout_ms.get(tier, self.timeout_ms)

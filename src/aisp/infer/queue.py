@@ -23,11 +23,18 @@ __all__ = ["BatchQueue"]
 class _Piece:
     """Queued rows from one pushed batch (or its tier): one enqueue time, optional deadlines."""
 
-    __slots__ = ("batch", "deadlines", "enqueue_ns", "min_deadline")
+    __slots__ = ("batch", "deadlines", "enqueue_ns", "min_deadline", "timeout_at")
 
-    def __init__(self, batch: Batch, enqueue_ns: int, deadlines: npt.NDArray[np.int64] | None) -> None:
+    def __init__(
+        self,
+        batch: Batch,
+        enqueue_ns: int,
+        deadlines: npt.NDArray[np.int64] | None,
+        timeout_at: int | None = None,
+    ) -> None:
         self.batch = batch
         self.enqueue_ns = enqueue_ns
+        self.timeout_at = timeout_at
         self.deadlines = deadlines
         set_ = None if deadlines is None else deadlines[deadlines != 0]
         self.min_deadline = int(set_.min()) if set_ is not None and set_.size else None
@@ -37,7 +44,12 @@ class _Piece:
     def rest(self, offset: int) -> _Piece:
         """The piece without its first ``offset`` rows."""
         deadlines = None if self.deadlines is None else self.deadlines[offset:]
-        return _Piece(self.batch.slice(offset), self.enqueue_ns, deadlines)
+        return _Piece(self.batch.slice(offset), self.enqueue_ns, deadlines, self.timeout_at)
+
+    def head(self, rows: int) -> _Piece:
+        """The piece's first ``rows`` rows."""
+        deadlines = None if self.deadlines is None else self.deadlines[:rows]
+        return _Piece(self.batch.slice(0, rows), self.enqueue_ns, deadlines, self.timeout_at)
 
 
 class BatchQueue:
@@ -66,8 +78,7 @@ class BatchQueue:
         self._deadline_stale = False
         self._delay_ns = int(config.max_queue_delay_ms * _MS)
         self._margin_ns = int(config.safety_margin_ms * _MS)
-        self._timeout_ns = None if config.timeout_ms is None else int(config.timeout_ms * _MS)
-        self._timeout_reason = f"timeout after {config.timeout_ms or 0:g} ms in batcher queue"
+        self._any_timeout = config.timeout_ms is not None or bool(config.tier_timeout_ms)
 
     # -- input ------------------------------------------------------------------------------
     def push(self, batch: Batch, now_ns: int) -> None:
@@ -75,7 +86,7 @@ class BatchQueue:
         if batch.num_rows == 0:
             return
         if TIER not in batch:
-            self._append(0, batch, now_ns)
+            self._append(self.config.default_tier, batch, now_ns)
             return
         tiers = batch.numpy(TIER)
         if (tiers == tiers[0]).all():
@@ -86,7 +97,9 @@ class BatchQueue:
 
     def _append(self, tier: int, batch: Batch, now_ns: int) -> None:
         deadlines = batch.numpy(DEADLINE_NS).astype(np.int64, copy=False) if DEADLINE_NS in batch else None
-        piece = _Piece(batch, now_ns, deadlines)
+        timeout_ms = self.config.timeout_for(tier)
+        timeout_at = None if timeout_ms is None else now_ns + int(timeout_ms * _MS)
+        piece = _Piece(batch, now_ns, deadlines, timeout_at)
         if tier not in self._tiers:
             self._tiers[tier] = deque()
             self._order = sorted(self._tiers, reverse=True)
@@ -126,20 +139,28 @@ class BatchQueue:
             return None
         oldest = self._oldest_ns()
         wake = min(oldest + self._delay_ns, self._budget_flush_ns(now_ns))
-        if self._timeout_ns is not None:
-            wake = min(wake, oldest + self._timeout_ns)
+        first_timeout = self._first_timeout()
+        if first_timeout is not None:
+            wake = min(wake, first_timeout)
         md = self._deadline(now_ns + 1)
         return wake if md is None else min(wake, md)
 
     def _oldest_ns(self) -> int:
         return min(d[0].enqueue_ns for d in self._tiers.values() if d)
 
+    def _first_timeout(self) -> int | None:
+        """Earliest queue timeout: FIFO per tier with one timeout per tier, so a front piece's."""
+        if not self._any_timeout:
+            return None
+        ends = [d[0].timeout_at for d in self._tiers.values() if d and d[0].timeout_at is not None]
+        return min(ends) if ends else None
+
     def _budget_flush_ns(self, now_ns: int) -> int:
         """Latest time the most urgent row can be dispatched and still meet its deadline."""
         spare = self.cost.expected_ns(self.target_size()) + self._margin_ns
         urgent = self._deadline(now_ns + spare + 1)
-        if self._timeout_ns is not None:
-            by_timeout = self._oldest_ns() + self._timeout_ns
+        by_timeout = self._first_timeout()
+        if by_timeout is not None:
             urgent = by_timeout if urgent is None else min(urgent, by_timeout)
         return 2**63 - 1 if urgent is None else urgent - spare
 
@@ -201,14 +222,14 @@ class BatchQueue:
             if scan_all:
                 kept = (self._expire_piece(p, now_ns, out) for p in queue)
                 self._tiers[tier] = deque(p for p in kept if p is not None)
-            elif self._timeout_ns is not None:  # FIFO: only the front pieces can have timed out
+            elif self._any_timeout:  # FIFO: only the front pieces can have timed out
                 while queue and self._expire_piece(queue[0], now_ns, out) is None:
                     queue.popleft()
         return out
 
     def _expire_piece(self, piece: _Piece, now_ns: int, out: list[tuple[Batch, str]]) -> _Piece | None:
         """Move ``piece``'s expired rows to ``out``; return what is left of it, if anything."""
-        timed_out = self._timeout_ns is not None and piece.enqueue_ns + self._timeout_ns <= now_ns
+        timed_out = piece.timeout_at is not None and piece.timeout_at <= now_ns
         if piece.min_deadline is not None and piece.min_deadline <= now_ns:
             assert piece.deadlines is not None
             self._deadline_stale = True
@@ -218,10 +239,61 @@ class BatchQueue:
             self.queued_rows -= piece.batch.num_rows if whole else int(late.sum())
             if whole:
                 return None
-            piece = _Piece(piece.batch.filter(~late), piece.enqueue_ns, piece.deadlines[~late])
+            piece = _Piece(
+                piece.batch.filter(~late), piece.enqueue_ns, piece.deadlines[~late], piece.timeout_at
+            )
         if not timed_out:
             return piece
         self._deadline_stale |= piece.min_deadline is not None
-        out.append((piece.batch, self._timeout_reason))
+        waited_ms = (piece.timeout_at - piece.enqueue_ns) / _MS if piece.timeout_at is not None else 0.0
+        out.append((piece.batch, f"timeout after {waited_ms:g} ms in batcher queue"))
         self.queued_rows -= piece.batch.num_rows
         return None
+
+    # -- overload ---------------------------------------------------------------------------
+    def shed(self, incoming: Batch, capacity_rows: int) -> tuple[Batch | None, list[Batch]]:
+        """Make room for ``incoming`` within ``capacity_rows`` by dropping the lowest tiers.
+
+        Incoming rows are admitted highest tier first; for each tier, queued rows of strictly
+        lower tiers are dropped (lowest tier first, newest first) before any row of that tier is
+        refused. Returns the admitted part of ``incoming`` (to ``push``) and the dropped batches.
+        So a row is only ever shed while no row of a lower tier is queued or admitted.
+        """
+        tiers = incoming.meta(TIER, self.config.default_tier)
+        free = capacity_rows - self.queued_rows
+        dropped: list[Batch] = []
+        keep = np.zeros(incoming.num_rows, dtype=bool)
+        for tier in np.unique(tiers)[::-1].tolist():
+            rows = np.flatnonzero(tiers == tier)
+            if rows.size > free:
+                free += self._evict_below(tier, rows.size - free, dropped)
+            take = min(rows.size, max(free, 0))
+            keep[rows[:take]] = True
+            free -= take
+            if take < rows.size:
+                dropped.append(incoming.take(rows[take:]))
+        if keep.all():
+            return incoming, dropped
+        return (incoming.filter(keep) if keep.any() else None), dropped
+
+    def _evict_below(self, tier: int, want: int, dropped: list[Batch]) -> int:
+        """Drop up to ``want`` queued rows of tiers below ``tier``, lowest first, newest first."""
+        freed = 0
+        for low in sorted(t for t in self._tiers if t < tier):
+            queue = self._tiers[low]
+            while queue and freed < want:
+                piece = queue.pop()
+                n = piece.batch.num_rows
+                if n <= want - freed:
+                    dropped.append(piece.batch)
+                    freed += n
+                else:
+                    keep_rows = n - (want - freed)
+                    dropped.append(piece.batch.slice(keep_rows))
+                    queue.append(piece.head(keep_rows))
+                    freed = want
+                self._deadline_stale |= piece.min_deadline is not None
+            if freed >= want:
+                break
+        self.queued_rows -= freed
+        return freed
