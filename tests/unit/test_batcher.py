@@ -75,7 +75,7 @@ def python_io() -> tuple[Callable[[Batch], dict[str, np.ndarray]], Callable[...,
     def prepare(batch: Batch) -> dict[str, np.ndarray]:
         return {"x": batch.numpy("x")}
 
-    def finish(batch: Batch, outputs: Mapping[str, np.ndarray]) -> Batch:
+    def finish(batch: Batch, outputs: Mapping[str, np.ndarray], _rt: object = None) -> Batch:
         return batch.with_columns({"y": outputs["y"]})
 
     return prepare, finish
@@ -539,7 +539,7 @@ def test_onnx_batcher_matches_direct_call(onnx_model: Path) -> None:
     def prepare(batch: Batch) -> dict[str, np.ndarray]:
         return {"features": batch.numpy("features")}
 
-    def finish(batch: Batch, outputs: Mapping[str, np.ndarray]) -> Batch:
+    def finish(batch: Batch, outputs: Mapping[str, np.ndarray], _rt: object = None) -> Batch:
         return batch.with_columns({"score": outputs["score"].reshape(-1)})
 
     sink = Collector()

@@ -144,7 +144,7 @@ def test_dynamic_batcher_sheds_bronze_for_gold_under_overload() -> None:
         rt,
         cfg,
         prepare=lambda b: {"x": b.numpy("x")},
-        finish=lambda b, o: b,
+        finish=lambda b, o, rt: b,
         emit=emit,
         dead_letter=dead_letter,
     )

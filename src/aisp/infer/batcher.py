@@ -25,7 +25,7 @@ import numpy.typing as npt
 from aisp.batch import Batch
 from aisp.infer.config import _MS, BatcherConfig
 from aisp.infer.queue import BatchQueue
-from aisp.infer.runtime import Runtime
+from aisp.infer.runtime import Runtime, resolve
 
 __all__ = [
     "BatchQueue",
@@ -40,7 +40,8 @@ __all__ = [
 ]
 
 Prepare = Callable[[Batch], Mapping[str, npt.NDArray[Any]]]
-Finish = Callable[[Batch, Mapping[str, npt.NDArray[Any]]], Batch]
+Finish = Callable[[Batch, Mapping[str, npt.NDArray[Any]], Runtime], Batch]
+"""``finish(batch, outputs, runtime)``: ``runtime`` is the version that computed ``outputs``."""
 Emit = Callable[[Batch], None]
 DeadLetter = Callable[[Batch, str], None]
 OnBatch = Callable[[int, int, int], None]
@@ -231,9 +232,10 @@ class DynamicBatcher:
         try:
             inputs = self._prepare(batch)
             start = time.perf_counter_ns()
-            outputs = self.runtime.run(inputs)
+            runtime = resolve(self.runtime)  # one version per batch, even across a hot swap
+            outputs = runtime.run(inputs)
             compute_ns = time.perf_counter_ns() - start
-            result = self._finish(batch, outputs)
+            result = self._finish(batch, outputs, runtime)
         except Exception as exc:  # noqa: BLE001 - a failed call dead-letters its rows, never the thread
             with self._lock:
                 self._count.update(batches=1, errors=rows)

@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from aisp.errors import ModelError
 
-__all__ = ["CostModel", "OnnxRuntime", "PythonRuntime", "Runtime", "TensorSpec"]
+__all__ = ["CostModel", "OnnxRuntime", "PythonRuntime", "Runtime", "TensorSpec", "resolve"]
 
 Arrays = dict[str, npt.NDArray[Any]]
 
@@ -97,6 +97,12 @@ class Runtime(Protocol):
     def warmup(self, batch_sizes: Sequence[int]) -> None:
         """Run one all-zeros batch per size so the first real call pays no set-up cost."""
         ...
+
+
+def resolve(runtime: Runtime) -> Runtime:
+    """The concrete runtime to use for one call: a versioned model resolves to its current version."""
+    pick = getattr(runtime, "resolve", None)
+    return pick() if callable(pick) else runtime
 
 
 def check_rows(name: str, inputs: Mapping[str, npt.NDArray[Any]], outputs: Mapping[str, Any]) -> None:

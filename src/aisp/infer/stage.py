@@ -49,6 +49,8 @@ class InferSpec:
         outputs: model output name -> new column; an ``[N, 1]`` output becomes a 1-D column,
             ``[N, k]`` a fixed-size-list column.
         batcher: the batching policy.
+        tag_model: add ``model`` and ``model_version`` columns: the name and version of the
+            model that computed each row (they differ across a hot swap).
 
     Raises:
         ConfigError: an input is unmapped, or a name is not one the model has.
@@ -58,6 +60,7 @@ class InferSpec:
     inputs: Mapping[str, str]
     outputs: Mapping[str, str]
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
+    tag_model: bool = True
 
     def __post_init__(self) -> None:
         model = self.runtime.name
@@ -119,8 +122,15 @@ def build_io(spec: InferSpec) -> tuple[Prepare, Finish]:
     def prepare(batch: Batch) -> dict[str, npt.NDArray[Any]]:
         return {name: read(batch) for name, read in readers.items()}
 
-    def finish(batch: Batch, results: Mapping[str, npt.NDArray[Any]]) -> Batch:
-        return batch.with_columns({col: _to_column(out, results[out]) for out, col in outputs.items()})
+    def finish(
+        batch: Batch, results: Mapping[str, npt.NDArray[Any]], runtime: Runtime = spec.runtime
+    ) -> Batch:
+        cols: dict[str, Any] = {col: _to_column(out, results[out]) for out, col in outputs.items()}
+        if spec.tag_model:
+            n = batch.num_rows
+            cols["model"] = pa.repeat(pa.scalar(runtime.name, pa.string()), n)
+            cols["model_version"] = pa.repeat(pa.scalar(str(runtime.version), pa.string()), n)
+        return batch.with_columns(cols)
 
     return prepare, finish
 

@@ -1,0 +1,322 @@
+"""A Triton-style model repository: ``<repo>/<model>/config.pbtxt`` and ``<repo>/<model>/<n>/model.onnx``.
+
+``config.pbtxt`` is read with protobuf's text format into Triton's own ``ModelConfig`` message
+(the generated classes that ship in ``tritonclient``), so a file copied from a Triton repository
+means the same here. Honoured: ``name``, ``platform``/``backend`` (ONNX Runtime), ``max_batch_size``,
+``input``/``output`` (``name``, ``data_type``, ``dims``), ``dynamic_batching``
+(``max_queue_delay_microseconds``, ``preferred_batch_size``, ``priority_levels``,
+``default_priority_level``, ``default_queue_policy`` and ``priority_queue_policy`` with
+``timeout_action``, ``default_timeout_microseconds``, ``max_queue_size``), ``version_policy``
+(latest N, all, specific), ``instance_group`` (``count``, ``kind``) and ``default_model_filename``.
+Any other field set in the file is reported with an ``UnsupportedConfigWarning`` naming it;
+a malformed file is a ``ConfigError`` naming the file and line.
+
+Triton priorities run from 1 (highest) to ``priority_levels``; AISP tiers run the other way
+(higher is served first), so priority ``p`` is tier ``priority_levels - p``.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from google.protobuf import text_format
+from google.protobuf.message import Message
+from tritonclient.grpc import model_config_pb2 as pb
+
+from aisp.errors import ConfigError, ModelError
+from aisp.infer.config import BatcherConfig
+
+__all__ = [
+    "ModelConfig",
+    "ModelRepository",
+    "TensorConfig",
+    "UnsupportedConfigWarning",
+    "VersionPolicy",
+    "priority_to_tier",
+]
+
+ONNX_PLATFORMS = {"onnxruntime_onnx", "onnxruntime"}
+DTYPES: dict[str, Any] = {
+    "TYPE_BOOL": np.bool_,
+    "TYPE_UINT8": np.uint8,
+    "TYPE_UINT16": np.uint16,
+    "TYPE_UINT32": np.uint32,
+    "TYPE_UINT64": np.uint64,
+    "TYPE_INT8": np.int8,
+    "TYPE_INT16": np.int16,
+    "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64,
+    "TYPE_FP16": np.float16,
+    "TYPE_FP32": np.float32,
+    "TYPE_FP64": np.float64,
+    "TYPE_STRING": np.object_,
+}
+# Fields understood, as paths in the message; anything else set in a file is warned about.
+SUPPORTED = {
+    "name",
+    "platform",
+    "backend",
+    "max_batch_size",
+    "default_model_filename",
+    "input.name",
+    "input.data_type",
+    "input.dims",
+    "output.name",
+    "output.data_type",
+    "output.dims",
+    "version_policy.latest.num_versions",
+    "version_policy.all",
+    "version_policy.specific.versions",
+    "instance_group.name",
+    "instance_group.count",
+    "instance_group.kind",
+    "dynamic_batching.preferred_batch_size",
+    "dynamic_batching.max_queue_delay_microseconds",
+    "dynamic_batching.priority_levels",
+    "dynamic_batching.default_priority_level",
+    "dynamic_batching.preserve_ordering",
+    *(
+        f"dynamic_batching.{policy}.{leaf}"
+        for policy in ("default_queue_policy", "priority_queue_policy.value")
+        for leaf in (
+            "timeout_action",
+            "default_timeout_microseconds",
+            "allow_timeout_override",
+            "max_queue_size",
+        )
+    ),
+    "dynamic_batching.priority_queue_policy.key",
+}
+
+
+class UnsupportedConfigWarning(UserWarning):
+    """A ``config.pbtxt`` field AISP does not implement; it is ignored."""
+
+
+def priority_to_tier(priority: int, levels: int) -> int:
+    """Triton priority level (1 = highest) to an AISP tier (0 = lowest).
+
+    >>> [priority_to_tier(p, 3) for p in (1, 2, 3)]
+    [2, 1, 0]
+    """
+    if not 1 <= priority <= levels:
+        raise ConfigError(f"priority must be between 1 and priority_levels ({levels}), got {priority}")
+    return levels - priority
+
+
+@dataclass(frozen=True)
+class TensorConfig:
+    name: str
+    dtype: Any
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class VersionPolicy:
+    """Which versions serve: the ``latest`` N (default 1), ``all``, or ``specific`` ones."""
+
+    kind: str = "latest"
+    num_versions: int = 1
+    versions: tuple[int, ...] = ()
+
+    def select(self, available: list[int]) -> list[int]:
+        ordered = sorted(available)
+        if self.kind == "all":
+            return ordered
+        if self.kind == "specific":
+            return [v for v in ordered if v in self.versions]
+        return ordered[-self.num_versions :] if self.num_versions > 0 else []
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What AISP takes from one ``config.pbtxt``."""
+
+    name: str
+    platform: str
+    max_batch_size: int
+    inputs: tuple[TensorConfig, ...]
+    outputs: tuple[TensorConfig, ...]
+    batcher: BatcherConfig
+    version_policy: VersionPolicy
+    instances: int = 1
+    device: str = "cpu"
+    priority_levels: int = 0
+    default_model_filename: str = "model.onnx"
+    source: str = ""
+    ignored: tuple[str, ...] = field(default=(), compare=False)
+
+    @classmethod
+    def parse(cls, text: str, *, source: str = "<config>", model_dir: str | None = None) -> ModelConfig:
+        """Parse ``config.pbtxt`` text; ``ConfigError`` names ``source`` and the line on bad input."""
+        msg = pb.ModelConfig()
+        try:
+            text_format.Parse(text, msg)
+        except text_format.ParseError as exc:
+            line = exc.GetLine() if hasattr(exc, "GetLine") else None
+            detail = re.sub(r"^\d+:\d+ : ", "", str(exc))
+            raise ConfigError(f"{source}:{line or '?'}: malformed config.pbtxt: {detail}") from exc
+        ignored = tuple(sorted(set(_set_paths(msg)) - SUPPORTED))
+        for path in ignored:
+            warnings.warn(
+                f"{source}: field {path!r} is not supported by AISP and is ignored",
+                UnsupportedConfigWarning,
+                stacklevel=3,
+            )
+        return cls._from_message(msg, source=source, model_dir=model_dir, ignored=ignored)
+
+    @classmethod
+    def _from_message(
+        cls, msg: Any, *, source: str, model_dir: str | None, ignored: tuple[str, ...]
+    ) -> ModelConfig:
+        name = msg.name or (Path(model_dir).name if model_dir else "")
+        if not name:
+            raise ConfigError(f"{source}: the model has no name")
+        if model_dir and msg.name and msg.name != Path(model_dir).name:
+            raise ConfigError(
+                f"{source}: name {msg.name!r} differs from its directory {Path(model_dir).name!r}"
+            )
+        platform = msg.platform or msg.backend or "onnxruntime_onnx"
+        if platform not in ONNX_PLATFORMS:
+            raise ConfigError(f"{source}: platform/backend {platform!r} is not supported (only onnxruntime)")
+        if msg.max_batch_size < 1:
+            raise ConfigError(
+                f"{source}: max_batch_size must be >= 1 (models without batching are not supported)"
+            )
+        db = msg.dynamic_batching
+        levels = db.priority_levels
+        default_tier = (
+            priority_to_tier(db.default_priority_level, levels) if levels and db.default_priority_level else 0
+        )
+        qp = db.default_queue_policy
+        timeout_ms = qp.default_timeout_microseconds / 1000 if qp.default_timeout_microseconds else None
+        tier_timeouts = {
+            priority_to_tier(int(p), levels): pol.default_timeout_microseconds / 1000
+            for p, pol in db.priority_queue_policy.items()
+            if pol.default_timeout_microseconds
+        }
+        preferred = tuple(int(s) for s in db.preferred_batch_size)
+        batcher = BatcherConfig(
+            max_batch_size=msg.max_batch_size,
+            preferred_batch_sizes=preferred,
+            max_queue_delay_ms=db.max_queue_delay_microseconds / 1000,
+            eager=not msg.HasField("dynamic_batching") or not (preferred or db.max_queue_delay_microseconds),
+            timeout_ms=timeout_ms,
+            tier_timeout_ms=tier_timeouts,
+            default_tier=default_tier,
+            capacity_rows=max(qp.max_queue_size, msg.max_batch_size) if qp.max_queue_size else 8192,
+            overload="shed" if qp.max_queue_size else "block",
+            instances=sum(g.count or 1 for g in msg.instance_group) or 1,
+        )
+        kinds = {pb.ModelInstanceGroup.Kind.Name(g.kind) for g in msg.instance_group}
+        return cls(
+            name=name,
+            platform=platform,
+            max_batch_size=msg.max_batch_size,
+            inputs=tuple(_tensor(t) for t in msg.input),
+            outputs=tuple(_tensor(t) for t in msg.output),
+            batcher=batcher,
+            version_policy=_policy(msg.version_policy),
+            instances=batcher.instances,
+            device="gpu" if "KIND_GPU" in kinds else "cpu",
+            priority_levels=levels,
+            default_model_filename=msg.default_model_filename or "model.onnx",
+            source=source,
+            ignored=ignored,
+        )
+
+    def tier(self, priority: int) -> int:
+        """The tier of a request with Triton ``priority`` (0 = the model's default)."""
+        if priority == 0 or not self.priority_levels:
+            return self.batcher.default_tier
+        return priority_to_tier(priority, self.priority_levels)
+
+
+def _tensor(t: Any) -> TensorConfig:
+    dtype_name = pb.DataType.Name(t.data_type)
+    if dtype_name not in DTYPES:
+        raise ConfigError(f"tensor {t.name!r}: data_type {dtype_name} is not supported")
+    return TensorConfig(t.name, DTYPES[dtype_name], tuple(int(d) for d in t.dims))
+
+
+def _policy(vp: Any) -> VersionPolicy:
+    which = vp.WhichOneof("policy_choice")
+    if which == "all":
+        return VersionPolicy("all")
+    if which == "specific":
+        return VersionPolicy("specific", versions=tuple(int(v) for v in vp.specific.versions))
+    if which == "latest":
+        return VersionPolicy("latest", num_versions=int(vp.latest.num_versions))
+    return VersionPolicy()
+
+
+def _set_paths(msg: Message, prefix: str = "") -> Iterator[str]:
+    """Dotted paths of every field set in ``msg`` (map entries as ``.key``/``.value``)."""
+    for fd, value in msg.ListFields():
+        path = f"{prefix}{fd.name}"
+        if fd.message_type is None:
+            yield path
+            continue
+        if fd.message_type.GetOptions().map_entry:
+            for v in value.values():
+                yield f"{path}.key"
+                if isinstance(v, Message):
+                    yield from _set_paths(v, f"{path}.value.") if v.ListFields() else iter([f"{path}.value"])
+            continue
+        items = value if fd.label == fd.LABEL_REPEATED else [value]
+        for item in items:
+            sub = list(_set_paths(item, f"{path}."))
+            yield from sub or [path]
+
+
+class ModelRepository:
+    """A directory of models in Triton's layout.
+
+    >>> import tempfile; from pathlib import Path
+    >>> root = Path(tempfile.mkdtemp())
+    >>> _ = (root / "m" / "3").mkdir(parents=True); _ = (root / "m" / "3" / "model.onnx").write_bytes(b"")
+    >>> _ = (root / "m" / "config.pbtxt").write_text('max_batch_size: 8')
+    >>> repo = ModelRepository(root); repo.models(), repo.versions("m")
+    (['m'], [3])
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise ConfigError(f"model repository {str(self.root)!r} is not a directory")
+
+    def models(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if (p / "config.pbtxt").is_file())
+
+    def config(self, name: str) -> ModelConfig:
+        path = self.root / name / "config.pbtxt"
+        if not path.is_file():
+            raise ModelError(f"no model {name!r} in repository {str(self.root)!r} (no {path.name})")
+        return ModelConfig.parse(path.read_text(), source=str(path), model_dir=str(path.parent))
+
+    def versions(self, name: str, config: ModelConfig | None = None) -> list[int]:
+        """Versions present on disk (numeric directories holding the model file)."""
+        filename = (config or self._quiet_config(name)).default_model_filename
+        model_dir = self.root / name
+        return sorted(
+            int(p.name) for p in model_dir.iterdir() if p.name.isdigit() and (p / filename).is_file()
+        )
+
+    def serving_versions(self, name: str, config: ModelConfig | None = None) -> list[int]:
+        cfg = config or self._quiet_config(name)
+        return cfg.version_policy.select(self.versions(name, cfg))
+
+    def model_path(self, name: str, version: int, config: ModelConfig | None = None) -> Path:
+        cfg = config or self._quiet_config(name)
+        return self.root / name / str(version) / cfg.default_model_filename
+
+    def _quiet_config(self, name: str) -> ModelConfig:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnsupportedConfigWarning)
+            return self.config(name)
