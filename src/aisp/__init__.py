@@ -14,7 +14,7 @@ from aisp.errors import (
     SourceError,
 )
 from aisp.graph import Graph, Node
-from aisp.infer import BatcherConfig, OnnxRuntime, PythonRuntime
+from aisp.infer import BatcherConfig, ModelRepository, OnnxRuntime, PythonRuntime, ServedModel
 from aisp.ingest import JsonlFileSource, Source, WorkloadFSource
 from aisp.pipeline import KeyedStream, Pipeline, Stream
 from aisp.runner import RunOptions, RunSummary, run
@@ -33,6 +33,7 @@ __all__ = [
     "JsonlFileSource",
     "KeyedStream",
     "ModelError",
+    "ModelRepository",
     "ModelTimeoutError",
     "Node",
     "NullSink",
@@ -41,6 +42,7 @@ __all__ = [
     "PythonRuntime",
     "RunOptions",
     "RunSummary",
+    "ServedModel",
     "Sink",
     "SinkError",
     "Source",

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from benchmarks.workload import reference_outputs, write_events
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,8 +11,17 @@ from aisp.infer.batcher import (
     OnBatch,
     Prepare,
 )
-from aisp.infer.runtime import CostModel, OnnxRuntime, PythonRuntime, Runtime, TensorSpec
+from aisp.infer.repository import (
+    ModelConfig,
+    ModelRepository,
+    TensorConfig,
+    UnsupportedConfigWarning,
+    VersionPolicy,
+    priority_to_tier,
+)
+from aisp.infer.runtime import CostModel, OnnxRuntime, PythonRuntime, Runtime, TensorSpec, resolve
 from aisp.infer.stage import InferSpec, build_batcher, build_io
+from aisp.infer.versions import ServedModel
 
 __all__ = [
     "BatchQueue",
@@ -24,12 +33,20 @@ __all__ = [
     "Emit",
     "Finish",
     "InferSpec",
+    "ModelConfig",
+    "ModelRepository",
     "OnBatch",
     "OnnxRuntime",
     "Prepare",
     "PythonRuntime",
     "Runtime",
+    "ServedModel",
+    "TensorConfig",
     "TensorSpec",
+    "UnsupportedConfigWarning",
+    "VersionPolicy",
     "build_batcher",
     "build_io",
+    "priority_to_tier",
+    "resolve",
 ]

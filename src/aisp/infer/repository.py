@@ -269,7 +269,7 @@ def _set_paths(msg: Message, prefix: str = "") -> Iterator[str]:
                 if isinstance(v, Message):
                     yield from _set_paths(v, f"{path}.value.") if v.ListFields() else iter([f"{path}.value"])
             continue
-        items = value if fd.label == fd.LABEL_REPEATED else [value]
+        items = value if fd.is_repeated else [value]
         for item in items:
             sub = list(_set_paths(item, f"{path}."))
             yield from sub or [path]
