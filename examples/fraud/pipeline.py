@@ -4,18 +4,20 @@ parse -> per-user running count and mean of ``amount`` -> 18 features -> ONNX ML
 batching -> ``{"id", "user", "score", "alert", "n", "mean_amount"}``.
 
 Run it: ``aisp run examples/fraud/pipeline.py --input IN.jsonl --output OUT.jsonl``; without
-``--input`` it scores generated events.
+``--input`` it scores generated events. ``--model-repository examples/fraud/repository`` serves
+the model from a Triton-style repository and swaps to a newer version when one is copied in.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import msgspec
 import numpy as np
 
-from aisp import Batch, BatcherConfig, NullSink, OnnxRuntime, Pipeline, WorkloadFSource
+from aisp import Batch, BatcherConfig, NullSink, OnnxRuntime, Pipeline, ServedModel, WorkloadFSource
 
 HERE = Path(__file__).resolve().parent
 MODEL = HERE / "model.onnx"
@@ -45,24 +47,47 @@ def features(batch: Batch) -> Batch:
     return batch.with_columns({"features": x})
 
 
-def emit(batch: Batch) -> Batch:
-    """The output row: id, user, score, alert (score > 0.9), n, mean_amount."""
-    score = batch.numpy("score")
-    out = batch.with_columns({"alert": score > ALERT_THRESHOLD})
-    return out.select([*OUTPUT_COLUMNS, "_id", "_ingest_ns"])
+def emitter(columns: list[str]) -> Callable[[Batch], Batch]:
+    """The output row: ``columns``, with alert = score > 0.9."""
+    keep = [*columns, "_id", "_ingest_ns"]
+
+    def emit(batch: Batch) -> Batch:
+        out = batch.with_columns({"alert": batch.numpy("score") > ALERT_THRESHOLD})
+        return out.select(keep)
+
+    return emit
 
 
-def build(events: int = 1_000_000, seed: int = 0, model: str | Path = MODEL) -> Pipeline:
-    p = Pipeline("fraud", output_columns=OUTPUT_COLUMNS)
+def build(
+    events: int = 1_000_000,
+    seed: int = 0,
+    model: str | Path = MODEL,
+    model_repository: str | Path | None = None,
+) -> Pipeline:
+    """Workload F.
+
+    With ``model_repository`` the model is ``fraud`` from that Triton-style repository (swapped
+    to a newer version when one appears) and rows also carry ``model`` and ``model_version``.
+    """
+    runtime: OnnxRuntime | ServedModel
+    if model_repository is not None:
+        runtime = ServedModel(model_repository, "fraud")
+        batcher = runtime.config.batcher
+        columns = [*OUTPUT_COLUMNS, "model", "model_version"]
+    else:
+        runtime = OnnxRuntime(str(model), name="fraud")
+        batcher = BatcherConfig(max_batch_size=512, max_queue_delay_ms=1.0)
+        columns = OUTPUT_COLUMNS
+    p = Pipeline("fraud", output_columns=columns)
     src = p.source("events", WorkloadFSource(events=events, seed=seed), schema=Event)
     stats = src.key_by("by_user", "user").running_stats("user_stats", "amount", count="n", mean="mean_amount")
     scored = stats.map_batch("features", features).infer(
         "score",
-        OnnxRuntime(str(model), name="fraud"),
+        runtime,
         inputs={"features": "features"},
         outputs={"score": "score"},
-        batcher=BatcherConfig(max_batch_size=512, max_queue_delay_ms=1.0),
+        batcher=batcher,
         latency_budget_ms=10.0,
     )
-    scored.map_batch("emit", emit).sink("out", NullSink())
+    scored.map_batch("emit", emitter(columns)).sink("out", NullSink())
     return p

@@ -54,6 +54,12 @@ def run(
         str | None, typer.Option("--summary-json", help="Write the summary here.")
     ] = None,
     live: Annotated[bool | None, typer.Option("--live/--no-live", help="Live progress view.")] = None,
+    model_repository: Annotated[
+        str | None, typer.Option("--model-repository", help="Triton-style model repository for the pipeline.")
+    ] = None,
+    repository_poll_s: Annotated[
+        float, typer.Option(help="Check the repository for new model versions every N s (0: never).")
+    ] = 1.0,
 ) -> None:
     """Run PIPELINE to the end of its input (Ctrl-C / SIGTERM drain cleanly)."""
     from aisp.runner import RunOptions
@@ -62,6 +68,8 @@ def run(
     params: dict[str, Any] = {}
     if events is not None:
         params["events"] = events
+    if model_repository is not None:
+        params["model_repository"] = model_repository
     try:
         p = load_pipeline(pipeline, **params)
         _bind(p, input, output)
@@ -75,6 +83,7 @@ def run(
                 live=show_live,
                 handle_signals=True,
                 summary_json=summary_json,
+                repository_poll_s=repository_poll_s,
             ),
         )
     except AispError as exc:

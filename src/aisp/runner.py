@@ -6,6 +6,7 @@ import gc
 import resource
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from aisp.infer.batcher import DynamicBatcher
+from aisp.infer.versions import ServedModel
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
 from aisp.sinks.deadletter import DeadLetterSink
 
@@ -37,6 +39,7 @@ class RunOptions:
     offload_sources: bool = True
     offload_sinks: bool = False
     tune_gc: bool = True
+    repository_poll_s: float = 1.0
     on_progress: Callable[[LocalExecutor], None] | None = None
 
 
@@ -95,6 +98,9 @@ def _model_summary(b: DynamicBatcher) -> dict[str, Any]:
         "mean_batch_rows": round(st.rows / st.batches, 1) if st.batches else 0.0,
         "timeouts": st.timeouts,
         "errors": st.errors,
+        "shed": st.shed,
+        "swaps": getattr(b.runtime, "swaps", 0),
+        "last_load_error": getattr(b.runtime, "last_error", None),
     }
 
 
@@ -118,17 +124,19 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
     gc_restore = _tune_gc() if opts.tune_gc else None
     try:
         ex.start()
+        watcher = _VersionWatcher(ex, opts.repository_poll_s)
         if opts.live:
             from aisp.live import LiveView
 
             with LiveView(ex) as view:
                 while not ex.join(timeout_s=0.25):
                     view.update()
-        elif opts.on_progress is not None:
-            while not ex.join(timeout_s=0.25):
-                opts.on_progress(ex)
+                    watcher.poll()
         else:
-            ex.join()
+            while not ex.join(timeout_s=0.25):
+                watcher.poll()
+                if opts.on_progress is not None:
+                    opts.on_progress(ex)
     finally:
         if restore is not None:
             restore()
@@ -142,6 +150,22 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
         with open(opts.summary_json, "wb") as fh:
             fh.write(summary.to_json())
     return summary
+
+
+class _VersionWatcher:
+    """Polls versioned models (``refresh()``) so a new version in the repository is served."""
+
+    def __init__(self, ex: LocalExecutor, interval_s: float) -> None:
+        self._models = [b.runtime for b in ex.batchers.values() if isinstance(b.runtime, ServedModel)]
+        self._interval_ns = int(interval_s * 1e9)
+        self._next = time.monotonic_ns() + self._interval_ns
+
+    def poll(self) -> None:
+        if not self._models or self._interval_ns <= 0 or time.monotonic_ns() < self._next:
+            return
+        self._next = time.monotonic_ns() + self._interval_ns
+        for model in self._models:
+            model.refresh()
 
 
 def _tune_gc() -> Callable[[], None]:

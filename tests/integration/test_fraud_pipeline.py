@@ -152,3 +152,35 @@ def test_memory_stays_bounded_on_a_large_file(tmp_path: Path) -> None:
     _, peak_mb = run_tree(cmd)
     assert src.stat().st_size > 70 * 2**20
     assert peak_mb < 400, f"peak RSS of the process tree {peak_mb:.0f} MB"
+
+
+def test_new_model_version_mid_run_every_event_once_tagged(tmp_path: Path) -> None:
+    """A second version copied into the repository mid-run is picked up with nothing lost."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "examples" / "fraud" / "repository", repo)
+    src, out, dl, summary = (tmp_path / n for n in ("in.jsonl", "out.jsonl", "dl.jsonl", "s.json"))
+    write_events(src, 60_000, seed=11)
+    cmd = fraud_cmd(src, str(out), "--dead-letter", str(dl), "--summary-json", str(summary), "--no-live")
+    cmd += ["--model-repository", str(repo), "--repository-poll-s", "0.1", "--rate", "20000"]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not out.exists() or out.stat().st_size < 500_000):
+        time.sleep(0.05)
+    staged = repo / "fraud" / ".staging"
+    staged.mkdir()
+    shutil.copy(repo / "fraud" / "1" / "model.onnx", staged / "model.onnx")
+    staged.rename(repo / "fraud" / "2")  # appears atomically, as a deploy would do it
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    ids = [r["id"] for r in rows]
+    assert sorted(ids) == list(range(60_000)), "an event was lost or written twice"
+    versions = {r["model_version"] for r in rows}
+    assert versions == {"1", "2"}
+    assert all(r["model"] == "fraud" for r in rows)
+    assert [r["model_version"] for r in rows[-100:]] == ["2"] * 100
+    s = json.loads(summary.read_text())
+    assert s["dead_letters"] == 0 and s["models"]["score"]["swaps"] == 1
+    assert not dl.read_text()
