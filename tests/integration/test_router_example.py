@@ -1,0 +1,35 @@
+"""The semantic router example: a classifier picks the scorer, the branches merge into one sink."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.workload import reference_outputs, write_events
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_router_sends_risky_events_to_the_mlp_and_merges(tmp_path: Path) -> None:
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_events(src, 6000, seed=2, bad_every=500)
+    cmd = [sys.executable, "-m", "aisp.cli", "run", str(ROOT / "examples" / "router" / "pipeline.py")]
+    cmd += ["--input", str(src), "--output", str(out), "--no-live"]
+    res = subprocess.run(
+        cmd, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    expected = reference_outputs(src, ROOT / "examples" / "fraud" / "model.onnx")
+    assert sorted(r["id"] for r in rows) == sorted(expected)
+    by_model = {"fraud_mlp": 0, "fraud_linear": 0}
+    for r in rows:
+        by_model[r["model"]] += 1
+        assert (r["model"] == "fraud_mlp") == (r["risk"] > 0.5)
+        assert 0.0 <= r["score"] <= 1.0 and r["alert"] == (r["score"] > 0.9)
+        if r["model"] == "fraud_mlp":
+            assert abs(r["score"] - expected[r["id"]]["score"]) <= 1e-5
+    assert by_model["fraud_mlp"] > 0 and by_model["fraud_linear"] > by_model["fraud_mlp"]
