@@ -31,7 +31,16 @@ from aisp.infer.stage import InferSpec
 from aisp.ingest.base import Source
 from aisp.runner import RunOptions, RunSummary, run
 from aisp.sinks.base import Sink
-from aisp.transform.operators import Filter, KeyBy, MapBatch, MapRows, Passthrough, Route
+from aisp.transform.operators import (
+    DEFAULT_TIERS,
+    AssignTier,
+    Filter,
+    KeyBy,
+    MapBatch,
+    MapRows,
+    Passthrough,
+    Route,
+)
 from aisp.transform.stateful import RunningStats, StateFn, Stateful
 
 __all__ = ["KeyedStream", "Pipeline", "Stream"]
@@ -164,6 +173,33 @@ class Stream:
     ) -> Stream:
         """Keep rows where ``predicate(batch)`` (a boolean array) is true."""
         return self._add(step_id, "filter", Filter(predicate), latency_budget_ms)
+
+    def tier(
+        self,
+        step_id: str,
+        column: str,
+        *,
+        levels: Mapping[str, int] | None = None,
+        default: int = 0,
+        latency_budget_ms: float = 0.2,
+    ) -> Stream:
+        """Set each row's QoS tier from ``column`` (names such as gold/silver/bronze).
+
+        Model steps serve higher tiers first and, under overload, shed the lowest first.
+
+        >>> from aisp import CollectSink, WorkloadFSource
+        >>> p, out = Pipeline("t"), CollectSink(columns=["tier"])
+        >>> src = p.source("src", WorkloadFSource(events=4))
+        >>> names = ["gold", "x", "bronze", "silver"]
+        >>> named = src.map_batch("name", lambda b: b.with_columns({"tier": names}))
+        >>> tiered = named.tier("qos", "tier")
+        >>> tiered.map_batch("show", lambda b: b.with_columns({"tier": b.numpy("_tier")})).sink("out", out)
+        >>> _ = p.run()
+        >>> sorted(r["tier"] for r in out.rows)
+        [0, 0, 1, 2]
+        """
+        spec = AssignTier(column, dict(levels) if levels is not None else dict(DEFAULT_TIERS), default)
+        return self._add(step_id, "map_batch", spec, latency_budget_ms)
 
     def key_by(self, step_id: str, column: str, *, latency_budget_ms: float = 0.5) -> KeyedStream:
         """Partition by ``column``: adds the ``_key`` code that keyed state operators index by.

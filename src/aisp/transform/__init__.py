@@ -1,6 +1,8 @@
 """Vectorised operators: map, filter, key-by, keyed state, routing, union."""
 
 from aisp.transform.operators import (
+    DEFAULT_TIERS,
+    AssignTier,
     Filter,
     KeyBy,
     MapBatch,
@@ -13,6 +15,8 @@ from aisp.transform.operators import (
 from aisp.transform.stateful import RunningStats, Stateful, StateView
 
 __all__ = [
+    "AssignTier",
+    "DEFAULT_TIERS",
     "Filter",
     "KeyBy",
     "MapBatch",

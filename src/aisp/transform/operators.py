@@ -16,13 +16,16 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from aisp.batch import KEY, META_COLUMNS, Batch
+from aisp.batch import KEY, META_COLUMNS, TIER, Batch
 from aisp.errors import ConfigError
 from aisp.graph import DEFAULT_PORT
 from aisp.state.keyed import KeyIndex
 
 __all__ = [
+    "AssignTier",
+    "DEFAULT_TIERS",
     "Emit",
     "Filter",
     "KeyBy",
@@ -35,6 +38,8 @@ __all__ = [
 ]
 
 Emit = list[tuple[str, Batch]]
+DEFAULT_TIERS = {"bronze": 0, "silver": 1, "gold": 2}
+"""Tier names and their levels: higher levels are served first and shed last."""
 DeadLetterFn = Callable[[Batch, str, str], None]
 
 
@@ -218,3 +223,22 @@ class Route(_Stateless):
             if mask.any():
                 out.append((name, batch.filter(mask)))
         return out
+
+
+@dataclass(frozen=True)
+class AssignTier(_Stateless):
+    """Sets ``_tier`` from ``column``, a tier name per row (``levels`` maps names to levels).
+
+    Unknown names and nulls get ``default``. Vectorised: one Arrow ``index_in`` per batch.
+    """
+
+    column: str
+    levels: Mapping[str, int] = field(default_factory=lambda: dict(DEFAULT_TIERS))
+    default: int = 0
+
+    def process(self, batch: Batch) -> Emit:
+        names = list(self.levels)
+        idx = pc.index_in(batch.column(self.column), value_set=pa.array(names, type=pa.string()))
+        table = np.array([*self.levels.values(), self.default], dtype=np.int8)
+        pos = idx.fill_null(len(names)).to_numpy(zero_copy_only=False)
+        return [(DEFAULT_PORT, batch.with_columns({TIER: table[pos]}))]
