@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from aisp.batch import Batch
+from aisp.batch import TIER, Batch
 from aisp.errors import GraphError
 from aisp.graph import DEFAULT_PORT, Graph, Node
 from aisp.infer.batcher import BatcherConfig
@@ -232,6 +232,50 @@ class Stream:
         )
         return self._add(step_id, "infer", spec, latency_budget_ms)
 
+    def infer_by_tier(
+        self,
+        step_id: str,
+        variants: Mapping[int, Runtime],
+        *,
+        default: Runtime,
+        inputs: Mapping[str, str],
+        outputs: Mapping[str, str],
+        batcher: BatcherConfig | None = None,
+        latency_budget_ms: float = 10.0,
+    ) -> Stream:
+        """A model step whose model depends on the row's tier, e.g. bronze on an INT8 variant.
+
+        ``variants`` maps tiers to runtimes; other tiers use ``default``. Expands into
+        ``{step_id}.route`` -> one infer step per model (``{step_id}.tier<N>``,
+        ``{step_id}.default``) -> ``{step_id}`` (a union). Each row's ``model`` column names the
+        model that scored it.
+        """
+        names = [f"tier{t}" for t in variants]
+        predicates = {f"tier{t}": _tier_is(t) for t in variants}
+        routed = self.route(f"{step_id}.route", [*names, "default"], predicates=predicates, default="default")
+        scored = [
+            routed[f"tier{t}"].infer(
+                f"{step_id}.tier{t}",
+                rt,
+                inputs=inputs,
+                outputs=outputs,
+                batcher=batcher,
+                latency_budget_ms=latency_budget_ms,
+            )
+            for t, rt in variants.items()
+        ]
+        scored.append(
+            routed["default"].infer(
+                f"{step_id}.default",
+                default,
+                inputs=inputs,
+                outputs=outputs,
+                batcher=batcher,
+                latency_budget_ms=latency_budget_ms,
+            )
+        )
+        return self.pipeline.union(step_id, *scored)
+
     def route(
         self,
         step_id: str,
@@ -269,6 +313,14 @@ class Stream:
                 latency_budget_ms=latency_budget_ms,
             )
         )
+
+
+def _tier_is(tier: int) -> Callable[[Batch], npt.NDArray[np.bool_]]:
+    def predicate(batch: Batch) -> npt.NDArray[np.bool_]:
+        mask: npt.NDArray[np.bool_] = batch.meta(TIER) == tier
+        return mask
+
+    return predicate
 
 
 @dataclass(frozen=True)

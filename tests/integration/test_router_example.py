@@ -33,3 +33,24 @@ def test_router_sends_risky_events_to_the_mlp_and_merges(tmp_path: Path) -> None
         if r["model"] == "fraud_mlp":
             assert abs(r["score"] - expected[r["id"]]["score"]) <= 1e-5
     assert by_model["fraud_mlp"] > 0 and by_model["fraud_linear"] > by_model["fraud_mlp"]
+
+
+def test_tiers_example_scores_bronze_with_the_int8_variant(tmp_path: Path) -> None:
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_events(src, 5000, seed=4)
+    cmd = [sys.executable, "-m", "aisp.cli", "run", str(ROOT / "examples" / "fraud" / "tiers.py")]
+    cmd += ["--input", str(src), "--output", str(out), "--no-live"]
+    res = subprocess.run(
+        cmd, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    expected = reference_outputs(src, ROOT / "examples" / "fraud" / "model.onnx")
+    assert sorted(r["id"] for r in rows) == sorted(expected)
+    for r in rows:
+        assert r["tier"] == ("gold", "silver", "bronze")[int(r["user"][1:]) % 3]
+        assert r["model"] == ("fraud_int8" if r["tier"] == "bronze" else "fraud")
+        if r["model"] == "fraud":
+            assert abs(r["score"] - expected[r["id"]]["score"]) <= 1e-5
+        else:
+            assert abs(r["score"] - expected[r["id"]]["score"]) <= 0.5  # int8: close, not exact
