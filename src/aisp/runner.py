@@ -99,6 +99,7 @@ def _model_summary(b: DynamicBatcher) -> dict[str, Any]:
         "timeouts": st.timeouts,
         "errors": st.errors,
         "shed": st.shed,
+        "batching": b.batching(),
         "swaps": getattr(b.runtime, "swaps", 0),
         "last_load_error": getattr(b.runtime, "last_error", None),
     }

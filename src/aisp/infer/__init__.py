@@ -1,5 +1,6 @@
 """Model inference: runtimes, the dynamic batcher and the infer step's column glue."""
 
+from aisp.infer.adaptive import AdaptiveConfig, AdaptiveTuner
 from aisp.infer.batcher import (
     BatcherConfig,
     BatcherStats,
@@ -24,6 +25,8 @@ from aisp.infer.stage import InferSpec, build_batcher, build_io
 from aisp.infer.versions import ServedModel
 
 __all__ = [
+    "AdaptiveConfig",
+    "AdaptiveTuner",
     "BatchQueue",
     "BatcherConfig",
     "BatcherStats",

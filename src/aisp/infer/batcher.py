@@ -23,6 +23,7 @@ from typing import Any
 import numpy.typing as npt
 
 from aisp.batch import Batch
+from aisp.infer.adaptive import AdaptiveTuner, Setting
 from aisp.infer.config import _MS, BatcherConfig
 from aisp.infer.queue import BatchQueue
 from aisp.infer.runtime import Runtime, resolve
@@ -109,6 +110,10 @@ class DynamicBatcher:
         self._started = self._closing = False
         self._count: Counter[str] = Counter()
         self._failure: BaseException | None = None
+        self._tuner: AdaptiveTuner | None = None
+        if config.adaptive is not None:
+            self._tuner = AdaptiveTuner(config.adaptive, max_batch_size=config.max_batch_size, now_ns=clock())
+            self._apply(self._tuner.current)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -186,6 +191,25 @@ class DynamicBatcher:
         for rows_shed in shed:
             self._guard(self._dead, rows_shed, "shed")
 
+    def _apply(self, setting: Setting) -> None:
+        self._queue.retune(
+            max_batch_size=setting.max_batch_size,
+            max_queue_delay_ms=setting.max_queue_delay_ms,
+            eager=setting.eager,
+        )
+
+    def batching(self) -> dict[str, object]:
+        """The batching setting in use (and, when adaptive, the tuner's state and Pareto front)."""
+        with self._lock:
+            if self._tuner is not None:
+                return {"adaptive": True, **self._tuner.describe()}
+            cfg = self._queue.config
+            return {
+                "adaptive": False,
+                "max_batch_size": cfg.max_batch_size,
+                "max_queue_delay_ms": cfg.max_queue_delay_ms,
+            }
+
     @property
     def queued_rows(self) -> int:
         return self._queue.queued_rows
@@ -244,6 +268,10 @@ class DynamicBatcher:
         with self._lock:
             self._queue.cost.observe(rows, compute_ns)
             self._count.update(batches=1, rows=rows)
+            if self._tuner is not None:
+                setting = self._tuner.observe(self._clock(), rows, wait_ns + compute_ns)
+                if setting is not None:
+                    self._apply(setting)
         if self._on_batch is not None:
             self._guard(self._on_batch, rows, wait_ns, compute_ns)
         self._guard(self._emit, result)

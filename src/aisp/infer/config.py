@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from aisp.errors import ConfigError
+from aisp.infer.adaptive import AdaptiveConfig
 
 __all__ = ["BatcherConfig"]
 
@@ -33,6 +34,8 @@ class BatcherConfig:
     ``tier_timeout_ms`` overrides ``timeout_ms`` per tier. When the queue holds ``capacity_rows``,
     ``overload="block"`` makes ``submit`` wait (backpressure) and ``overload="shed"`` drops the
     lowest-tier rows instead (dead-lettered with reason ``shed``), so higher tiers get in.
+    With ``adaptive`` set, ``max_batch_size`` and ``max_queue_delay_ms`` are only the upper
+    bound and the first setting: the batcher tunes them online (``aisp.infer.adaptive``).
 
     >>> BatcherConfig(max_batch_size=64, preferred_batch_sizes=(32, 16)).preferred_batch_sizes
     (16, 32)
@@ -49,6 +52,7 @@ class BatcherConfig:
     default_tier: int = 0
     tier_timeout_ms: Mapping[int, float] = field(default_factory=dict)
     overload: Literal["block", "shed"] = "block"
+    adaptive: AdaptiveConfig | None = None
 
     def __post_init__(self) -> None:
         _int_at_least("max_batch_size", self.max_batch_size, 1)

@@ -9,6 +9,7 @@ real time.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 import numpy as np
 import numpy.typing as npt
@@ -79,6 +80,18 @@ class BatchQueue:
         self._delay_ns = int(config.max_queue_delay_ms * _MS)
         self._margin_ns = int(config.safety_margin_ms * _MS)
         self._any_timeout = config.timeout_ms is not None or bool(config.tier_timeout_ms)
+
+    def retune(self, *, max_batch_size: int, max_queue_delay_ms: float, eager: bool) -> None:
+        """Change the flush limits in place (adaptive batching); queued rows stay queued."""
+        cfg = self.config
+        self.config = replace(
+            cfg,
+            max_batch_size=min(max_batch_size, cfg.capacity_rows),
+            preferred_batch_sizes=tuple(s for s in cfg.preferred_batch_sizes if s <= max_batch_size),
+            max_queue_delay_ms=max_queue_delay_ms,
+            eager=eager,
+        )
+        self._delay_ns = int(max_queue_delay_ms * _MS)
 
     # -- input ------------------------------------------------------------------------------
     def push(self, batch: Batch, now_ns: int) -> None:
