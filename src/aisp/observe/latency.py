@@ -130,6 +130,20 @@ class LatencyHistogram:
             "mean": round(total / count / 1e6, 3) if count else 0.0,
         }
 
+    def since(self, earlier: LatencyHistogram) -> LatencyHistogram:
+        """What was recorded after ``earlier`` (a ``snapshot`` of this histogram).
+
+        The max of the difference is not kept, so it is the top of the highest bucket hit.
+        """
+        now = self.snapshot()
+        h = LatencyHistogram()
+        h._counts = now._counts - earlier._counts
+        h._count = now._count - earlier._count
+        h._sum_ns = now._sum_ns - earlier._sum_ns
+        hit = np.flatnonzero(h._counts)
+        h._max_ns = int(self._value(hit[-1:])[0]) if hit.size else 0
+        return h
+
     def snapshot(self) -> LatencyHistogram:
         h = LatencyHistogram()
         with self._lock:
