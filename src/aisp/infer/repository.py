@@ -151,6 +151,8 @@ class ModelConfig:
     default_model_filename: str = "model.onnx"
     source: str = ""
     ignored: tuple[str, ...] = field(default=(), compare=False)
+    message: Any = field(default=None, compare=False, repr=False)
+    """The parsed ``tritonclient`` ``ModelConfig`` message (what a ModelConfig RPC returns)."""
 
     @classmethod
     def parse(cls, text: str, *, source: str = "<config>", model_dir: str | None = None) -> ModelConfig:
@@ -229,6 +231,7 @@ class ModelConfig:
             default_model_filename=msg.default_model_filename or "model.onnx",
             source=source,
             ignored=ignored,
+            message=msg,
         )
 
     def tier(self, priority: int) -> int:

@@ -1,0 +1,261 @@
+"""The model server core, independent of the transport: models from a repository, each behind
+its own dynamic batcher, so concurrent single-row requests are served in batches.
+
+``ModelServer.infer`` submits a request's rows to the model's batcher and waits for them; the
+rows of several requests share model calls, and a request larger than a batch is split and
+reassembled by row. Requests carry a priority (tier) and an optional deadline that the batcher
+honours; rows that time out or are shed fail their request with that reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from aisp.batch import DEADLINE_NS, TIER, Batch, matrix_column
+from aisp.errors import AispError, ModelError
+from aisp.infer.batcher import DynamicBatcher
+from aisp.infer.repository import ModelRepository
+from aisp.infer.runtime import Runtime
+from aisp.infer.versions import ServedModel
+
+__all__ = ["InferResult", "ModelServer", "RequestFailed"]
+
+_REQ = "_req"
+_ROW = "_row"
+
+
+class RequestFailed(AispError):
+    """An inference request did not complete: timed out, shed, or the model call failed."""
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retriable = reason == "shed" or reason.startswith(("timeout", "deadline"))
+
+
+@dataclass
+class InferResult:
+    model: str
+    version: str
+    outputs: dict[str, npt.NDArray[Any]]
+
+
+@dataclass
+class _Pending:
+    rows: int
+    outputs: dict[str, npt.NDArray[Any]] = field(default_factory=dict)
+    done_rows: int = 0
+    version: str = ""
+    error: str | None = None
+    event: threading.Event = field(default_factory=threading.Event)
+
+
+class _Served:
+    """One loaded model and its batcher."""
+
+    def __init__(self, server: ModelServer, model: ServedModel) -> None:
+        self.model = model
+        self.batcher = DynamicBatcher(
+            model,
+            model.config.batcher,
+            prepare=self._prepare,
+            finish=self._finish,
+            emit=server._complete,
+            dead_letter=server._fail,
+        )
+        self.batcher.start()
+
+    def _prepare(self, batch: Batch) -> dict[str, npt.NDArray[Any]]:
+        specs = self.model.input_specs
+        out = {}
+        for name in self.model.input_names:
+            arr = batch.numpy(name)
+            spec = specs.get(name)
+            if spec is not None and spec.shape and all(isinstance(d, int) for d in spec.shape[1:]):
+                arr = arr.reshape((arr.shape[0], *spec.shape[1:]))
+            out[name] = np.ascontiguousarray(arr, dtype=spec.dtype if spec is not None else None)
+        return out
+
+    @staticmethod
+    def _finish(batch: Batch, outputs: Mapping[str, npt.NDArray[Any]], runtime: Runtime) -> Batch:
+        cols: dict[str, Any] = {}
+        for name, arr in outputs.items():
+            cols[f"out:{name}"] = matrix_column(arr.reshape(arr.shape[0], -1))
+        cols["_version"] = np.full(batch.num_rows, int(runtime.version), dtype=np.int64)
+        return batch.select([_REQ, _ROW]).with_columns(cols)
+
+
+class ModelServer:
+    """Serves the models of a repository (see the module docstring).
+
+    Args:
+        repository: the model repository (a path or a ``ModelRepository``).
+        models: the models to load at start (default: every model in the repository).
+    """
+
+    def __init__(self, repository: ModelRepository | str, *, models: Sequence[str] | None = None) -> None:
+        self.repository = (
+            repository if isinstance(repository, ModelRepository) else ModelRepository(repository)
+        )
+        self._initial = list(models) if models is not None else None
+        self._served: dict[str, _Served] = {}
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+        self.started_ns = time.monotonic_ns()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        for name in self._initial if self._initial is not None else self.repository.models():
+            self.load(name)
+
+    def close(self) -> None:
+        with self._lock:
+            served, self._served = self._served, {}
+        for s in served.values():
+            s.batcher.close()
+
+    # -- repository ---------------------------------------------------------------------------
+    def load(self, name: str, version: int | None = None) -> str:
+        """Load ``name`` (or switch it to ``version``: a hot swap between batches)."""
+        with self._lock:
+            current = self._served.get(name)
+        if current is not None:
+            return current.model.load(version)
+        model = ServedModel(self.repository, name, version=version)
+        served = _Served(self, model)
+        with self._lock:
+            self._served[name] = served
+            self._shapes[name] = {t.name: t.dims for t in model.config.outputs}
+        return model.version
+
+    def unload(self, name: str) -> None:
+        with self._lock:
+            served = self._served.pop(name, None)
+        if served is None:
+            raise ModelError(f"model {name!r} is not loaded")
+        served.batcher.close()
+
+    def index(self) -> list[dict[str, str]]:
+        out = []
+        for name in self.repository.models():
+            served = self._served.get(name)
+            versions = self.repository.versions(name) or [0]
+            for v in versions:
+                ready = served is not None and served.model.version == str(v)
+                out.append({"name": name, "version": str(v), "state": "READY" if ready else "UNAVAILABLE"})
+        return out
+
+    def served(self, name: str, version: str | None = None) -> ServedModel:
+        with self._lock:
+            s = self._served.get(name)
+        if s is None:
+            raise ModelError(f"model {name!r} is not loaded")
+        if version and version != s.model.version:
+            raise ModelError(f"model {name!r} version {version} is not serving (serving: {s.model.version})")
+        return s.model
+
+    def ready(self, name: str, version: str | None = None) -> bool:
+        try:
+            self.served(name, version)
+        except ModelError:
+            return False
+        return True
+
+    @property
+    def models(self) -> list[str]:
+        with self._lock:
+            return sorted(self._served)
+
+    # -- inference ----------------------------------------------------------------------------
+    def infer(
+        self,
+        name: str,
+        inputs: Mapping[str, npt.NDArray[Any]],
+        *,
+        version: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
+    ) -> InferResult:
+        """Run ``inputs`` (arrays with the batch dimension first) through the model's batcher."""
+        model = self.served(name, version)
+        missing = sorted(set(model.input_names) - set(inputs))
+        if missing:
+            raise ModelError(f"model {name!r} needs inputs {list(model.input_names)}; missing {missing}")
+        rows = {int(a.shape[0]) for a in inputs.values()}
+        if len(rows) != 1:
+            raise ModelError(f"inputs have different batch sizes: {sorted(rows)}")
+        n = rows.pop()
+        tier = model.config.tier(priority)
+        req = next(self._ids)
+        pending = _Pending(n)
+        cols: dict[str, Any] = {k: _column(v) for k, v in inputs.items() if k in model.input_names}
+        cols[_REQ] = np.full(n, req, dtype=np.int64)
+        cols[_ROW] = np.arange(n, dtype=np.int64)
+        cols[TIER] = np.full(n, tier, dtype=np.int8)
+        if timeout_s is not None:
+            cols[DEADLINE_NS] = np.full(n, time.monotonic_ns() + int(timeout_s * 1e9), dtype=np.int64)
+        with self._lock:
+            self._pending[req] = pending
+            served = self._served[name]
+        try:
+            served.batcher.submit(Batch.from_columns(cols))
+            if not pending.event.wait(None if timeout_s is None else timeout_s + 1.0):
+                raise RequestFailed(f"model {name!r}: no answer in {timeout_s:g} s", reason="timeout")
+        finally:
+            with self._lock:
+                self._pending.pop(req, None)
+        if pending.error is not None:
+            raise RequestFailed(f"model {name!r}: {pending.error}", reason=pending.error)
+        shapes = self._shapes.get(name, {})
+        outputs = {
+            k: v.reshape((n, *shapes[k])) if k in shapes and all(d > 0 for d in shapes[k]) else v
+            for k, v in pending.outputs.items()
+        }
+        return InferResult(name, pending.version, outputs)
+
+    # -- batcher callbacks (dispatcher threads) -----------------------------------------------
+    def _complete(self, batch: Batch) -> None:
+        reqs = batch.numpy(_REQ)
+        rows = batch.numpy(_ROW)
+        version = str(int(batch.numpy("_version")[0]))
+        outs = {c[4:]: batch.numpy(c) for c in batch.column_names if c.startswith("out:")}
+        for req in np.unique(reqs).tolist():
+            sel = reqs == req
+            with self._lock:
+                p = self._pending.get(req)
+            if p is None:
+                continue  # the caller gave up
+            for name, arr in outs.items():
+                buf = p.outputs.get(name)
+                if buf is None:
+                    buf = p.outputs[name] = np.empty((p.rows, arr.shape[1]), dtype=arr.dtype)
+                buf[rows[sel]] = arr[sel]
+            p.version = version
+            p.done_rows += int(sel.sum())
+            if p.done_rows >= p.rows:
+                p.event.set()
+
+    def _fail(self, batch: Batch, reason: str) -> None:
+        for req in np.unique(batch.numpy(_REQ)).tolist():
+            with self._lock:
+                p = self._pending.get(req)
+            if p is not None and p.error is None:
+                p.error = reason
+                p.event.set()
+
+
+def _column(arr: npt.NDArray[Any]) -> Any:
+    arr = np.asarray(arr)
+    if arr.ndim == 1:
+        return arr
+    return matrix_column(arr.reshape(arr.shape[0], -1))
