@@ -22,6 +22,7 @@ import numpy.typing as npt
 from aisp.batch import DEADLINE_NS, TIER, Batch, matrix_column
 from aisp.errors import AispError, ModelError
 from aisp.infer.batcher import DynamicBatcher
+from aisp.infer.config import BatcherConfig
 from aisp.infer.repository import ModelRepository
 from aisp.infer.runtime import Runtime
 from aisp.infer.versions import ServedModel
@@ -61,11 +62,11 @@ class _Pending:
 class _Served:
     """One loaded model and its batcher."""
 
-    def __init__(self, server: ModelServer, model: ServedModel) -> None:
+    def __init__(self, server: ModelServer, model: ServedModel, config: BatcherConfig | None = None) -> None:
         self.model = model
         self.batcher = DynamicBatcher(
             model,
-            model.config.batcher,
+            config or model.config.batcher,
             prepare=self._prepare,
             finish=self._finish,
             emit=server._complete,
@@ -99,9 +100,17 @@ class ModelServer:
     Args:
         repository: the model repository (a path or a ``ModelRepository``).
         models: the models to load at start (default: every model in the repository).
+        batching: per model, a ``BatcherConfig`` that replaces what its ``config.pbtxt`` says.
     """
 
-    def __init__(self, repository: ModelRepository | str, *, models: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        repository: ModelRepository | str,
+        *,
+        models: Sequence[str] | None = None,
+        batching: Mapping[str, BatcherConfig] | None = None,
+    ) -> None:
+        self._batching = dict(batching or {})
         self.repository = (
             repository if isinstance(repository, ModelRepository) else ModelRepository(repository)
         )
@@ -132,7 +141,7 @@ class ModelServer:
         if current is not None:
             return current.model.load(version)
         model = ServedModel(self.repository, name, version=version)
-        served = _Served(self, model)
+        served = _Served(self, model, self._batching.get(name))
         with self._lock:
             self._served[name] = served
             self._shapes[name] = {t.name: t.dims for t in model.config.outputs}
