@@ -192,7 +192,7 @@ class OnnxRuntime:
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:
         """Run one all-zeros batch per size, built from the model's input metadata."""
-        _warmup(self, batch_sizes)
+        warmup_with_zeros(self, batch_sizes)
 
     def __repr__(self) -> str:
         return f"OnnxRuntime({str(self.path)!r}, name={self.name!r}, provider={self.provider!r})"
@@ -243,7 +243,7 @@ class PythonRuntime:
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:
         """Call ``fn`` once per size with zeros, when the input specs allow building them."""
-        _warmup(self, batch_sizes)
+        warmup_with_zeros(self, batch_sizes)
 
     def __repr__(self) -> str:
         return f"PythonRuntime(name={self.name!r}, inputs={self.input_names}, outputs={self.output_names})"
@@ -302,8 +302,11 @@ class CostModel:
         return 0.0, max(self._y, 0.0) / self._x
 
 
-def _warmup(runtime: Runtime, batch_sizes: Sequence[int]) -> None:
+def warmup_with_zeros(runtime: Runtime, batch_sizes: Sequence[int]) -> None:
+    """One all-zeros batch per size, from the input specs; nothing when a spec is missing."""
     for size in dict.fromkeys(batch_sizes):
+        if any(n not in runtime.input_specs for n in runtime.input_names):
+            return
         dummy = {n: runtime.input_specs[n].zeros(size) for n in runtime.input_names}
         if any(v is None for v in dummy.values()):
             return
