@@ -31,7 +31,9 @@ def simulate(setting: Setting, offered_rows_per_s: float) -> tuple[int, int, flo
 def drive(tuner: AdaptiveTuner, offered: float, now: int, steps: int) -> int:
     for _ in range(steps):
         rows, latency, per_s = simulate(tuner.current, offered)
-        now += int(1e9 / per_s)
+        dt = 1e9 / per_s
+        now += int(dt)
+        tuner.arrived(int(offered * dt / 1e9))
         tuner.observe(now, rows, latency)
     return now
 

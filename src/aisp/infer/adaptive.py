@@ -46,6 +46,7 @@ class AdaptiveConfig:
     trial_batches: int = 20
     window_s: float = 30.0
     retune_change: float = 0.3
+    bail_out: float = 3.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,8 @@ class AdaptiveTuner:
         self._trial = _Trial(self._queue.pop(0), now_ns)
         self._exploring = True
         self._chosen_rate: float | None = None
+        self._arrived = 0
+        self._arrived_at_trial = 0
         self._chosen_met_target = False
 
     @property
@@ -113,8 +116,15 @@ class AdaptiveTuner:
         t.latencies_ns.append(latency_ns)
         elapsed_s = (now_ns - t.started_ns) / 1e9
         if t.batches < self.config.trial_batches or elapsed_s < self.config.trial_s:
-            return None
-        result = TrialResult(t.setting, sum(t.rows) / elapsed_s, weighted_p99(t.latencies_ns, t.rows), now_ns)
+            if not self._exploring or t.batches < max(3, self.config.trial_batches // 2):
+                return None
+            # bail out of a setting that is already far over the target: exploring it longer
+            # would only build a backlog the next settings inherit
+            if weighted_p99(t.latencies_ns, t.rows) <= self.config.bail_out * self.config.p99_target_ms:
+                return None
+        result = TrialResult(
+            t.setting, sum(t.rows) / max(elapsed_s, 1e-9), weighted_p99(t.latencies_ns, t.rows), now_ns
+        )
         self._remember(result)
         if self._exploring:
             if self._queue:
@@ -130,7 +140,13 @@ class AdaptiveTuner:
             self._queue = [c for c in self.candidates if c != t.setting]
             return self._start(self._queue.pop(0), now_ns) if self._queue else self._settle(now_ns)
         self._trial = _Trial(t.setting, now_ns)  # keep measuring the chosen setting
+        self._arrived_at_trial = self._arrived
         return None
+
+    def arrived(self, rows: int) -> None:
+        """Count offered rows (the load signal for re-tuning, unlike throughput, which a backlog
+        inflates while it drains)."""
+        self._arrived += rows
 
     def front(self) -> list[TrialResult]:
         """The Pareto front of the window: no other result has higher throughput and lower p99."""
@@ -161,6 +177,7 @@ class AdaptiveTuner:
 
     def _start(self, setting: Setting, now_ns: int) -> Setting:
         self._trial = _Trial(setting, now_ns)
+        self._arrived_at_trial = self._arrived
         return setting
 
     def _settle(self, now_ns: int) -> Setting:
@@ -173,7 +190,7 @@ class AdaptiveTuner:
         else:
             choice = min(front, key=lambda r: r.p99_ms)
         self._exploring = False
-        self._chosen_rate = choice.rows_per_s
+        self._chosen_rate = None  # set from the offered load of the first exploit window
         self._chosen_met_target = bool(ok)
         self.decisions += 1
         log.info(
@@ -189,8 +206,13 @@ class AdaptiveTuner:
         return self._start(choice.setting, now_ns)
 
     def _needs_retune(self, result: TrialResult) -> bool:
-        chosen = self._chosen_rate or result.rows_per_s
-        moved = abs(result.rows_per_s - chosen) > self.config.retune_change * max(chosen, 1.0)
+        t = self._trial
+        offered = (self._arrived - self._arrived_at_trial) / max((result.at_ns - t.started_ns) / 1e9, 1e-9)
+        if self._chosen_rate is None:
+            self._chosen_rate = offered
+            return False
+        chosen = self._chosen_rate
+        moved = abs(offered - chosen) > self.config.retune_change * max(chosen, 1.0)
         broke = self._chosen_met_target and result.p99_ms > self.config.p99_target_ms * 1.5
         return moved or broke
 

@@ -187,6 +187,8 @@ class DynamicBatcher:
                 self._not_full.wait(wait_s)
             if admitted is not None:
                 self._queue.push(admitted, self._clock())
+                if self._tuner is not None:
+                    self._tuner.arrived(admitted.num_rows)
                 self._not_empty.notify()
         for rows_shed in shed:
             self._guard(self._dead, rows_shed, "shed")
