@@ -141,10 +141,8 @@ def main() -> int:
     adaptive = AdaptiveConfig(p99_target_ms=args.p99_ms, batch_sizes=sizes, delays_ms=delays, trial_s=0.5)
     cfg = BatcherConfig(max_batch_size=512, capacity_rows=1 << 20, adaptive=adaptive)
     rps, p99, state = offer(cfg, model, args.rate, args.adaptive_seconds, args.seconds - 1.0, args.rows)
-    print(
-        f"  adaptive: {rps:9,.0f} rows/s  p99 {p99:8.2f} ms  setting {state['max_batch_size']}, {state['max_queue_delay_ms']} ms",
-        file=sys.stderr,
-    )
+    setting = f"{state['max_batch_size']}, {state['max_queue_delay_ms']} ms"
+    print(f"  adaptive: {rps:9,.0f} rows/s  p99 {p99:8.2f} ms  setting {setting}", file=sys.stderr)
     result = {
         "offered_rows_per_s": args.rate,
         "rows_per_request": args.rows,
