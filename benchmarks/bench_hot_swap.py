@@ -13,7 +13,6 @@ request until 1.25 s after it, and their ratio.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import shutil
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.workload import write_events  # noqa: E402
+from benchmarks.workload import load_fraud_example, write_events  # noqa: E402
 
 
 def main() -> int:
@@ -41,13 +40,7 @@ def main() -> int:
     shutil.copytree(ROOT / "examples" / "fraud" / "repository", repo)
     data = work / "events.jsonl"
     write_events(data, args.events, seed=0)
-    spec = importlib.util.spec_from_file_location(
-        "fraud_pipeline", ROOT / "examples" / "fraud" / "pipeline.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_fraud_example()
     p = module.build(model_repository=repo)
     p.bind(
         source=JsonlFileSource(path=str(data), schema=module.Event),

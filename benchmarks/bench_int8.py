@@ -10,7 +10,6 @@ fraud example with ``model=``): max and mean absolute score difference, and aler
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -23,7 +22,7 @@ import onnxruntime as ort
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.workload import write_events  # noqa: E402
+from benchmarks.workload import load_fraud_example, write_events  # noqa: E402
 
 FP32 = ROOT / "examples" / "fraud" / "model.onnx"
 INT8 = ROOT / "examples" / "fraud" / "model.int8.onnx"
@@ -32,13 +31,7 @@ INT8 = ROOT / "examples" / "fraud" / "model.int8.onnx"
 def engine_scores(data: Path, model: Path, out: Path) -> tuple[dict[int, float], float]:
     from aisp import JsonlFileSink, JsonlFileSource, run
 
-    spec = importlib.util.spec_from_file_location(
-        "fraud_pipeline", ROOT / "examples" / "fraud" / "pipeline.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_fraud_example()
     p = module.build(model=model)
     p.bind(source=JsonlFileSource(path=str(data), schema=module.Event), sink=JsonlFileSink(path=str(out)))
     summary = run(p)

@@ -310,3 +310,16 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def load_fraud_example() -> Any:
+    """The fraud example's pipeline module (``build``, ``Event``), imported from its file."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "fraud" / "pipeline.py"
+    spec = importlib.util.spec_from_file_location("aisp_example_fraud_pipeline", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # msgspec resolves the schema's annotations through it
+    spec.loader.exec_module(module)
+    return module

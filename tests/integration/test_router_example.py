@@ -13,15 +13,28 @@ from benchmarks.workload import reference_outputs, write_events
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def run_example(pipeline: Path, src: Path, out: Path) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "aisp.cli",
+        "run",
+        str(pipeline),
+        "--input",
+        str(src),
+        "--output",
+        str(out),
+        "--no-live",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+
+
 def test_router_sends_risky_events_to_the_mlp_and_merges(tmp_path: Path) -> None:
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_events(src, 6000, seed=2, bad_every=500)
-    cmd = [sys.executable, "-m", "aisp.cli", "run", str(ROOT / "examples" / "router" / "pipeline.py")]
-    cmd += ["--input", str(src), "--output", str(out), "--no-live"]
-    res = subprocess.run(
-        cmd, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True, timeout=120
-    )
-    assert res.returncode == 0, res.stderr
+    run_example(ROOT / "examples" / "router" / "pipeline.py", src, out)
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     expected = reference_outputs(src, ROOT / "examples" / "fraud" / "model.onnx")
     assert sorted(r["id"] for r in rows) == sorted(expected)
@@ -38,12 +51,7 @@ def test_router_sends_risky_events_to_the_mlp_and_merges(tmp_path: Path) -> None
 def test_tiers_example_scores_bronze_with_the_int8_variant(tmp_path: Path) -> None:
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_events(src, 5000, seed=4)
-    cmd = [sys.executable, "-m", "aisp.cli", "run", str(ROOT / "examples" / "fraud" / "tiers.py")]
-    cmd += ["--input", str(src), "--output", str(out), "--no-live"]
-    res = subprocess.run(
-        cmd, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True, timeout=120
-    )
-    assert res.returncode == 0, res.stderr
+    run_example(ROOT / "examples" / "fraud" / "tiers.py", src, out)
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     expected = reference_outputs(src, ROOT / "examples" / "fraud" / "model.onnx")
     assert sorted(r["id"] for r in rows) == sorted(expected)
