@@ -111,6 +111,42 @@ def _bind(p: Pipeline, input: str | None, output: str | None) -> None:  # noqa: 
 
 
 @app.command()
+def serve(
+    repository: Annotated[str, typer.Argument(help="Triton-style model repository to serve.")],
+    host: Annotated[
+        str, typer.Option(help="Address to bind (loopback unless told otherwise).")
+    ] = "127.0.0.1",
+    grpc_port: Annotated[int, typer.Option(help="OIP v2 gRPC port (0: a free port).")] = 8001,
+) -> None:
+    """Serve REPOSITORY over Open Inference Protocol v2 (gRPC); SIGTERM/Ctrl-C drain and exit 0."""
+    import signal
+    import threading
+
+    from aisp.serve.grpc import GrpcServer
+    from aisp.serve.models import ModelServer
+
+    try:
+        models = ModelServer(repository)
+        models.start()
+    except AispError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    server = GrpcServer(models, host=host, port=grpc_port)
+    server.start()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    err.print(
+        f"serving {', '.join(models.models) or 'no models'} on grpc://{server.address}", highlight=False
+    )
+    print(f"grpc {server.address}", flush=True)
+    stop.wait()
+    server.stop(grace_s=10)  # finish accepted requests, refuse new ones
+    models.close()
+    err.print("stopped")
+
+
+@app.command()
 def topology(
     pipeline: Annotated[str, typer.Argument(help="Python file defining build() or `pipeline`.")],
 ) -> None:
