@@ -31,7 +31,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     yield line.split()[1], repo, proc
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+    proc.communicate(timeout=30)  # also closes the pipes
 
 
 def test_health_metadata_config_and_infer(served: tuple[str, Path, subprocess.Popen[str]]) -> None:
