@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -110,16 +113,42 @@ def _bind(p: Pipeline, input: str | None, output: str | None) -> None:  # noqa: 
         p.bind(sink=sink_from_url(output, p))
 
 
+class _GracefulServerMixin:
+    """uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then re-raises the signal (so the
+    process dies of it); a drained ``aisp serve`` exits 0 instead."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        handle_exit = self.handle_exit  # type: ignore[attr-defined]
+        old = {s: signal.signal(s, handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+def _graceful_server(config: Any) -> Any:
+    import uvicorn
+
+    return type("_GracefulServer", (_GracefulServerMixin, uvicorn.Server), {})(config)
+
+
 @app.command()
 def serve(
     repository: Annotated[str, typer.Argument(help="Triton-style model repository to serve.")],
     host: Annotated[
         str, typer.Option(help="Address to bind (loopback unless told otherwise).")
     ] = "127.0.0.1",
-    grpc_port: Annotated[int, typer.Option(help="OIP v2 gRPC port (0: a free port).")] = 8001,
+    http_port: Annotated[int, typer.Option(help="OIP v2 HTTP/REST port (0: a free port, -1: off).")] = 8000,
+    grpc_port: Annotated[int, typer.Option(help="OIP v2 gRPC port (0: a free port, -1: off).")] = 8001,
 ) -> None:
-    """Serve REPOSITORY over Open Inference Protocol v2 (gRPC); SIGTERM/Ctrl-C drain and exit 0."""
-    import signal
+    """Serve REPOSITORY over Open Inference Protocol v2 (HTTP and gRPC).
+
+    SIGTERM / Ctrl-C stop accepting, finish what was accepted, and exit 0. The bound addresses
+    are printed on stdout as ``http HOST:PORT`` and ``grpc HOST:PORT``.
+    """
+    import socket
     import threading
 
     from aisp.serve.grpc import GrpcServer
@@ -131,18 +160,37 @@ def serve(
     except AispError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
-    server = GrpcServer(models, host=host, port=grpc_port)
-    server.start()
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    err.print(
-        f"serving {', '.join(models.models) or 'no models'} on grpc://{server.address}", highlight=False
-    )
-    print(f"grpc {server.address}", flush=True)
-    stop.wait()
-    server.stop(grace_s=10)  # finish accepted requests, refuse new ones
-    models.close()
+    grpc_server = None
+    if grpc_port >= 0:
+        grpc_server = GrpcServer(models, host=host, port=grpc_port)
+        grpc_server.start()
+        print(f"grpc {grpc_server.address}", flush=True)
+    try:
+        if http_port >= 0:
+            import uvicorn
+
+            from aisp.serve.http import create_app  # noqa: I001
+
+            sock = socket.create_server((host, http_port))
+            print(f"http {host}:{sock.getsockname()[1]}", flush=True)
+            config = uvicorn.Config(
+                create_app(models),
+                log_level="warning",
+                http="httptools",
+                loop="uvloop",
+                lifespan="off",
+                timeout_graceful_shutdown=10,
+            )
+            _graceful_server(config).run(sockets=[sock])
+        else:
+            stop = threading.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+            stop.wait()
+    finally:
+        if grpc_server is not None:
+            grpc_server.stop(grace_s=10)  # finish accepted requests, refuse new ones
+        models.close()
     err.print("stopped")
 
 

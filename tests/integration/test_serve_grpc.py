@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, subprocess.Popen[str]]]:
     repo = fraud_repository(tmp_path_factory.mktemp("repo"), {1: 0.1})
-    cmd = [sys.executable, "-m", "aisp.cli", "serve", str(repo), "--grpc-port", "0"]
+    cmd = [sys.executable, "-m", "aisp.cli", "serve", str(repo), "--grpc-port", "0", "--http-port", "-1"]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None

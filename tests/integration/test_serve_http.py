@@ -1,0 +1,91 @@
+"""`aisp serve` over OIP v2 HTTP/REST, with unmodified tritonclient.http and raw httpx requests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as th
+
+from tests.support.models import expected_score, fraud_repository
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    repo = fraud_repository(tmp_path_factory.mktemp("repo"), {1: 0.1})
+    cmd = [sys.executable, "-m", "aisp.cli", "serve", str(repo), "--http-port", "0", "--grpc-port", "-1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("http "), proc.stderr.read() if proc.stderr else line
+    address = line.split()[1]
+    for _ in range(100):  # the socket is bound before uvicorn serves on it
+        try:
+            if httpx.get(f"http://{address}/v2/health/live", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+    yield address, proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_tritonclient_http_infer(served: tuple[str, subprocess.Popen[str]], binary: bool) -> None:
+    address, _ = served
+    client = th.InferenceServerClient(address)
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("fraud")
+    meta = client.get_model_metadata("fraud")
+    assert meta["inputs"] == [{"name": "features", "datatype": "FP32", "shape": [-1, 18]}]
+    assert client.get_model_config("fraud")["max_batch_size"] == 256
+    x = np.random.default_rng(1).normal(size=(6, 18)).astype(np.float32)
+    inp = th.InferInput("features", [6, 18], "FP32")
+    inp.set_data_from_numpy(x, binary_data=binary)
+    out = th.InferRequestedOutput("score", binary_data=binary)
+    result = client.infer("fraud", [inp], outputs=[out])
+    np.testing.assert_allclose(result.as_numpy("score")[:, 0], expected_score(x, 0.1), rtol=1e-6)
+    assert result.get_response()["model_version"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b'{"inputs": []}', "non-empty 'inputs'"),
+        (
+            b'{"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 18], "data": [1, 2]}]}',
+            "2 values",
+        ),
+        (b'{"inputs": [{"name": "features", "datatype": "BF99", "shape": [1, 18], "data": []}]}', "datatype"),
+        (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]}', "needs inputs"),
+    ],
+)
+def test_bad_requests_get_400_with_a_reason(
+    served: tuple[str, subprocess.Popen[str]], body: bytes, reason: str
+) -> None:
+    address, _ = served
+    r = httpx.post(f"http://{address}/v2/models/fraud/infer", content=body, timeout=10)
+    assert r.status_code == 400 and reason in r.json()["error"]
+
+
+def test_unknown_model_is_404_and_server_keeps_serving(served: tuple[str, subprocess.Popen[str]]) -> None:
+    address, _ = served
+    assert httpx.get(f"http://{address}/v2/models/ghost", timeout=10).status_code == 404
+    assert httpx.get(f"http://{address}/v2/health/ready", timeout=10).status_code == 200
+
+
+def test_sigterm_exits_cleanly(served: tuple[str, subprocess.Popen[str]]) -> None:
+    _, proc = served
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
