@@ -169,7 +169,7 @@ def serve(
         if http_port >= 0:
             import uvicorn
 
-            from aisp.serve.http import create_app  # noqa: I001
+            from aisp.serve.http import create_app
 
             sock = socket.create_server((host, http_port))
             print(f"http {host}:{sock.getsockname()[1]}", flush=True)
