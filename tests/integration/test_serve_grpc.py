@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
 from tests.support.models import expected_score, fraud_repository, linear_model
+from tests.support.serving import aisp_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,16 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, subprocess.Popen[str]]]:
     repo = fraud_repository(tmp_path_factory.mktemp("repo"), {1: 0.1})
-    cmd = [sys.executable, "-m", "aisp.cli", "serve", str(repo), "--grpc-port", "0", "--http-port", "-1"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("grpc "), proc.stderr.read() if proc.stderr else line
-    yield line.split()[1], repo, proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=30)  # also closes the pipes
+    with aisp_serve(repo, http=False, grpc=True) as (addresses, proc):
+        yield addresses["grpc"], repo, proc
 
 
 def test_health_metadata_config_and_infer(served: tuple[str, Path, subprocess.Popen[str]]) -> None:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import pytest
 import tritonclient.http as th
 
 from tests.support.models import expected_score, fraud_repository
+from tests.support.serving import aisp_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,23 +21,15 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     repo = fraud_repository(tmp_path_factory.mktemp("repo"), {1: 0.1})
-    cmd = [sys.executable, "-m", "aisp.cli", "serve", str(repo), "--http-port", "0", "--grpc-port", "-1"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("http "), proc.stderr.read() if proc.stderr else line
-    address = line.split()[1]
-    for _ in range(100):  # the socket is bound before uvicorn serves on it
-        try:
-            if httpx.get(f"http://{address}/v2/health/live", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-    yield address, proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=30)
+    with aisp_serve(repo, http=True, grpc=False) as (addresses, proc):
+        address = addresses["http"]
+        for _ in range(100):  # the socket is bound before uvicorn serves on it
+            try:
+                if httpx.get(f"http://{address}/v2/health/live", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+        yield address, proc
 
 
 @pytest.mark.parametrize("binary", [True, False])

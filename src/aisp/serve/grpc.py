@@ -21,25 +21,10 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from aisp.errors import AispError, ModelError
-from aisp.serve.models import ModelServer, RequestFailed
+from aisp.serve.models import NP_TO_OIP, OIP_TO_NP, ModelServer, RequestFailed
 
 __all__ = ["GrpcServer", "InferenceServicer"]
 
-NP_TO_OIP = {
-    np.dtype(np.bool_): "BOOL",
-    np.dtype(np.uint8): "UINT8",
-    np.dtype(np.uint16): "UINT16",
-    np.dtype(np.uint32): "UINT32",
-    np.dtype(np.uint64): "UINT64",
-    np.dtype(np.int8): "INT8",
-    np.dtype(np.int16): "INT16",
-    np.dtype(np.int32): "INT32",
-    np.dtype(np.int64): "INT64",
-    np.dtype(np.float16): "FP16",
-    np.dtype(np.float32): "FP32",
-    np.dtype(np.float64): "FP64",
-}
-OIP_TO_NP = {v: k for k, v in NP_TO_OIP.items()}
 CONTENTS_FIELD = {
     "BOOL": "bool_contents",
     "INT8": "int_contents",
@@ -109,23 +94,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         return pb.ServerMetadataResponse(name=self.name, version=self.version, extensions=extensions)
 
     def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
-        model = self._model(request.name, request.version, context)
-        cfg = model.config
-
-        def tensors(ts: Any) -> list[Any]:
-            return [
-                pb.ModelMetadataResponse.TensorMetadata(
-                    name=t.name, datatype=NP_TO_OIP[np.dtype(t.dtype)], shape=[-1, *t.dims]
-                )
-                for t in ts
-            ]
-
+        try:
+            meta = self.models.metadata(request.name, request.version or None)
+        except ModelError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        tensors = {
+            k: [pb.ModelMetadataResponse.TensorMetadata(**t) for t in meta[k]] for k in ("inputs", "outputs")
+        }
         return pb.ModelMetadataResponse(
-            name=cfg.name,
-            versions=[str(v) for v in self.models.repository.serving_versions(cfg.name, cfg)],
-            platform=cfg.platform,
-            inputs=tensors(cfg.inputs),
-            outputs=tensors(cfg.outputs),
+            name=meta["name"], versions=meta["versions"], platform=meta["platform"], **tensors
         )
 
     def ModelConfig(self, request: Any, context: Any) -> Any:  # noqa: N802

@@ -26,8 +26,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from aisp.errors import AispError, ModelError
-from aisp.serve.grpc import NP_TO_OIP, OIP_TO_NP, BadRequest
-from aisp.serve.models import ModelServer, RequestFailed
+from aisp.serve.grpc import BadRequest
+from aisp.serve.models import NP_TO_OIP, OIP_TO_NP, ModelServer, RequestFailed
 
 __all__ = ["HEADER_LENGTH", "create_app"]
 
@@ -136,19 +136,11 @@ def create_app(models: ModelServer, *, name: str = "aisp", version: str = "0.1.0
         return models.served(p["model"], p.get("version") or None)
 
     async def model_metadata(request: Request) -> Response:
+        p = request.path_params
         try:
-            cfg = served(request).config
+            return JSONResponse(models.metadata(p["model"], p.get("version") or None))
         except ModelError as exc:
             return _error(404, str(exc))
-
-        def tensors(ts: Any) -> list[dict[str, Any]]:
-            return [
-                {"name": t.name, "datatype": NP_TO_OIP[np.dtype(t.dtype)], "shape": [-1, *t.dims]} for t in ts
-            ]
-
-        versions = [str(v) for v in models.repository.serving_versions(cfg.name, cfg)]
-        body = {"name": cfg.name, "versions": versions, "platform": cfg.platform}
-        return JSONResponse({**body, "inputs": tensors(cfg.inputs), "outputs": tensors(cfg.outputs)})
 
     async def model_ready(request: Request) -> Response:
         p = request.path_params

@@ -27,7 +27,24 @@ from aisp.infer.repository import ModelRepository
 from aisp.infer.runtime import Runtime
 from aisp.infer.versions import ServedModel
 
-__all__ = ["InferResult", "ModelServer", "RequestFailed"]
+__all__ = ["NP_TO_OIP", "OIP_TO_NP", "InferResult", "ModelServer", "RequestFailed"]
+
+NP_TO_OIP = {
+    np.dtype(np.bool_): "BOOL",
+    np.dtype(np.uint8): "UINT8",
+    np.dtype(np.uint16): "UINT16",
+    np.dtype(np.uint32): "UINT32",
+    np.dtype(np.uint64): "UINT64",
+    np.dtype(np.int8): "INT8",
+    np.dtype(np.int16): "INT16",
+    np.dtype(np.int32): "INT32",
+    np.dtype(np.int64): "INT64",
+    np.dtype(np.float16): "FP16",
+    np.dtype(np.float32): "FP32",
+    np.dtype(np.float64): "FP64",
+}
+"""numpy dtypes and their Open Inference Protocol v2 datatype names."""
+OIP_TO_NP = {v: k for k, v in NP_TO_OIP.items()}
 
 _REQ = "_req"
 _ROW = "_row"
@@ -172,6 +189,25 @@ class ModelServer:
         if version and version != s.model.version:
             raise ModelError(f"model {name!r} version {version} is not serving (serving: {s.model.version})")
         return s.model
+
+    def metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
+        """OIP v2 model metadata: name, serving versions, platform, inputs/outputs with the batch
+        dimension as -1 and OIP datatypes."""
+        cfg = self.served(name, version).config
+
+        def tensors(ts: Sequence[Any]) -> list[dict[str, Any]]:
+            return [
+                {"name": t.name, "datatype": NP_TO_OIP[np.dtype(t.dtype)], "shape": [-1, *t.dims]} for t in ts
+            ]
+
+        versions = [str(v) for v in self.repository.serving_versions(cfg.name, cfg)]
+        return {
+            "name": cfg.name,
+            "versions": versions,
+            "platform": cfg.platform,
+            "inputs": tensors(cfg.inputs),
+            "outputs": tensors(cfg.outputs),
+        }
 
     def ready(self, name: str, version: str | None = None) -> bool:
         try:

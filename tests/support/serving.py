@@ -1,0 +1,38 @@
+"""Start `aisp serve` as a real subprocess on free 127.0.0.1 ports, for integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextmanager
+def aisp_serve(
+    repo: Path, *, http: bool, grpc: bool
+) -> Iterator[tuple[dict[str, str], subprocess.Popen[str]]]:
+    """Yields ({"http": "host:port", "grpc": "host:port"}, process); SIGTERM and reap at the end."""
+    cmd = [sys.executable, "-m", "aisp.cli", "serve", str(repo)]
+    cmd += ["--http-port", "0" if http else "-1", "--grpc-port", "0" if grpc else "-1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    addresses: dict[str, str] = {}
+    try:
+        while len(addresses) < http + grpc:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"aisp serve exited: {proc.stderr.read() if proc.stderr else ''}")
+            kind, _, address = line.strip().partition(" ")
+            addresses[kind] = address
+        yield addresses, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)  # also closes the pipes
