@@ -118,8 +118,24 @@ def encode_response(req: dict[str, Any], result: Any) -> Response:
     )
 
 
-def create_app(models: ModelServer, *, name: str = "aisp", version: str = "0.1.0") -> Starlette:
-    """The OIP v2 REST app over ``models`` (an ASGI app: run it with any ASGI server)."""
+async def _read_limited(request: Request, limit: int) -> bytes | None:
+    """The body, or None once it passes ``limit`` bytes (also for chunked bodies without a length)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(
+    models: ModelServer, *, name: str = "aisp", version: str = "0.1.0", max_body_bytes: int = 64 << 20
+) -> Starlette:
+    """The OIP v2 REST app over ``models`` (an ASGI app: run it with any ASGI server).
+
+    Bodies over ``max_body_bytes`` get a 413; a full model queue a 429 with ``Retry-After``.
+    """
 
     async def live(request: Request) -> Response:
         return JSONResponse({"live": True})
@@ -156,7 +172,12 @@ def create_app(models: ModelServer, *, name: str = "aisp", version: str = "0.1.0
 
     async def infer(request: Request) -> Response:
         p = request.path_params
-        body = await request.body()
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            return _error(413, f"request body of {declared} bytes exceeds the limit of {max_body_bytes}")
+        body = await _read_limited(request, max_body_bytes)
+        if body is None:
+            return _error(413, f"request body exceeds the limit of {max_body_bytes} bytes")
         try:
             req, inputs = decode_request(body, request.headers.get(HEADER_LENGTH))
             priority = int((req.get("parameters") or {}).get("priority", 0))
@@ -167,6 +188,8 @@ def create_app(models: ModelServer, *, name: str = "aisp", version: str = "0.1.0
         except BadRequest as exc:
             return _error(400, str(exc))
         except RequestFailed as exc:
+            if exc.overloaded:
+                return JSONResponse({"error": str(exc)}, status_code=429, headers={"Retry-After": "1"})
             return _error(503 if exc.retriable else 500, str(exc))
         except ModelError as exc:
             return _error(400, str(exc))

@@ -56,7 +56,8 @@ class RequestFailed(AispError):
     def __init__(self, message: str, *, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
-        self.retriable = reason == "shed" or reason.startswith(("timeout", "deadline"))
+        self.retriable = reason in ("shed", "overloaded") or reason.startswith(("timeout", "deadline"))
+        self.overloaded = reason in ("shed", "overloaded")
 
 
 @dataclass
@@ -118,6 +119,9 @@ class ModelServer:
         repository: the model repository (a path or a ``ModelRepository``).
         models: the models to load at start (default: every model in the repository).
         batching: per model, a ``BatcherConfig`` that replaces what its ``config.pbtxt`` says.
+        admission_wait_ms: how long a request may wait for room in a full model queue before it
+            is refused as overloaded (HTTP 429 / gRPC RESOURCE_EXHAUSTED); the queue is the
+            model's bounded admission queue (``capacity_rows``).
     """
 
     def __init__(
@@ -126,8 +130,10 @@ class ModelServer:
         *,
         models: Sequence[str] | None = None,
         batching: Mapping[str, BatcherConfig] | None = None,
+        admission_wait_ms: float = 0.0,
     ) -> None:
         self._batching = dict(batching or {})
+        self.admission_wait_ms = admission_wait_ms
         self.repository = (
             repository if isinstance(repository, ModelRepository) else ModelRepository(repository)
         )
@@ -253,7 +259,13 @@ class ModelServer:
             self._pending[req] = pending
             served = self._served[name]
         try:
-            served.batcher.submit(Batch.from_columns(cols))
+            try:
+                served.batcher.submit(Batch.from_columns(cols), timeout_ms=self.admission_wait_ms)
+            except TimeoutError as exc:
+                raise RequestFailed(
+                    f"model {name!r} is overloaded: its queue is full ({exc}); retry later",
+                    reason="overloaded",
+                ) from exc
             if not pending.event.wait(None if timeout_s is None else timeout_s + 1.0):
                 raise RequestFailed(f"model {name!r}: no answer in {timeout_s:g} s", reason="timeout")
         finally:

@@ -1,0 +1,69 @@
+"""Admission control and limits of the OIP v2 HTTP app, over a real model server (ASGI in process)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from aisp.infer import BatcherConfig
+from aisp.serve.http import create_app
+from aisp.serve.models import ModelServer
+from tests.support.models import FRAUD_CONFIG, mlp_model
+
+BODY = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 18], "data": [0.5] * 18}]}
+
+
+@pytest.fixture
+def heavy(tmp_path: Path) -> Path:
+    (tmp_path / "fraud").mkdir()
+    (tmp_path / "fraud" / "config.pbtxt").write_text(FRAUD_CONFIG)
+    mlp_model(tmp_path / "fraud" / "1" / "model.onnx")
+    return tmp_path
+
+
+async def burst(app: object, n: int) -> list[httpx.Response]:
+    transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=transport, base_url="http://aisp") as client:
+        return await asyncio.gather(*(client.post("/v2/models/fraud/infer", json=BODY) for _ in range(n)))
+
+
+def test_overload_answers_429_with_retry_after_and_no_5xx(heavy: Path) -> None:
+    models = ModelServer(heavy, batching={"fraud": BatcherConfig(max_batch_size=2, capacity_rows=2)})
+    models.start()
+    try:
+        app = create_app(models)
+        responses = asyncio.run(burst(app, 200))
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 429} and codes.count(429) > 0 and codes.count(200) > 0
+        refused = next(r for r in responses if r.status_code == 429)
+        assert refused.headers["Retry-After"] == "1" and "overloaded" in refused.json()["error"]
+        ok = next(r for r in responses if r.status_code == 200)
+        assert len(ok.json()["outputs"][0]["data"]) == 1
+        assert [r.status_code for r in asyncio.run(burst(app, 1))] == [200]  # recovers
+    finally:
+        models.close()
+
+
+def test_oversized_body_is_413(heavy: Path) -> None:
+    models = ModelServer(heavy)
+    models.start()
+    try:
+        app = create_app(models, max_body_bytes=1000)
+
+        async def post() -> httpx.Response:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://aisp") as client:
+                big = dict(BODY, inputs=[dict(BODY["inputs"][0], shape=[100, 18], data=[0.5] * 1800)])
+                return await client.post("/v2/models/fraud/infer", json=big)
+
+        r = asyncio.run(post())
+        assert r.status_code == 413 and "exceeds the limit of 1000" in r.json()["error"]
+        assert np.isfinite(
+            models.infer("fraud", {"features": np.zeros((1, 18), np.float32)}).outputs["score"]
+        ).all()
+    finally:
+        models.close()
