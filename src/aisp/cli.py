@@ -142,6 +142,9 @@ def serve(
     ] = "127.0.0.1",
     http_port: Annotated[int, typer.Option(help="OIP v2 HTTP/REST port (0: a free port, -1: off).")] = 8000,
     grpc_port: Annotated[int, typer.Option(help="OIP v2 gRPC port (0: a free port, -1: off).")] = 8001,
+    config: Annotated[
+        str | None, typer.Option("--config", help="TOML config: [auth] tokens, admin_tokens.")
+    ] = None,
 ) -> None:
     """Serve REPOSITORY over Open Inference Protocol v2 (HTTP and gRPC).
 
@@ -151,10 +154,12 @@ def serve(
     import socket
     import threading
 
+    from aisp.serve.auth import Tokens
     from aisp.serve.grpc import GrpcServer
     from aisp.serve.models import ModelServer
 
     try:
+        tokens = Tokens.load(config)
         models = ModelServer(repository)
         models.start()
     except AispError as exc:
@@ -162,7 +167,7 @@ def serve(
         raise typer.Exit(2) from exc
     grpc_server = None
     if grpc_port >= 0:
-        grpc_server = GrpcServer(models, host=host, port=grpc_port)
+        grpc_server = GrpcServer(models, host=host, port=grpc_port, tokens=tokens)
         grpc_server.start()
         print(f"grpc {grpc_server.address}", flush=True)
     try:
@@ -173,15 +178,15 @@ def serve(
 
             sock = socket.create_server((host, http_port))
             print(f"http {host}:{sock.getsockname()[1]}", flush=True)
-            config = uvicorn.Config(
-                create_app(models),
+            server_config = uvicorn.Config(
+                create_app(models, tokens=tokens),
                 log_level="warning",
                 http="httptools",
                 loop="uvloop",
                 lifespan="off",
                 timeout_graceful_shutdown=10,
             )
-            _graceful_server(config).run(sockets=[sock])
+            _graceful_server(server_config).run(sockets=[sock])
         else:
             stop = threading.Event()
             for sig in (signal.SIGINT, signal.SIGTERM):

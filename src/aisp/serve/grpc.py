@@ -21,6 +21,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from aisp.errors import AispError, ModelError
+from aisp.serve.auth import Scope, Tokens
 from aisp.serve.models import NP_TO_OIP, OIP_TO_NP, ModelServer, RequestFailed
 
 __all__ = ["GrpcServer", "InferenceServicer"]
@@ -188,14 +189,53 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         return response
 
 
+OPEN_METHODS = ("/inference.GRPCInferenceService/ServerLive", "/inference.GRPCInferenceService/ServerReady")
+ADMIN_METHODS = ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")
+
+
+class _AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+    """Bearer tokens in the ``authorization`` metadata; health is open, the repository is admin."""
+
+    def __init__(self, tokens: Tokens) -> None:
+        self.tokens = tokens
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        method = details.method
+        if method in OPEN_METHODS:
+            return continuation(details)
+        metadata = dict(details.invocation_metadata or ())
+        scope: Scope = "admin" if method.rsplit("/", 1)[-1] in ADMIN_METHODS else "infer"
+        status = self.tokens.check(metadata.get("authorization"), scope)
+        if status == 200:
+            return continuation(details)
+        code = grpc.StatusCode.UNAUTHENTICATED if status == 401 else grpc.StatusCode.PERMISSION_DENIED
+        message = "unauthorized" if status == 401 else "forbidden"
+
+        def refuse(request: Any, context: Any) -> Any:
+            context.abort(code, message)
+
+        handler = continuation(details)
+        if handler is not None and handler.request_streaming:
+            return grpc.stream_stream_rpc_method_handler(refuse)
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+
 class GrpcServer:
     """A gRPC server for a ``ModelServer`` on ``host:port`` (port 0 picks a free one)."""
 
     def __init__(
-        self, models: ModelServer, *, host: str = "127.0.0.1", port: int = 8001, workers: int = 32
+        self,
+        models: ModelServer,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8001,
+        workers: int = 32,
+        tokens: Tokens | None = None,
     ) -> None:
+        interceptors = [_AuthInterceptor(tokens)] if tokens is not None and tokens.enabled else []
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="aisp-grpc"),
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.max_send_message_length", 64 << 20),

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from aisp.errors import AispError, ModelError
+from aisp.serve.auth import Scope, Tokens
 from aisp.serve.grpc import BadRequest
 from aisp.serve.models import NP_TO_OIP, OIP_TO_NP, ModelServer, RequestFailed
 
@@ -129,12 +130,39 @@ async def _read_limited(request: Request, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
+class _Auth:
+    """ASGI middleware: bearer tokens; health is open, the repository extension needs admin."""
+
+    def __init__(self, app: Any, tokens: Tokens) -> None:
+        self.app, self.tokens = app, tokens
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.tokens.enabled or scope["path"].startswith("/v2/health/"):
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        needed: Scope = "admin" if scope["path"].startswith("/v2/repository") else "infer"
+        status = self.tokens.check(headers.get("authorization"), needed)
+        if status == 200:
+            await self.app(scope, receive, send)
+            return
+        extra = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
+        reply = JSONResponse({"error": "unauthorized" if status == 401 else "forbidden"}, status, extra)
+        await reply(scope, receive, send)
+
+
 def create_app(
-    models: ModelServer, *, name: str = "aisp", version: str = "0.1.0", max_body_bytes: int = 64 << 20
-) -> Starlette:
+    models: ModelServer,
+    *,
+    name: str = "aisp",
+    version: str = "0.1.0",
+    max_body_bytes: int = 64 << 20,
+    tokens: Tokens | None = None,
+) -> Any:
     """The OIP v2 REST app over ``models`` (an ASGI app: run it with any ASGI server).
 
-    Bodies over ``max_body_bytes`` get a 413; a full model queue a 429 with ``Retry-After``.
+    Bodies over ``max_body_bytes`` get a 413; a full model queue a 429 with ``Retry-After``;
+    with ``tokens`` every route but health needs a bearer token (401/403).
     """
 
     async def live(request: Request) -> Response:
@@ -226,4 +254,5 @@ def create_app(
             Route(f"{prefix}/config", model_config),
             Route(f"{prefix}/infer", infer, methods=["POST"]),
         ]
-    return Starlette(routes=routes)
+    app = Starlette(routes=routes)
+    return _Auth(app, tokens) if tokens is not None and tokens.enabled else app
