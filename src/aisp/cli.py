@@ -128,6 +128,12 @@ class _GracefulServerMixin:
                 signal.signal(s, h)
 
 
+def _tls_pair(cert: str | None, key: str | None) -> tuple[bytes, bytes] | None:
+    if cert is None or key is None:
+        return None
+    return Path(cert).read_bytes(), Path(key).read_bytes()
+
+
 def _graceful_server(config: Any) -> Any:
     import uvicorn
 
@@ -145,6 +151,10 @@ def serve(
     config: Annotated[
         str | None, typer.Option("--config", help="TOML config: [auth] tokens, admin_tokens.")
     ] = None,
+    tls_cert: Annotated[
+        str | None, typer.Option(help="PEM certificate: serve HTTPS and gRPC over TLS.")
+    ] = None,
+    tls_key: Annotated[str | None, typer.Option(help="PEM private key for --tls-cert.")] = None,
 ) -> None:
     """Serve REPOSITORY over Open Inference Protocol v2 (HTTP and gRPC).
 
@@ -158,6 +168,9 @@ def serve(
     from aisp.serve.grpc import GrpcServer
     from aisp.serve.models import ModelServer
 
+    if (tls_cert is None) != (tls_key is None):
+        err.print("[red]error:[/red] --tls-cert and --tls-key go together")
+        raise typer.Exit(2)
     try:
         tokens = Tokens.load(config)
         models = ModelServer(repository)
@@ -167,7 +180,9 @@ def serve(
         raise typer.Exit(2) from exc
     grpc_server = None
     if grpc_port >= 0:
-        grpc_server = GrpcServer(models, host=host, port=grpc_port, tokens=tokens)
+        grpc_server = GrpcServer(
+            models, host=host, port=grpc_port, tokens=tokens, tls=_tls_pair(tls_cert, tls_key)
+        )
         grpc_server.start()
         print(f"grpc {grpc_server.address}", flush=True)
     try:
@@ -185,6 +200,8 @@ def serve(
                 loop="uvloop",
                 lifespan="off",
                 timeout_graceful_shutdown=10,
+                ssl_certfile=tls_cert,
+                ssl_keyfile=tls_key,
             )
             _graceful_server(server_config).run(sockets=[sock])
         else:

@@ -15,10 +15,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @contextmanager
 def aisp_serve(
-    repo: Path, *, http: bool, grpc: bool, extra_env: dict[str, str] | None = None
+    repo: Path,
+    *,
+    http: bool,
+    grpc: bool,
+    extra_env: dict[str, str] | None = None,
+    extra_args: tuple[str, ...] = (),
 ) -> Iterator[tuple[dict[str, str], subprocess.Popen[str]]]:
     """Yields ({"http": "host:port", "grpc": "host:port"}, process); SIGTERM and reap at the end."""
-    cmd = [sys.executable, "-m", "aisp.cli", "serve", str(repo)]
+    cmd = [sys.executable, "-m", "aisp.cli", "serve", str(repo), *extra_args]
     cmd += ["--http-port", "0" if http else "-1", "--grpc-port", "0" if grpc else "-1"]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **(extra_env or {})}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

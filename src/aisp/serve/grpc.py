@@ -231,7 +231,9 @@ class GrpcServer:
         port: int = 8001,
         workers: int = 32,
         tokens: Tokens | None = None,
+        tls: tuple[bytes, bytes] | None = None,
     ) -> None:
+        """``tls``: (certificate chain PEM, private key PEM) to serve over TLS."""
         interceptors = [_AuthInterceptor(tokens)] if tokens is not None and tokens.enabled else []
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="aisp-grpc"),
@@ -242,7 +244,11 @@ class GrpcServer:
             ],
         )
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(models), self._server)
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        if tls is None:
+            self.port = self._server.add_insecure_port(f"{host}:{port}")
+        else:
+            creds = grpc.ssl_server_credentials([(tls[1], tls[0])])
+            self.port = self._server.add_secure_port(f"{host}:{port}", creds)
         self.host = host
 
     @property
