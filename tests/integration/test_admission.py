@@ -67,3 +67,29 @@ def test_oversized_body_is_413(heavy: Path) -> None:
         ).all()
     finally:
         models.close()
+
+
+def test_request_deadline_header(heavy: Path) -> None:
+    """Rows still queued when the client's deadline passes are dropped: 504, and bad headers 400."""
+    models = ModelServer(heavy, batching={"fraud": BatcherConfig(max_batch_size=1, capacity_rows=4096)})
+    models.start()
+    try:
+        app = create_app(models)
+
+        async def go() -> list[httpx.Response]:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://aisp") as client:
+                url = "/v2/models/fraud/infer"
+                tight = [
+                    client.post(url, json=BODY, headers={"X-Request-Deadline-Ms": "0.5"}) for _ in range(50)
+                ]
+                bad = client.post(url, json=BODY, headers={"X-Request-Deadline-Ms": "soon"})
+                return await asyncio.gather(*tight, bad)
+
+        *tight, bad = asyncio.run(go())
+        codes = [r.status_code for r in tight]
+        assert set(codes) <= {200, 504} and 504 in codes
+        assert "deadline" in next(r for r in tight if r.status_code == 504).json()["error"]
+        assert bad.status_code == 400 and "milliseconds" in bad.json()["error"]
+    finally:
+        models.close()

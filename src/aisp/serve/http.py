@@ -30,9 +30,11 @@ from aisp.serve.auth import Scope, Tokens
 from aisp.serve.grpc import BadRequest
 from aisp.serve.models import NP_TO_OIP, OIP_TO_NP, ModelServer, RequestFailed
 
-__all__ = ["HEADER_LENGTH", "create_app"]
+__all__ = ["DEADLINE_HEADER", "HEADER_LENGTH", "create_app"]
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+DEADLINE_HEADER = "X-Request-Deadline-Ms"
+"""Milliseconds the client will wait: rows still queued after that are dropped, the request 504s."""
 _json = msgspec.json.Decoder()
 
 
@@ -117,6 +119,18 @@ def encode_response(req: dict[str, Any], result: Any) -> Response:
         media_type="application/octet-stream",
         headers={HEADER_LENGTH: str(len(header))},
     )
+
+
+def _deadline_s(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        raise BadRequest(f"{DEADLINE_HEADER} must be a number of milliseconds, got {value!r}") from None
+    if not ms > 0:
+        raise BadRequest(f"{DEADLINE_HEADER} must be > 0, got {value!r}")
+    return ms / 1000
 
 
 async def _read_limited(request: Request, limit: int) -> bytes | None:
@@ -209,8 +223,14 @@ def create_app(
         try:
             req, inputs = decode_request(body, request.headers.get(HEADER_LENGTH))
             priority = int((req.get("parameters") or {}).get("priority", 0))
+            timeout_s = _deadline_s(request.headers.get(DEADLINE_HEADER))
             result = await run_in_threadpool(
-                models.infer, p["model"], inputs, version=p.get("version") or None, priority=priority
+                models.infer,
+                p["model"],
+                inputs,
+                version=p.get("version") or None,
+                priority=priority,
+                timeout_s=timeout_s,
             )
             return encode_response(req, result)
         except BadRequest as exc:
@@ -218,6 +238,8 @@ def create_app(
         except RequestFailed as exc:
             if exc.overloaded:
                 return JSONResponse({"error": str(exc)}, status_code=429, headers={"Retry-After": "1"})
+            if exc.reason.startswith(("deadline", "timeout")):
+                return _error(504, str(exc))
             return _error(503 if exc.retriable else 500, str(exc))
         except ModelError as exc:
             return _error(400, str(exc))
