@@ -166,6 +166,7 @@ def serve(
 
     from aisp.serve.auth import Tokens
     from aisp.serve.grpc import GrpcServer
+    from aisp.serve.metrics import ServerMetrics
     from aisp.serve.models import ModelServer
 
     if (tls_cert is None) != (tls_key is None):
@@ -175,14 +176,14 @@ def serve(
         tokens = Tokens.load(config)
         models = ModelServer(repository)
         models.start()
+        metrics = ServerMetrics(models)
     except AispError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
     grpc_server = None
     if grpc_port >= 0:
-        grpc_server = GrpcServer(
-            models, host=host, port=grpc_port, tokens=tokens, tls=_tls_pair(tls_cert, tls_key)
-        )
+        tls = _tls_pair(tls_cert, tls_key)
+        grpc_server = GrpcServer(models, host=host, port=grpc_port, tokens=tokens, tls=tls, metrics=metrics)
         grpc_server.start()
         print(f"grpc {grpc_server.address}", flush=True)
     try:
@@ -194,7 +195,7 @@ def serve(
             sock = socket.create_server((host, http_port))
             print(f"http {host}:{sock.getsockname()[1]}", flush=True)
             server_config = uvicorn.Config(
-                create_app(models, tokens=tokens),
+                create_app(models, tokens=tokens, metrics=metrics),
                 log_level="warning",
                 http="httptools",
                 loop="uvloop",

@@ -76,6 +76,28 @@ def test_unknown_model_is_404_and_server_keeps_serving(served: tuple[str, subpro
     assert httpx.get(f"http://{address}/v2/health/ready", timeout=10).status_code == 200
 
 
+def test_metrics_endpoint_parses_and_counts(served: tuple[str, subprocess.Popen[str]]) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    address, _ = served
+    body = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [2, 18], "data": [0.1] * 36}]}
+    assert httpx.post(f"http://{address}/v2/models/fraud/infer", json=body, timeout=10).status_code == 200
+    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    requests = families["aisp_requests"]
+    ok = [s for s in requests.samples if s.name == "aisp_requests_total" and s.labels["code"] == "200"]
+    assert ok and ok[0].labels == {"protocol": "http", "model": "fraud", "code": "200"} and ok[0].value >= 1
+    assert any(
+        s.name == "aisp_request_latency_seconds_count"
+        for s in families["aisp_request_latency_seconds"].samples
+    )
+    assert any(
+        s.name == "aisp_batch_size_rows_sum" and s.value >= 2
+        for s in families["aisp_batch_size_rows"].samples
+    )
+    assert [s.labels for s in families["aisp_model_queue_rows"].samples] == [{"model": "fraud"}]
+
+
 def test_sigterm_exits_cleanly(served: tuple[str, subprocess.Popen[str]]) -> None:
     _, proc = served
     proc.send_signal(signal.SIGTERM)

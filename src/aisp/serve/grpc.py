@@ -10,6 +10,7 @@ UNIMPLEMENTED. Binds 127.0.0.1 unless told otherwise.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
@@ -22,6 +23,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from aisp.errors import AispError, ModelError
 from aisp.serve.auth import Scope, Tokens
+from aisp.serve.metrics import ServerMetrics
 from aisp.serve.models import NP_TO_OIP, OIP_TO_NP, ModelServer, RequestFailed
 
 __all__ = ["GrpcServer", "InferenceServicer"]
@@ -77,9 +79,17 @@ def decode_inputs(request: Any) -> dict[str, npt.NDArray[Any]]:
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     """The OIP v2 gRPC service over a ``ModelServer``."""
 
-    def __init__(self, server: ModelServer, *, name: str = "aisp", version: str = "0.1.0") -> None:
+    def __init__(
+        self,
+        server: ModelServer,
+        *,
+        name: str = "aisp",
+        version: str = "0.1.0",
+        metrics: ServerMetrics | None = None,
+    ) -> None:
         self.models = server
         self.name, self.version = name, version
+        self.metrics = metrics
 
     def ServerLive(self, request: Any, context: Any) -> Any:  # noqa: N802 - the protocol's names
         return pb.ServerLiveResponse(live=True)
@@ -111,17 +121,29 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         return pb.ModelConfigResponse(config=model.config.message)
 
     def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
+        started = time.perf_counter()
+        code = "OK"
+        try:
+            return self._model_infer(request, context)
+        except Exception:
+            code = "ERROR"
+            raise
+        finally:
+            if self.metrics is not None:
+                label = request.model_name if request.model_name in self.models.models else "unknown"
+                self.metrics.observe("grpc", label, code, time.perf_counter() - started)
+
+    def _model_infer(self, request: Any, context: Any) -> Any:
         try:
             return self._infer(request, context)
         except BadRequest as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RequestFailed as exc:
-            code = (
-                grpc.StatusCode.RESOURCE_EXHAUSTED
-                if exc.reason == "shed"
-                else grpc.StatusCode.DEADLINE_EXCEEDED
-            )
-            if not exc.retriable:
+            if exc.overloaded:
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            elif exc.retriable:
+                code = grpc.StatusCode.DEADLINE_EXCEEDED
+            else:
                 code = grpc.StatusCode.INTERNAL
             context.abort(code, str(exc))
         except ModelError as exc:
@@ -232,6 +254,7 @@ class GrpcServer:
         workers: int = 32,
         tokens: Tokens | None = None,
         tls: tuple[bytes, bytes] | None = None,
+        metrics: ServerMetrics | None = None,
     ) -> None:
         """``tls``: (certificate chain PEM, private key PEM) to serve over TLS."""
         interceptors = [_AuthInterceptor(tokens)] if tokens is not None and tokens.enabled else []
@@ -243,7 +266,9 @@ class GrpcServer:
                 ("grpc.max_send_message_length", 64 << 20),
             ],
         )
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(models), self._server)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(
+            InferenceServicer(models, metrics=metrics), self._server
+        )
         if tls is None:
             self.port = self._server.add_insecure_port(f"{host}:{port}")
         else:

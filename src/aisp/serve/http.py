@@ -13,6 +13,7 @@ reason; nothing from a request is ever unpickled.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgspec
@@ -28,6 +29,7 @@ from starlette.routing import Route
 from aisp.errors import AispError, ModelError
 from aisp.serve.auth import Scope, Tokens
 from aisp.serve.grpc import BadRequest
+from aisp.serve.metrics import CONTENT_TYPE, ServerMetrics
 from aisp.serve.models import NP_TO_OIP, OIP_TO_NP, ModelServer, RequestFailed
 
 __all__ = ["DEADLINE_HEADER", "HEADER_LENGTH", "create_app"]
@@ -172,12 +174,15 @@ def create_app(
     version: str = "0.1.0",
     max_body_bytes: int = 64 << 20,
     tokens: Tokens | None = None,
+    metrics: ServerMetrics | None = None,
 ) -> Any:
     """The OIP v2 REST app over ``models`` (an ASGI app: run it with any ASGI server).
 
     Bodies over ``max_body_bytes`` get a 413; a full model queue a 429 with ``Retry-After``;
-    with ``tokens`` every route but health needs a bearer token (401/403).
+    with ``tokens`` every route but health needs a bearer token (401/403). ``GET /metrics``
+    serves Prometheus metrics (a fresh ``ServerMetrics`` unless one is given).
     """
+    metrics = metrics or ServerMetrics(models)
 
     async def live(request: Request) -> Response:
         return JSONResponse({"live": True})
@@ -213,6 +218,19 @@ def create_app(
         return JSONResponse(MessageToDict(cfg.message, preserving_proto_field_name=True))
 
     async def infer(request: Request) -> Response:
+        started = time.perf_counter()
+        response = await _infer(request)
+        if metrics is not None:
+            model = request.path_params["model"]
+            label = model if model in models.models else "unknown"
+            metrics.observe("http", label, str(response.status_code), time.perf_counter() - started)
+        return response
+
+    async def metrics_endpoint(request: Request) -> Response:
+        assert metrics is not None
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    async def _infer(request: Request) -> Response:
         p = request.path_params
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
@@ -262,6 +280,7 @@ def create_app(
         return Response(status_code=200)
 
     routes = [
+        Route("/metrics", metrics_endpoint),
         Route("/v2/health/live", live),
         Route("/v2/health/ready", ready),
         Route("/v2", server_metadata),

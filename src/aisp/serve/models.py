@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +89,7 @@ class _Served:
             finish=self._finish,
             emit=server._complete,
             dead_letter=server._fail,
+            on_batch=lambda rows, wait_ns, compute_ns: server._batched(model.name, rows),
         )
         self.batcher.start()
 
@@ -134,6 +135,8 @@ class ModelServer:
     ) -> None:
         self._batching = dict(batching or {})
         self.admission_wait_ms = admission_wait_ms
+        self.on_batch: Callable[[str, int], None] | None = None
+        """Metrics hook: ``on_batch(model, rows)`` after every model call."""
         self.repository = (
             repository if isinstance(repository, ModelRepository) else ModelRepository(repository)
         )
@@ -280,7 +283,15 @@ class ModelServer:
         }
         return InferResult(name, pending.version, outputs)
 
+    def queue_rows(self) -> dict[str, int]:
+        with self._lock:
+            return {name: s.batcher.queued_rows for name, s in self._served.items()}
+
     # -- batcher callbacks (dispatcher threads) -----------------------------------------------
+    def _batched(self, model: str, rows: int) -> None:
+        if self.on_batch is not None:
+            self.on_batch(model, rows)
+
     def _complete(self, batch: Batch) -> None:
         reqs = batch.numpy(_REQ)
         rows = batch.numpy(_ROW)
