@@ -128,6 +128,19 @@ class _GracefulServerMixin:
                 signal.signal(s, h)
 
 
+def _limits(config: str | None) -> Any:
+    """``[limits]`` of the TOML config (rows/s per API key and per tier), or None."""
+    import tomllib
+
+    from aisp.schedule.ratelimit import RateLimits
+    from aisp.transform.operators import DEFAULT_TIERS
+
+    if config is None:
+        return None
+    section = tomllib.loads(Path(config).read_text()).get("limits")
+    return RateLimits.from_config(section, DEFAULT_TIERS) if section else None
+
+
 def _tls_pair(cert: str | None, key: str | None) -> tuple[bytes, bytes] | None:
     if cert is None or key is None:
         return None
@@ -149,7 +162,10 @@ def serve(
     http_port: Annotated[int, typer.Option(help="OIP v2 HTTP/REST port (0: a free port, -1: off).")] = 8000,
     grpc_port: Annotated[int, typer.Option(help="OIP v2 gRPC port (0: a free port, -1: off).")] = 8001,
     config: Annotated[
-        str | None, typer.Option("--config", help="TOML config: [auth] tokens, admin_tokens.")
+        str | None,
+        typer.Option(
+            "--config", help="TOML config: [auth] tokens, admin_tokens; [limits] per_key_rps, tiers."
+        ),
     ] = None,
     tls_cert: Annotated[
         str | None, typer.Option(help="PEM certificate: serve HTTPS and gRPC over TLS.")
@@ -174,6 +190,7 @@ def serve(
         raise typer.Exit(2)
     try:
         tokens = Tokens.load(config)
+        limits = _limits(config)
         models = ModelServer(repository)
         models.start()
         metrics = ServerMetrics(models)
@@ -195,7 +212,7 @@ def serve(
             sock = socket.create_server((host, http_port))
             print(f"http {host}:{sock.getsockname()[1]}", flush=True)
             server_config = uvicorn.Config(
-                create_app(models, tokens=tokens, metrics=metrics),
+                create_app(models, tokens=tokens, metrics=metrics, limits=limits),
                 log_level="warning",
                 http="httptools",
                 loop="uvloop",

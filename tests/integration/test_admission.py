@@ -93,3 +93,34 @@ def test_request_deadline_header(heavy: Path) -> None:
         assert bad.status_code == 400 and "milliseconds" in bad.json()["error"]
     finally:
         models.close()
+
+
+def test_rate_limits_per_key_and_tier(heavy: Path) -> None:
+    from aisp.schedule.ratelimit import RateLimits
+
+    models = ModelServer(heavy)
+    models.start()
+    try:
+        app = create_app(models, limits=RateLimits(per_key_rps=0, per_tier_rps={0: 3}, burst_s=1.0))
+
+        async def go() -> tuple[list[int], list[int], int]:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://aisp") as client:
+                url = "/v2/models/fraud/infer"
+                bronze = [
+                    (await client.post(url, json=BODY, headers={"X-Tier": "bronze"})).status_code
+                    for _ in range(6)
+                ]
+                gold = [
+                    (await client.post(url, json=BODY, headers={"X-Tier": "gold"})).status_code
+                    for _ in range(6)
+                ]
+                bad = (await client.post(url, json=BODY, headers={"X-Tier": "platinum"})).status_code
+                return bronze, gold, bad
+
+        bronze, gold, bad = asyncio.run(go())
+        assert bronze[:3] == [200, 200, 200] and 429 in bronze[3:]
+        assert gold == [200] * 6  # gold is not limited
+        assert bad == 400
+    finally:
+        models.close()

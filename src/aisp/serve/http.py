@@ -13,6 +13,7 @@ reason; nothing from a request is ever unpickled.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any
 
@@ -27,15 +28,19 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from aisp.errors import AispError, ModelError
+from aisp.schedule.ratelimit import Limiter, RateLimits
 from aisp.serve.auth import Scope, Tokens
 from aisp.serve.grpc import BadRequest
 from aisp.serve.metrics import CONTENT_TYPE, ServerMetrics
 from aisp.serve.models import NP_TO_OIP, OIP_TO_NP, ModelServer, RequestFailed
+from aisp.transform.operators import DEFAULT_TIERS
 
-__all__ = ["DEADLINE_HEADER", "HEADER_LENGTH", "create_app"]
+__all__ = ["DEADLINE_HEADER", "HEADER_LENGTH", "TIER_HEADER", "create_app"]
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 DEADLINE_HEADER = "X-Request-Deadline-Ms"
+TIER_HEADER = "X-Tier"
+"""QoS tier name of a request (gold, silver, bronze); the OIP ``priority`` parameter otherwise."""
 """Milliseconds the client will wait: rows still queued after that are dropped, the request 504s."""
 _json = msgspec.json.Decoder()
 
@@ -123,6 +128,22 @@ def encode_response(req: dict[str, Any], result: Any) -> Response:
     )
 
 
+def _tier(name: str | None) -> int | None:
+    if name is None:
+        return None
+    if name not in DEFAULT_TIERS:
+        raise BadRequest(f"{TIER_HEADER} must be one of {sorted(DEFAULT_TIERS)}, got {name!r}")
+    return DEFAULT_TIERS[name]
+
+
+def _api_key(request: Request) -> str:
+    """Who a rate limit counts against: the bearer token's digest, or the client address."""
+    auth = request.headers.get("authorization", "")
+    if auth.startswith("Bearer "):
+        return hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:16]
+    return request.client.host if request.client else "unknown"
+
+
 def _deadline_s(value: str | None) -> float | None:
     if value is None:
         return None
@@ -175,14 +196,17 @@ def create_app(
     max_body_bytes: int = 64 << 20,
     tokens: Tokens | None = None,
     metrics: ServerMetrics | None = None,
+    limits: RateLimits | None = None,
 ) -> Any:
     """The OIP v2 REST app over ``models`` (an ASGI app: run it with any ASGI server).
 
     Bodies over ``max_body_bytes`` get a 413; a full model queue a 429 with ``Retry-After``;
-    with ``tokens`` every route but health needs a bearer token (401/403). ``GET /metrics``
+    with ``tokens`` every route but health needs a bearer token (401/403); ``limits`` are
+    token-bucket rate limits in rows/s per API key and per tier (429 with ``Retry-After``). ``GET /metrics``
     serves Prometheus metrics (a fresh ``ServerMetrics`` unless one is given).
     """
     metrics = metrics or ServerMetrics(models)
+    limiter = Limiter(limits) if limits is not None and limits.enabled else None
 
     async def live(request: Request) -> Response:
         return JSONResponse({"live": True})
@@ -242,12 +266,21 @@ def create_app(
             req, inputs = decode_request(body, request.headers.get(HEADER_LENGTH))
             priority = int((req.get("parameters") or {}).get("priority", 0))
             timeout_s = _deadline_s(request.headers.get(DEADLINE_HEADER))
+            tier = _tier(request.headers.get(TIER_HEADER))
+            if limiter is not None:
+                rows = int(next(iter(inputs.values())).shape[0]) if inputs else 1
+                level = tier if tier is not None else models.tier_of(p["model"], priority)
+                wait = limiter.admit(_api_key(request), level, rows)
+                if wait:
+                    message = f"rate limit: retry in {wait:.3f} s"
+                    return JSONResponse({"error": message}, 429, {"Retry-After": limiter.retry_after(wait)})
             result = await run_in_threadpool(
                 models.infer,
                 p["model"],
                 inputs,
                 version=p.get("version") or None,
                 priority=priority,
+                tier=tier,
                 timeout_s=timeout_s,
             )
             return encode_response(req, result)

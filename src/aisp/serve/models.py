@@ -238,6 +238,7 @@ class ModelServer:
         *,
         version: str | None = None,
         priority: int = 0,
+        tier: int | None = None,
         timeout_s: float | None = None,
     ) -> InferResult:
         """Run ``inputs`` (arrays with the batch dimension first) through the model's batcher."""
@@ -249,7 +250,8 @@ class ModelServer:
         if len(rows) != 1:
             raise ModelError(f"inputs have different batch sizes: {sorted(rows)}")
         n = rows.pop()
-        tier = model.config.tier(priority)
+        if tier is None:
+            tier = model.config.tier(priority)
         req = next(self._ids)
         pending = _Pending(n)
         cols: dict[str, Any] = {k: _column(v) for k, v in inputs.items() if k in model.input_names}
@@ -282,6 +284,10 @@ class ModelServer:
             for k, v in pending.outputs.items()
         }
         return InferResult(name, pending.version, outputs)
+
+    def tier_of(self, name: str, priority: int) -> int:
+        """The tier a request with OIP/Triton ``priority`` gets on model ``name``."""
+        return self.served(name).config.tier(priority)
 
     def queue_rows(self) -> dict[str, int]:
         with self._lock:
