@@ -26,38 +26,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+sys.path.insert(0, str(ROOT))
 from aisp.batch import Batch  # noqa: E402
 from aisp.infer import AdaptiveConfig, BatcherConfig, DynamicBatcher, OnnxRuntime  # noqa: E402
-
-
-def mlp(path: Path) -> Path:
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    rng = np.random.default_rng(0)
-    dims = [18, 512, 512, 1]
-    inits, nodes, prev = [], [], "x"
-    for i, (a, b) in enumerate(zip(dims, dims[1:], strict=False)):
-        inits.append(
-            numpy_helper.from_array((rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), f"w{i}")
-        )
-        out = f"a{i}" if b != 1 else "y"
-        nodes += [
-            helper.make_node("MatMul", [prev, f"w{i}"], [f"h{i}"]),
-            helper.make_node("Relu" if b != 1 else "Sigmoid", [f"h{i}"], [out]),
-        ]
-        prev = out
-    graph = helper.make_graph(
-        nodes,
-        "mlp",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 18])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1])],
-        initializer=inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, str(path))
-    return path
+from benchmarks.workload import mlp_model  # noqa: E402
 
 
 def offer(
@@ -81,7 +53,7 @@ def offer(
     batcher = DynamicBatcher(
         rt,
         cfg,
-        prepare=lambda b: {"x": b.numpy("x")},
+        prepare=lambda b: {"features": b.numpy("x")},
         finish=lambda b, o, r: b,
         emit=emit,
         dead_letter=lambda b, r: None,
@@ -115,7 +87,7 @@ def main() -> int:
     args = ap.parse_args()
     import tempfile
 
-    model = mlp(Path(tempfile.mkdtemp(prefix="aisp-adaptive-")) / "mlp.onnx")
+    model = mlp_model(Path(tempfile.mkdtemp(prefix="aisp-adaptive-")) / "mlp.onnx", width=512)
     sizes, delays = (8, 32, 128, 512), (0.0, 1.0, 4.0)
     grid = []
     for size in sizes:

@@ -12,7 +12,8 @@ import pytest
 from aisp.infer import BatcherConfig
 from aisp.serve.http import create_app
 from aisp.serve.models import ModelServer
-from tests.support.models import FRAUD_CONFIG, mlp_model
+from benchmarks.workload import mlp_model
+from tests.support.models import FRAUD_CONFIG
 
 BODY = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 18], "data": [0.5] * 18}]}
 

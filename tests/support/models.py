@@ -52,30 +52,3 @@ def fraud_repository(root: Path, versions: dict[int, float], config: str = FRAUD
 def expected_score(features: np.ndarray, scale: float) -> np.ndarray:
     z = features.astype(np.float32).sum(axis=1) * np.float32(scale)
     return (1.0 / (1.0 + np.exp(-z.astype(np.float64)))).astype(np.float32)
-
-
-def mlp_model(path: Path, *, width: int = 1024, seed: int = 0) -> Path:
-    """A compute-heavy MLP (18 -> width -> width -> 1): milliseconds per call, so queues fill."""
-    rng = np.random.default_rng(seed)
-    dims = [18, width, width, 1]
-    inits, nodes, prev = [], [], "features"
-    for i, (a, b) in enumerate(zip(dims, dims[1:], strict=False)):
-        inits.append(
-            numpy_helper.from_array((rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), f"w{i}")
-        )
-        out = "score" if b == 1 else f"a{i}"
-        nodes += [helper.make_node("MatMul", [prev, f"w{i}"], [f"h{i}"])]
-        nodes += [helper.make_node("Sigmoid" if b == 1 else "Relu", [f"h{i}"], [out])]
-        prev = out
-    graph = helper.make_graph(
-        nodes,
-        "mlp",
-        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", 18])],
-        [helper.make_tensor_value_info("score", TensorProto.FLOAT, ["batch", 1])],
-        initializer=inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path

@@ -244,14 +244,12 @@ def create_app(
     async def infer(request: Request) -> Response:
         started = time.perf_counter()
         response = await _infer(request)
-        if metrics is not None:
-            model = request.path_params["model"]
-            label = model if model in models.models else "unknown"
-            metrics.observe("http", label, str(response.status_code), time.perf_counter() - started)
+        model = request.path_params["model"]
+        label = model if model in models.models else "unknown"
+        metrics.observe("http", label, str(response.status_code), time.perf_counter() - started)
         return response
 
     async def metrics_endpoint(request: Request) -> Response:
-        assert metrics is not None
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     async def _infer(request: Request) -> Response:
