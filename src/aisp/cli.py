@@ -153,14 +153,20 @@ def _graceful_server(config: Any) -> Any:
     return type("_GracefulServer", (_GracefulServerMixin, uvicorn.Server), {})(config)
 
 
+def _is_pipeline_file(target: str) -> bool:
+    return target.endswith(".py") and Path(target).is_file()
+
+
 @app.command()
 def serve(
-    repository: Annotated[str, typer.Argument(help="Triton-style model repository to serve.")],
+    target: Annotated[
+        str, typer.Argument(metavar="PIPELINE|REPOSITORY", help="A pipeline file, or a model repository.")
+    ],
     host: Annotated[
         str, typer.Option(help="Address to bind (loopback unless told otherwise).")
     ] = "127.0.0.1",
-    http_port: Annotated[int, typer.Option(help="OIP v2 HTTP/REST port (0: a free port, -1: off).")] = 8000,
-    grpc_port: Annotated[int, typer.Option(help="OIP v2 gRPC port (0: a free port, -1: off).")] = 8001,
+    http_port: Annotated[int, typer.Option(help="HTTP port (0: a free port, -1: off).")] = 8000,
+    grpc_port: Annotated[int, typer.Option(help="gRPC port (0: a free port, -1: off).")] = 8001,
     config: Annotated[
         str | None,
         typer.Option(
@@ -171,8 +177,24 @@ def serve(
         str | None, typer.Option(help="PEM certificate: serve HTTPS and gRPC over TLS.")
     ] = None,
     tls_key: Annotated[str | None, typer.Option(help="PEM private key for --tls-cert.")] = None,
+    model_repository: Annotated[
+        str | None,
+        typer.Option(
+            "--model-repository", help="With a PIPELINE: its model repository, also served over OIP."
+        ),
+    ] = None,
+    admission_rows: Annotated[
+        int, typer.Option(help="Pipeline admission queue: events accepted but not yet taken.")
+    ] = 65536,
+    admission_wait_ms: Annotated[
+        float, typer.Option(help="How long a new request may wait for room before a 429.")
+    ] = 0.0,
+    dead_letter: Annotated[
+        str | None, typer.Option("--dead-letter", help="JSONL file for a pipeline's dead letters.")
+    ] = None,
 ) -> None:
-    """Serve REPOSITORY over Open Inference Protocol v2 (HTTP and gRPC).
+    """Serve a PIPELINE (events in, results out, over HTTP NDJSON and a gRPC stream) or a model
+    REPOSITORY over Open Inference Protocol v2 (HTTP and gRPC).
 
     SIGTERM / Ctrl-C stop accepting, finish what was accepted, and exit 0. The bound addresses
     are printed on stdout as ``http HOST:PORT`` and ``grpc HOST:PORT``.
@@ -180,27 +202,52 @@ def serve(
     import socket
     import threading
 
+    from aisp.schedule.ratelimit import Limiter
     from aisp.serve.auth import Tokens
     from aisp.serve.grpc import GrpcServer
     from aisp.serve.metrics import ServerMetrics
     from aisp.serve.models import ModelServer
+    from aisp.serve.pipelines import PipelineService
 
     if (tls_cert is None) != (tls_key is None):
         err.print("[red]error:[/red] --tls-cert and --tls-key go together")
         raise typer.Exit(2)
+    pipelines: dict[str, PipelineService] = {}
+    models: ModelServer | None = None
     try:
         tokens = Tokens.load(config)
         limits = _limits(config)
-        models = ModelServer(repository)
-        models.start()
+        if _is_pipeline_file(target):
+            params = {} if model_repository is None else {"model_repository": model_repository}
+            service = PipelineService(
+                load_pipeline(target, **params), capacity_rows=admission_rows, dead_letter=dead_letter
+            )
+            pipelines[service.name] = service
+            repository = model_repository
+        else:
+            repository = target
+        if repository is not None:
+            models = ModelServer(repository, admission_wait_ms=admission_wait_ms)
+            models.start()
+        for service in pipelines.values():
+            service.start()
         metrics = ServerMetrics(models)
     except AispError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
     grpc_server = None
     if grpc_port >= 0:
-        tls = _tls_pair(tls_cert, tls_key)
-        grpc_server = GrpcServer(models, host=host, port=grpc_port, tokens=tokens, tls=tls, metrics=metrics)
+        grpc_server = GrpcServer(
+            models,
+            host=host,
+            port=grpc_port,
+            tokens=tokens,
+            tls=_tls_pair(tls_cert, tls_key),
+            metrics=metrics,
+            limiter=Limiter(limits) if limits is not None and limits.enabled else None,
+            pipelines=pipelines,
+            admission_wait_ms=admission_wait_ms,
+        )
         grpc_server.start()
         print(f"grpc {grpc_server.address}", flush=True)
     try:
@@ -211,8 +258,16 @@ def serve(
 
             sock = socket.create_server((host, http_port))
             print(f"http {host}:{sock.getsockname()[1]}", flush=True)
+            asgi = create_app(
+                models,
+                pipelines=pipelines,
+                admission_wait_ms=admission_wait_ms,
+                tokens=tokens,
+                metrics=metrics,
+                limits=limits,
+            )
             server_config = uvicorn.Config(
-                create_app(models, tokens=tokens, metrics=metrics, limits=limits),
+                asgi,
                 log_level="warning",
                 http="httptools",
                 loop="uvloop",
@@ -230,7 +285,10 @@ def serve(
     finally:
         if grpc_server is not None:
             grpc_server.stop(grace_s=10)  # finish accepted requests, refuse new ones
-        models.close()
+        for service in pipelines.values():
+            service.close()
+        if models is not None:
+            models.close()
     err.print("stopped")
 
 

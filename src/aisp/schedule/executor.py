@@ -21,7 +21,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -42,7 +42,7 @@ from aisp.sinks.process import ProcessSink
 from aisp.state.keyed import KeyIndex
 from aisp.transform.operators import Emit, Operator, OperatorContext
 
-__all__ = ["ExecutorOptions", "LocalExecutor"]
+__all__ = ["ExecutorOptions", "Lineage", "LocalExecutor"]
 
 log = logging.getLogger("aisp.executor")
 
@@ -60,6 +60,22 @@ class ExecutorOptions:
     paced_linger_ms: float = 1.0
     offload_sources: bool = True
     offload_sinks: bool = False
+
+
+class Lineage(Protocol):
+    """Follows each event (by ``_id``) through the graph, so a caller can tell when it is done.
+
+    An event starts with one open branch. ``forwarded`` is told what an operator made of a batch
+    before its outputs move on (a filter closes branches, a route to two ports opens one);
+    ``written`` that a sink took rows (each closes a branch); ``failed`` that rows went to the
+    dead-letter sink (each closes a branch). Calls come from the executor's threads.
+    """
+
+    def forwarded(self, step: str, batch: Batch, outs: Emit) -> None: ...
+
+    def written(self, step: str, batch: Batch) -> None: ...
+
+    def failed(self, step: str, batch: Batch, reason: str) -> None: ...
 
 
 def _can_fork(step_id: str) -> bool:
@@ -116,9 +132,15 @@ class LocalExecutor:
     """Runs ``graph`` with threads in this process; ``run()`` blocks until the pipeline drained."""
 
     def __init__(
-        self, graph: Graph, *, dead_letter: DeadLetterWriter, options: ExecutorOptions | None = None
+        self,
+        graph: Graph,
+        *,
+        dead_letter: DeadLetterWriter,
+        options: ExecutorOptions | None = None,
+        lineage: Lineage | None = None,
     ) -> None:
         graph.validate()
+        self.lineage = lineage
         self.graph = graph
         self.options = options or ExecutorOptions()
         self.dead_letter = dead_letter
@@ -172,6 +194,8 @@ class LocalExecutor:
     # -- building -----------------------------------------------------------------------------
     def _dead_letter_rows(self, batch: Batch, step: str, reason: str) -> None:
         self.dead_letter.rows(batch, step, reason)
+        if self.lineage is not None:
+            self.lineage.failed(step, batch, reason)
 
     def _build(self) -> None:
         for sid, node in self._nodes.items():
@@ -232,10 +256,16 @@ class LocalExecutor:
             return
         finally:
             st.busy_ns += time.perf_counter_ns() - t0
-        if self._nodes[sid].kind != "infer":
+        kind = self._nodes[sid].kind
+        if kind != "infer":
             st.batches += 1
+        if self.lineage is not None:
+            if kind == "sink":
+                self.lineage.written(sid, batch)
+            elif kind != "infer":  # a model's rows move on from its batcher, one out per in
+                self.lineage.forwarded(sid, batch, outs)
         for port, out in outs:
-            if self._nodes[sid].kind != "infer":
+            if kind != "infer":
                 st.rows_out += out.num_rows
             self._emit(sid, port, out)
 

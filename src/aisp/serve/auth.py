@@ -20,13 +20,24 @@ from typing import Literal
 
 from aisp.errors import ConfigError
 
-__all__ = ["Scope", "Tokens"]
+__all__ = ["Scope", "Tokens", "api_key"]
 
 Scope = Literal["infer", "admin"]
 
 
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
+
+
+def api_key(authorization: str | None, peer: str) -> str:
+    """Who a rate limit counts against: a digest of the bearer token, else the client's address.
+
+    >>> api_key("Bearer t1", "10.0.0.1") == api_key("Bearer t1", "10.0.0.2"), api_key(None, "10.0.0.1")
+    (True, '10.0.0.1')
+    """
+    if authorization and authorization.startswith("Bearer "):
+        return hashlib.sha256(authorization[7:].strip().encode()).hexdigest()[:16]
+    return peer
 
 
 @dataclass(frozen=True)

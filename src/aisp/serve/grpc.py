@@ -10,23 +10,34 @@ UNIMPLEMENTED. Binds 127.0.0.1 unless told otherwise.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent import futures
 from typing import Any
 
 import grpc
+import msgspec
 import numpy as np
 import numpy.typing as npt
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from aisp.errors import AispError, ModelError
-from aisp.serve.auth import Scope, Tokens
+from aisp.schedule.ratelimit import Limiter
+from aisp.serve.auth import Scope, Tokens, api_key
 from aisp.serve.metrics import ServerMetrics
 from aisp.serve.models import NP_TO_OIP, OIP_TO_NP, ModelServer, RequestFailed
+from aisp.serve.pipelines import Chunk, InboxClosed, PipelineService
+from aisp.transform.operators import DEFAULT_TIERS
 
-__all__ = ["GrpcServer", "InferenceServicer"]
+__all__ = ["EVENTS_METHOD", "GrpcServer", "InferenceServicer", "PipelineStreams"]
+
+EVENTS_METHOD = "/aisp.v1.Pipelines/Events"
+"""The pipeline ingest stream: bidirectional, raw bytes messages (NDJSON lines each way)."""
+TIER_KEY = "x-tier"
+"""Metadata key of a request's QoS tier name (gold, silver, bronze)."""
 
 CONTENTS_FIELD = {
     "BOOL": "bool_contents",
@@ -86,10 +97,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         name: str = "aisp",
         version: str = "0.1.0",
         metrics: ServerMetrics | None = None,
+        limiter: Limiter | None = None,
     ) -> None:
         self.models = server
         self.name, self.version = name, version
         self.metrics = metrics
+        self.limiter = limiter
 
     def ServerLive(self, request: Any, context: Any) -> Any:  # noqa: N802 - the protocol's names
         return pb.ServerLiveResponse(live=True)
@@ -193,11 +206,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         inputs = decode_inputs(request)
         priority = int(request.parameters["priority"].int64_param) if "priority" in request.parameters else 0
         remaining = context.time_remaining() if context is not None else None
+        metadata = dict(context.invocation_metadata() or ()) if context is not None else {}
+        tier = _tier(metadata.get(TIER_KEY))
+        if self.limiter is not None:
+            rows = int(next(iter(inputs.values())).shape[0]) if inputs else 1
+            level = tier if tier is not None else self.models.tier_of(request.model_name, priority)
+            wait = self.limiter.admit(api_key(metadata.get("authorization"), context.peer()), level, rows)
+            if wait:
+                raise RequestFailed(f"rate limit: retry in {wait:.3f} s", reason="overloaded")
         result = self.models.infer(
             request.model_name,
             inputs,
             version=request.model_version or None,
             priority=priority,
+            tier=tier,
             timeout_s=remaining if remaining is not None and remaining < 1e6 else None,
         )
         wanted = [o.name for o in request.outputs] or list(result.outputs)
@@ -209,6 +231,144 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             response.outputs.add(name=name, datatype=NP_TO_OIP[arr.dtype], shape=list(arr.shape))
             response.raw_output_contents.append(arr.tobytes())
         return response
+
+
+def _tier(name: str | None) -> int | None:
+    if name is None:
+        return None
+    if name not in DEFAULT_TIERS:
+        raise BadRequest(f"{TIER_KEY} must be one of {sorted(DEFAULT_TIERS)}, got {name!r}")
+    return DEFAULT_TIERS[name]
+
+
+class _Refused(Exception):
+    pass
+
+
+class PipelineStreams:
+    """``/aisp.v1.Pipelines/Events``: the gRPC form of ``POST /v1/pipelines/{p}/events``.
+
+    A bidirectional stream of raw bytes messages: each request message holds NDJSON events, and
+    each response message the NDJSON results of one request message's events, in order (or, with
+    metadata ``mode: fire``, an ack ``{"accepted", "rejected", "errors"}``). Metadata
+    ``pipeline`` names the pipeline (optional when one is served), ``x-tier`` the tier; the
+    call's deadline becomes the events' deadline. When the admission queue is full the first
+    message waits ``admission_wait_s``, then the call ends with RESOURCE_EXHAUSTED; later
+    messages wait for room (the stream stops reading). At most ``window_messages`` answers are
+    pending per stream.
+    """
+
+    def __init__(
+        self,
+        pipelines: Mapping[str, PipelineService],
+        *,
+        admission_wait_s: float = 0.0,
+        limiter: Limiter | None = None,
+        window_messages: int = 64,
+    ) -> None:
+        self.pipelines = pipelines
+        self.admission_wait_s = admission_wait_s
+        self.limiter = limiter
+        self.window_messages = window_messages
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        method = grpc.stream_stream_rpc_method_handler(self.events)  # bytes in, bytes out
+        return grpc.method_handlers_generic_handler("aisp.v1.Pipelines", {"Events": method})
+
+    def _service(self, metadata: dict[str, Any], context: Any) -> PipelineService:
+        name = metadata.get("pipeline")
+        if name is None and len(self.pipelines) == 1:
+            return next(iter(self.pipelines.values()))
+        service = self.pipelines.get(name) if name is not None else None
+        if service is None:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no pipeline {name!r}; serving {sorted(self.pipelines)}"
+            )
+        assert service is not None
+        return service
+
+    def events(self, request_iterator: Iterator[bytes], context: Any) -> Iterator[bytes]:
+        metadata = dict(context.invocation_metadata() or ())
+        service = self._service(metadata, context)
+        mode = metadata.get("mode", "results")
+        if mode not in ("results", "fire"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"mode must be 'results' or 'fire', got {mode!r}")
+        try:
+            tier = _tier(metadata.get(TIER_KEY))
+        except BadRequest as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        remaining = context.time_remaining()
+        deadline_ns = (
+            time.monotonic_ns() + int(remaining * 1e9) if remaining is not None and remaining < 1e6 else None
+        )
+        key = api_key(metadata.get("authorization"), context.peer())
+        answers: queue.Queue[Any] = queue.Queue(self.window_messages)
+        stop = threading.Event()
+
+        def read() -> None:
+            line = 1
+            try:
+                for message in request_iterator:
+                    lines = [x for x in bytes(message).split(b"\n") if x.strip()]
+                    if not lines:
+                        continue
+                    first = line == 1
+                    if self.limiter is not None:
+                        wait = self.limiter.admit(key, tier if tier is not None else 0, len(lines))
+                        if wait and first:
+                            answers.put(_Refused(f"rate limit: retry in {wait:.3f} s"))
+                            return
+                        stop.wait(wait)
+                    chunk, errors, admitted = service.submit(
+                        lines,
+                        deadline_ns=deadline_ns,
+                        tier=tier,
+                        track=mode == "results",
+                        wait_s=self.admission_wait_s if first else None,
+                        stop=stop,
+                        first_line=line,
+                    )
+                    if not admitted:
+                        if first:
+                            answers.put(_Refused(f"pipeline {service.name!r} is overloaded; retry later"))
+                        return
+                    line += len(lines)
+                    if chunk is not None:
+                        answers.put(chunk)
+                    else:
+                        ack = {
+                            "accepted": len(lines) - len(errors),
+                            "rejected": len(errors),
+                            "errors": errors,
+                        }
+                        answers.put(msgspec.json.encode(ack) + b"\n")
+            except (InboxClosed, grpc.RpcError) as exc:
+                answers.put(exc)
+            finally:
+                answers.put(None)
+
+        reader = threading.Thread(target=read, name="aisp-grpc-events", daemon=True)
+        reader.start()
+        try:
+            while (item := answers.get()) is not None:
+                if isinstance(item, _Refused):
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(item))
+                elif isinstance(item, InboxClosed):
+                    context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
+                elif isinstance(item, Chunk):
+                    item.done.wait()
+                    yield item.lines(0, item.n)
+                elif isinstance(item, bytes):
+                    yield item
+        finally:
+            stop.set()
+            while reader.is_alive():  # unblock a reader waiting for room in the answer queue
+                try:
+                    item = answers.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if isinstance(item, Chunk):
+                    service.tracker.discard(item)
 
 
 OPEN_METHODS = ("/inference.GRPCInferenceService/ServerLive", "/inference.GRPCInferenceService/ServerReady")
@@ -247,7 +407,7 @@ class GrpcServer:
 
     def __init__(
         self,
-        models: ModelServer,
+        models: ModelServer | None,
         *,
         host: str = "127.0.0.1",
         port: int = 8001,
@@ -255,8 +415,12 @@ class GrpcServer:
         tokens: Tokens | None = None,
         tls: tuple[bytes, bytes] | None = None,
         metrics: ServerMetrics | None = None,
+        limiter: Limiter | None = None,
+        pipelines: Mapping[str, PipelineService] | None = None,
+        admission_wait_ms: float = 0.0,
     ) -> None:
-        """``tls``: (certificate chain PEM, private key PEM) to serve over TLS."""
+        """``tls``: (certificate chain PEM, private key PEM) to serve over TLS. ``models`` may
+        be None when only ``pipelines`` are served."""
         interceptors = [_AuthInterceptor(tokens)] if tokens is not None and tokens.enabled else []
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="aisp-grpc"),
@@ -266,9 +430,13 @@ class GrpcServer:
                 ("grpc.max_send_message_length", 64 << 20),
             ],
         )
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(
-            InferenceServicer(models, metrics=metrics), self._server
-        )
+        if models is not None:
+            pb_grpc.add_GRPCInferenceServiceServicer_to_server(
+                InferenceServicer(models, metrics=metrics, limiter=limiter), self._server
+            )
+        if pipelines:
+            streams = PipelineStreams(pipelines, admission_wait_s=admission_wait_ms / 1000, limiter=limiter)
+            self._server.add_generic_rpc_handlers((streams.handler(),))
         if tls is None:
             self.port = self._server.add_insecure_port(f"{host}:{port}")
         else:

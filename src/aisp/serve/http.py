@@ -13,8 +13,10 @@ reason; nothing from a request is ever unpickled.
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import time
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import msgspec
@@ -29,19 +31,21 @@ from starlette.routing import Route
 
 from aisp.errors import AispError, ModelError
 from aisp.schedule.ratelimit import Limiter, RateLimits
-from aisp.serve.auth import Scope, Tokens
+from aisp.serve.auth import Scope, Tokens, api_key
 from aisp.serve.grpc import BadRequest
 from aisp.serve.metrics import CONTENT_TYPE, ServerMetrics
 from aisp.serve.models import NP_TO_OIP, OIP_TO_NP, ModelServer, RequestFailed
+from aisp.serve.pipelines import Chunk, InboxClosed, PipelineService
 from aisp.transform.operators import DEFAULT_TIERS
 
-__all__ = ["DEADLINE_HEADER", "HEADER_LENGTH", "TIER_HEADER", "create_app"]
+__all__ = ["DEADLINE_HEADER", "HEADER_LENGTH", "NDJSON", "TIER_HEADER", "create_app"]
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 DEADLINE_HEADER = "X-Request-Deadline-Ms"
+"""Milliseconds the client will wait: rows still queued after that are dropped, the request 504s."""
 TIER_HEADER = "X-Tier"
 """QoS tier name of a request (gold, silver, bronze); the OIP ``priority`` parameter otherwise."""
-"""Milliseconds the client will wait: rows still queued after that are dropped, the request 504s."""
+NDJSON = "application/x-ndjson"
 _json = msgspec.json.Decoder()
 
 
@@ -137,11 +141,7 @@ def _tier(name: str | None) -> int | None:
 
 
 def _api_key(request: Request) -> str:
-    """Who a rate limit counts against: the bearer token's digest, or the client address."""
-    auth = request.headers.get("authorization", "")
-    if auth.startswith("Bearer "):
-        return hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:16]
-    return request.client.host if request.client else "unknown"
+    return api_key(request.headers.get("authorization"), request.client.host if request.client else "unknown")
 
 
 def _deadline_s(value: str | None) -> float | None:
@@ -167,6 +167,227 @@ async def _read_limited(request: Request, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
+async def _body_lines(receive: Any, chunk_rows: int, max_line_bytes: int) -> AsyncIterator[list[bytes]]:
+    """Non-empty lines of a (possibly chunked, unbounded) request body, at most ``chunk_rows``
+    at a time, as they arrive. A line longer than ``max_line_bytes`` raises ``BadRequest``."""
+    tail = b""
+    more = True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionResetError("client disconnected")
+        more = message.get("more_body", False)
+        data = message.get("body", b"")
+        if not data and more:
+            continue
+        parts = (tail + data).split(b"\n") if tail else data.split(b"\n")
+        tail = parts.pop() if more else b""
+        if len(tail) > max_line_bytes:
+            raise BadRequest(f"a line is longer than {max_line_bytes} bytes")
+        lines = [p for p in parts if p.strip()]
+        for i in range(0, len(lines), chunk_rows):
+            yield lines[i : i + chunk_rows]
+
+
+class _Events:
+    """``POST /v1/pipelines/{pipeline}/events``: NDJSON in, one NDJSON result per event out.
+
+    A raw ASGI endpoint, so the response streams while the (possibly unbounded, chunked) body is
+    still being read: results go back in request order as the pipeline finishes them. With
+    ``?mode=fire`` the events are only acknowledged, in bulk, once admitted (202 with counts).
+    When the pipeline's admission queue is full the first chunk waits ``admission_wait_s``,
+    then the request gets a 429 with ``Retry-After``; later chunks of a stream wait for room
+    (the stream stops reading). A request keeps at most ``window_events`` events unanswered.
+    """
+
+    def __init__(
+        self,
+        pipelines: Mapping[str, PipelineService],
+        *,
+        limiter: Limiter | None,
+        admission_wait_s: float,
+        window_events: int = 65536,
+        max_line_bytes: int = 1 << 20,
+    ) -> None:
+        self.pipelines = pipelines
+        self.limiter = limiter
+        self.admission_wait_s = admission_wait_s
+        self.window_events = window_events
+        self.max_line_bytes = max_line_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        request = Request(scope, receive)
+        service = self.pipelines.get(scope["path_params"]["pipeline"])
+        if service is None:
+            names = sorted(self.pipelines)
+            await _error(404, f"no pipeline {scope['path_params']['pipeline']!r}; serving {names}")(
+                scope, receive, send
+            )
+            return
+        mode = request.query_params.get("mode", "results")
+        if mode not in ("results", "fire"):
+            await _error(400, f"mode must be 'results' or 'fire', got {mode!r}")(scope, receive, send)
+            return
+        try:
+            timeout_s = _deadline_s(request.headers.get(DEADLINE_HEADER))
+            tier = _tier(request.headers.get(TIER_HEADER))
+        except BadRequest as exc:
+            await _error(400, str(exc))(scope, receive, send)
+            return
+        deadline_ns = None if timeout_s is None else time.monotonic_ns() + int(timeout_s * 1e9)
+        key = _api_key(request) if self.limiter is not None else ""
+        stream = _body_lines(receive, service.chunk_rows, self.max_line_bytes)
+        opts = {"deadline_ns": deadline_ns, "tier": tier}
+        try:
+            if mode == "fire":
+                reply = await self._fire(service, stream, key, opts)
+                await reply(scope, receive, send)
+            else:
+                await self._results(service, stream, key, opts, send)
+        except BadRequest as exc:
+            await _error(413 if "longer than" in str(exc) else 400, str(exc))(scope, receive, send)
+        except _Refused as exc:
+            await JSONResponse({"error": exc.message}, 429, {"Retry-After": exc.retry_after})(
+                scope, receive, send
+            )
+        except InboxClosed as exc:
+            await _error(503, str(exc))(scope, receive, send)
+        except ConnectionResetError:
+            return
+
+    async def _admit(
+        self,
+        service: PipelineService,
+        batch: Any,
+        chunk: Chunk | None,
+        key: str,
+        tier: int | None,
+        first: bool,
+    ) -> None:
+        """Rate limits, then room in the inbox: refused (first chunk) or waited for (the rest)."""
+        rows = 0 if batch is None else batch.num_rows
+        if self.limiter is not None and rows:
+            wait = self.limiter.admit(key, tier if tier is not None else 0, rows)
+            if wait and first:
+                raise _Refused(f"rate limit: retry in {wait:.3f} s", self.limiter.retry_after(wait))
+            if wait:
+                await asyncio.sleep(wait)
+        deadline = time.monotonic() + self.admission_wait_s
+        pause = 0.0002
+        while not service.offer(batch, chunk):
+            if first and time.monotonic() >= deadline:
+                message = f"pipeline {service.name!r} is overloaded: its admission queue is full; retry later"
+                raise _Refused(message, "1")
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.005)
+
+    async def _fire(
+        self, service: PipelineService, stream: AsyncIterator[list[bytes]], key: str, opts: dict[str, Any]
+    ) -> Response:
+        accepted, line = 0, 1
+        errors: list[dict[str, Any]] = []
+        async for lines in stream:
+            batch, _, bad = service.prepare(lines, track=False, first_line=line, **opts)
+            await self._admit(service, batch, None, key, opts["tier"], first=line == 1)
+            line += len(lines)
+            accepted += len(lines) - len(bad)
+            errors += bad[: max(0, 100 - len(errors))]
+        return JSONResponse(
+            {"accepted": accepted, "rejected": line - 1 - accepted, "errors": errors}, status_code=202
+        )
+
+    async def _results(
+        self,
+        service: PipelineService,
+        stream: AsyncIterator[list[bytes]],
+        key: str,
+        opts: dict[str, Any],
+        send: Any,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        wake, room = asyncio.Event(), asyncio.Event()
+        pending: deque[Chunk] = deque()
+        state = {"line": 1, "unanswered": 0, "reading": True}
+
+        def notify() -> None:
+            loop.call_soon_threadsafe(wake.set)
+
+        async def admit_next(lines: list[bytes], first: bool) -> None:
+            batch, chunk, _ = service.prepare(lines, notify=notify, first_line=state["line"], **opts)
+            assert chunk is not None
+            await self._admit(service, batch, chunk, key, opts["tier"], first=first)
+            state["line"] += len(lines)
+            state["unanswered"] += chunk.n
+            pending.append(chunk)
+            wake.set()
+
+        first = await anext(stream, None)
+        if first is not None:
+            await admit_next(first, True)  # may refuse: nothing has been sent yet
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", NDJSON.encode())]}
+        )
+
+        async def read_rest() -> None:
+            try:
+                async for lines in stream:
+                    while state["unanswered"] >= self.window_events:
+                        room.clear()
+                        await room.wait()
+                    await admit_next(lines, False)
+            except (BadRequest, InboxClosed) as exc:  # answered in place: the status went out
+                pending.append(_failed_chunk(str(exc)))
+            except ConnectionResetError:
+                pass
+            finally:
+                state["reading"] = False
+                wake.set()
+
+        reader = asyncio.create_task(read_rest())
+        try:
+            sent = 0
+            while True:
+                wake.clear()
+                out = []
+                while pending:
+                    chunk = pending[0]
+                    upto = chunk.prefix
+                    if upto > sent:
+                        out.append(chunk.lines(sent, upto))
+                        sent = upto
+                    if sent < chunk.n:
+                        break
+                    pending.popleft()
+                    sent = 0
+                    state["unanswered"] -= chunk.n
+                    room.set()
+                if out:
+                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                elif not pending and not state["reading"]:
+                    break
+                else:
+                    await wake.wait()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            reader.cancel()
+            for chunk in pending:
+                service.tracker.discard(chunk)
+
+
+class _Refused(Exception):
+    def __init__(self, message: str, retry_after: str) -> None:
+        super().__init__(message)
+        self.message, self.retry_after = message, retry_after
+
+
+def _failed_chunk(reason: str) -> Chunk:
+    chunk = Chunk(0, 1)
+    chunk.results[0] = msgspec.json.encode({"error": reason})
+    chunk.open[0] = 0
+    chunk.prefix = 1
+    return chunk
+
+
 class _Auth:
     """ASGI middleware: bearer tokens; health is open, the repository extension needs admin."""
 
@@ -189,8 +410,10 @@ class _Auth:
 
 
 def create_app(
-    models: ModelServer,
+    models: ModelServer | None,
     *,
+    pipelines: Mapping[str, PipelineService] | None = None,
+    admission_wait_ms: float = 0.0,
     name: str = "aisp",
     version: str = "0.1.0",
     max_body_bytes: int = 64 << 20,
@@ -202,8 +425,10 @@ def create_app(
 
     Bodies over ``max_body_bytes`` get a 413; a full model queue a 429 with ``Retry-After``;
     with ``tokens`` every route but health needs a bearer token (401/403); ``limits`` are
-    token-bucket rate limits in rows/s per API key and per tier (429 with ``Retry-After``). ``GET /metrics``
-    serves Prometheus metrics (a fresh ``ServerMetrics`` unless one is given).
+    token-bucket rate limits in rows/s per API key and per tier (429 with ``Retry-After``).
+    ``GET /metrics`` serves Prometheus metrics (a fresh ``ServerMetrics`` unless one is given).
+    ``pipelines`` are served at ``POST /v1/pipelines/{name}/events`` (see ``_Events``) and
+    listed at ``GET /v1/pipelines``; ``models`` may then be None (no model routes).
     """
     metrics = metrics or ServerMetrics(models)
     limiter = Limiter(limits) if limits is not None and limits.enabled else None
@@ -217,6 +442,42 @@ def create_app(
     async def server_metadata(request: Request) -> Response:
         extensions = ["binary_tensor_data", "model_repository", "schedule_policy", "model_configuration"]
         return JSONResponse({"name": name, "version": version, "extensions": extensions})
+
+    async def metrics_endpoint(request: Request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    routes = [
+        Route("/metrics", metrics_endpoint),
+        Route("/v2/health/live", live),
+        Route("/v2/health/ready", ready),
+        Route("/v2", server_metadata),
+    ]
+    if models is not None:
+        routes += _model_routes(models, metrics, limiter, max_body_bytes)
+    served_pipelines = dict(pipelines or {})
+    if served_pipelines:
+
+        async def pipeline_index(request: Request) -> Response:
+            return JSONResponse(
+                [
+                    {"name": n, "queued_rows": p.inbox.rows, "events_in": p.stats.events_in}
+                    for n, p in sorted(served_pipelines.items())
+                ]
+            )
+
+        events = _Events(served_pipelines, limiter=limiter, admission_wait_s=admission_wait_ms / 1000)
+        routes += [
+            Route("/v1/pipelines", pipeline_index),
+            Route("/v1/pipelines/{pipeline}/events", events, methods=["POST"]),
+        ]
+    app = Starlette(routes=routes)
+    return _Auth(app, tokens) if tokens is not None and tokens.enabled else app
+
+
+def _model_routes(
+    models: ModelServer, metrics: ServerMetrics, limiter: Limiter | None, max_body_bytes: int
+) -> list[Route]:
+    """OIP v2 model routes, model repository extension and statistics."""
 
     def served(request: Request) -> Any:
         p = request.path_params
@@ -248,9 +509,6 @@ def create_app(
         label = model if model in models.models else "unknown"
         metrics.observe("http", label, str(response.status_code), time.perf_counter() - started)
         return response
-
-    async def metrics_endpoint(request: Request) -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     async def _infer(request: Request) -> Response:
         p = request.path_params
@@ -311,10 +569,6 @@ def create_app(
         return Response(status_code=200)
 
     routes = [
-        Route("/metrics", metrics_endpoint),
-        Route("/v2/health/live", live),
-        Route("/v2/health/ready", ready),
-        Route("/v2", server_metadata),
         Route("/v2/repository/index", repository_index, methods=["POST"]),
         Route("/v2/repository/models/{model}/load", load, methods=["POST"]),
         Route("/v2/repository/models/{model}/unload", unload, methods=["POST"]),
@@ -326,5 +580,4 @@ def create_app(
             Route(f"{prefix}/config", model_config),
             Route(f"{prefix}/infer", infer, methods=["POST"]),
         ]
-    app = Starlette(routes=routes)
-    return _Auth(app, tokens) if tokens is not None and tokens.enabled else app
+    return routes

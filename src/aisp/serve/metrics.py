@@ -23,10 +23,12 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class _QueueCollector:
-    def __init__(self, models: ModelServer) -> None:
+    def __init__(self, models: ModelServer | None) -> None:
         self._models = models
 
     def collect(self) -> Iterator[Any]:
+        if self._models is None:
+            return
         g = GaugeMetricFamily(
             "aisp_model_queue_rows", "Rows waiting in the model's batcher queue", labels=["model"]
         )
@@ -36,7 +38,7 @@ class _QueueCollector:
 
 
 class ServerMetrics:
-    def __init__(self, models: ModelServer) -> None:
+    def __init__(self, models: ModelServer | None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "aisp_requests", "Inference requests", ["protocol", "model", "code"], registry=self.registry
@@ -56,7 +58,8 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.registry.register(_QueueCollector(models))
-        models.on_batch = lambda model, rows: self.batch_rows.labels(model).observe(rows)
+        if models is not None:
+            models.on_batch = lambda model, rows: self.batch_rows.labels(model).observe(rows)
 
     def observe(self, protocol: str, model: str, code: str, seconds: float) -> None:
         self.requests.labels(protocol, model, code).inc()
