@@ -13,7 +13,7 @@ import pytest
 import tritonclient.http as th
 
 from tests.support.models import expected_score, fraud_repository
-from tests.support.serving import aisp_serve
+from tests.support.serving import aisp_serve, wait_http
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,14 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     repo = fraud_repository(tmp_path_factory.mktemp("repo"), {1: 0.1})
     with aisp_serve(repo, http=True, grpc=False) as (addresses, proc):
-        address = addresses["http"]
-        for _ in range(100):  # the socket is bound before uvicorn serves on it
-            try:
-                if httpx.get(f"http://{address}/v2/health/live", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-        yield address, proc
+        wait_http(addresses["http"])
+        yield addresses["http"], proc
 
 
 @pytest.mark.parametrize("binary", [True, False])

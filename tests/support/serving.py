@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,3 +42,17 @@ def aisp_serve(
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)  # also closes the pipes
+
+
+def wait_http(address: str, timeout_s: float = 30.0) -> None:
+    """Wait until the HTTP server at ``address`` answers (its socket is bound before it serves)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://{address}/v2/health/live", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.05)
+    raise TimeoutError(f"no HTTP server at {address} after {timeout_s} s")

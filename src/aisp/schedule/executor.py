@@ -66,7 +66,8 @@ class Lineage(Protocol):
     """Follows each event (by ``_id``) through the graph, so a caller can tell when it is done.
 
     An event starts with one open branch. ``forwarded`` is told what an operator made of a batch
-    before its outputs move on (a filter closes branches, a route to two ports opens one);
+    before its outputs move on (a filter closes branches, a route to two ports opens one), and
+    of every output that goes to several consumers, or to none;
     ``written`` that a sink took rows (each closes a branch); ``failed`` that rows went to the
     dead-letter sink (each closes a branch). Calls come from the executor's threads.
     """
@@ -270,7 +271,10 @@ class LocalExecutor:
             self._emit(sid, port, out)
 
     def _emit(self, sid: str, port: str, batch: Batch) -> None:
-        for consumer in self._consumers.get((sid, port), ()):
+        consumers = self._consumers.get((sid, port), ())
+        if self.lineage is not None and len(consumers) != 1:  # each consumer gets its own copy
+            self.lineage.forwarded(sid, batch, [(port, batch)] * len(consumers))
+        for consumer in consumers:
             if self._chained(consumer):
                 self._push(consumer, batch)
             else:

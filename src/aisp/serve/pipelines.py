@@ -135,6 +135,7 @@ class Chunk:
         self.start, self.n = start, n
         self.open = np.ones(n, dtype=np.int32)  # open branches per event; 0 = done
         self.results: list[bytes | None] = [None] * n
+        self.rank = np.zeros(n, dtype=np.int8)  # what results[i] is: see ResultTracker.RANKS
         self.prefix = 0
         self.notify = notify
         self.done = threading.Event()
@@ -154,7 +155,14 @@ class Chunk:
 
 
 class ResultTracker:
-    """Maps events back to their chunks and collects their results (see the module docstring)."""
+    """Maps events back to their chunks and collects their results (see the module docstring).
+
+    An event that took several branches gets the most telling of their outcomes: its output
+    rows, else the error of a branch that failed, else a side sink that took it, else the step
+    that dropped it.
+    """
+
+    DROPPED, SIDE_SINK, ERROR, OUTPUT = 1, 2, 3, 4
 
     def __init__(self, result_step: str, encoder: RowEncoder) -> None:
         self.result_step = result_step
@@ -195,7 +203,7 @@ class ResultTracker:
         delta = np.where(found, counts[pos] if uniq.shape[0] else 0, 0) - 1
         changed = delta != 0
         if changed.any():
-            self._update(ids[changed], delta[changed], fill=_encode({"dropped": step}))
+            self._update(ids[changed], delta[changed], fill=_encode({"dropped": step}), rank=self.DROPPED)
 
     def written(self, step: str, batch: Batch) -> None:
         if not batch.num_rows:
@@ -203,14 +211,14 @@ class ResultTracker:
         minus = np.full(batch.num_rows, -1, dtype=np.int32)
         if step == self.result_step:
             self._update(batch.ids, minus, lines=self._encoder.encode(batch).split(b"\n"))
-        else:  # an event that only reached a side sink
-            self._update(batch.ids, minus, fill=_encode({"sink": step}))
+        else:
+            self._update(batch.ids, minus, fill=_encode({"sink": step}), rank=self.SIDE_SINK)
 
     def failed(self, step: str, batch: Batch, reason: str) -> None:
         if ID not in batch or not batch.num_rows:
             return
         minus = np.full(batch.num_rows, -1, dtype=np.int32)
-        self._update(batch.ids, minus, fill=_encode({"error": reason, "step": step}))
+        self._update(batch.ids, minus, fill=_encode({"error": reason, "step": step}), rank=self.ERROR)
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _locate(self, ids: npt.NDArray[np.int64]) -> list[tuple[Chunk, npt.NDArray[np.intp]]]:
@@ -240,9 +248,10 @@ class ResultTracker:
         *,
         lines: Sequence[bytes] | None = None,
         fill: bytes | None = None,
+        rank: int = 0,
     ) -> None:
-        """Apply branch changes ``delta`` to events ``ids``; ``lines`` are their outputs, ``fill``
-        the result of an event that closes with none."""
+        """Apply branch changes ``delta`` to events ``ids``: ``lines`` are their outputs;
+        ``fill`` (of ``rank``) is the outcome of the branches that close (``delta`` < 0)."""
         wake = []
         with self._lock:
             for chunk, rows in self._locate(ids):
@@ -250,15 +259,20 @@ class ResultTracker:
                 res = chunk.results
                 if lines is not None:
                     for i, r in zip(idx.tolist(), rows.tolist(), strict=True):
-                        res[i] = lines[r] if res[i] is None else _join(res[i], lines[r])
+                        prev = res[i]
+                        res[i] = (
+                            _join(prev, lines[r]) if prev is not None and chunk.rank[i] == 4 else lines[r]
+                        )
+                    chunk.rank[idx] = self.OUTPUT
+                elif fill is not None:
+                    closing = idx[(delta[rows] < 0) & (chunk.rank[idx] < rank)]
+                    for i in closing.tolist():
+                        res[i] = fill
+                    chunk.rank[closing] = rank
                 np.add.at(chunk.open, idx, delta[rows])
                 closed = idx[chunk.open[idx] <= 0]
                 if closed.size:
                     chunk.open[closed] = 0
-                    if fill is not None:
-                        for i in closed.tolist():
-                            if res[i] is None:
-                                res[i] = fill
                     if chunk._advance():
                         wake.append(chunk)
                         if chunk.prefix == chunk.n:
