@@ -14,7 +14,7 @@ from tritonclient.utils import InferenceServerException
 
 from aisp.serve.auth import Tokens
 from tests.support.models import fraud_repository
-from tests.support.serving import aisp_serve
+from tests.support.serving import aisp_serve, wait_http
 
 USER = {"Authorization": "Bearer user-token"}
 ADMIN = {"Authorization": "Bearer admin-token"}
@@ -25,12 +25,7 @@ def addresses(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     repo = fraud_repository(tmp_path_factory.mktemp("repo"), {1: 0.1})
     env = {"AISP_TOKENS": "user-token", "AISP_ADMIN_TOKENS": "admin-token"}
     with aisp_serve(repo, http=True, grpc=True, extra_env=env) as (addrs, _):
-        for _ in range(100):
-            try:
-                if httpx.get(f"http://{addrs['http']}/v2/health/live", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
+        wait_http(addrs["http"])
         yield addrs
 
 

@@ -37,6 +37,11 @@ def test_health_metadata_config_and_infer(served: tuple[str, Path, subprocess.Po
     inp.set_data_from_numpy(x)
     result = client.infer("fraud", [inp])
     np.testing.assert_allclose(result.as_numpy("score")[:, 0], expected_score(x, 0.1), rtol=1e-6)
+    stats = client.get_inference_statistics("fraud", as_json=True)["model_stats"][0]
+    assert stats["name"] == "fraud" and int(stats["inference_count"]) >= 4
+    assert int(stats["inference_stats"]["success"]["count"]) >= 1
+    with pytest.raises(InferenceServerException, match="not loaded"):
+        client.get_inference_statistics("nope")
 
 
 def test_stream_infer(served: tuple[str, Path, subprocess.Popen[str]]) -> None:

@@ -41,6 +41,11 @@ def test_tritonclient_http_infer(served: tuple[str, subprocess.Popen[str]], bina
     result = client.infer("fraud", [inp], outputs=[out])
     np.testing.assert_allclose(result.as_numpy("score")[:, 0], expected_score(x, 0.1), rtol=1e-6)
     assert result.get_response()["model_version"] == "1"
+    stats = client.get_inference_statistics("fraud")["model_stats"]
+    assert [(s["name"], s["version"]) for s in stats] == [("fraud", "1")]
+    assert stats[0]["inference_stats"]["success"]["count"] >= 1 and stats[0]["inference_count"] >= 6
+    assert stats[0]["execution_count"] >= 1 and stats[0]["batch_stats"][0]["compute_infer"]["ns"] > 0
+    assert client.get_inference_statistics()["model_stats"][0]["name"] == "fraud"  # every model
 
 
 @pytest.mark.parametrize(

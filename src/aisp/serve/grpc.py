@@ -4,8 +4,9 @@ Built on the generated stubs that ship in ``tritonclient`` (no hand-written prot
 ``tritonclient.grpc`` talks to it unmodified. Every ModelInfer goes through the model's dynamic
 batcher (``ModelServer``). Implemented: ServerLive, ServerReady, ModelReady, ServerMetadata,
 ModelMetadata, ModelConfig, ModelInfer (typed ``contents`` and ``raw_input_contents``),
-ModelStreamInfer, RepositoryIndex, RepositoryModelLoad, RepositoryModelUnload. The others answer
-UNIMPLEMENTED. Binds 127.0.0.1 unless told otherwise.
+ModelStreamInfer, ModelStatistics, RepositoryIndex, RepositoryModelLoad, RepositoryModelUnload.
+The others answer UNIMPLEMENTED. ``/aisp.v1.Pipelines/Events`` is a served pipeline's ingest
+stream (``PipelineStreams``). Binds 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import grpc
 import msgspec
 import numpy as np
 import numpy.typing as npt
+from google.protobuf.json_format import ParseDict
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
@@ -114,7 +116,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         return pb.ModelReadyResponse(ready=self.models.ready(request.name, request.version or None))
 
     def ServerMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
-        extensions = ["model_repository", "schedule_policy", "model_configuration"]
+        extensions = ["model_repository", "schedule_policy", "model_configuration", "statistics"]
         return pb.ServerMetadataResponse(name=self.name, version=self.version, extensions=extensions)
 
     def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
@@ -169,6 +171,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
                 yield pb.ModelStreamInferResponse(infer_response=self._infer(request, context))
             except (BadRequest, RequestFailed, ModelError) as exc:
                 yield pb.ModelStreamInferResponse(error_message=str(exc))
+
+    def ModelStatistics(self, request: Any, context: Any) -> Any:  # noqa: N802
+        try:
+            stats = self.models.statistics(request.name or None, request.version or None)
+        except ModelError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
 
     def RepositoryIndex(self, request: Any, context: Any) -> Any:  # noqa: N802
         entries = [pb.RepositoryIndexResponse.ModelIndex(**e) for e in self.models.index()]

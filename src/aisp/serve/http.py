@@ -440,7 +440,13 @@ def create_app(
         return JSONResponse({"ready": True})
 
     async def server_metadata(request: Request) -> Response:
-        extensions = ["binary_tensor_data", "model_repository", "schedule_policy", "model_configuration"]
+        extensions = [
+            "binary_tensor_data",
+            "model_repository",
+            "schedule_policy",
+            "model_configuration",
+            "statistics",
+        ]
         return JSONResponse({"name": name, "version": version, "extensions": extensions})
 
     async def metrics_endpoint(request: Request) -> Response:
@@ -551,6 +557,13 @@ def _model_routes(
         except ModelError as exc:
             return _error(400, str(exc))
 
+    async def statistics(request: Request) -> Response:
+        p = request.path_params
+        try:
+            return JSONResponse({"model_stats": models.statistics(p.get("model"), p.get("version") or None)})
+        except ModelError as exc:
+            return _error(404, str(exc))
+
     async def repository_index(request: Request) -> Response:
         return JSONResponse(models.index())
 
@@ -569,6 +582,7 @@ def _model_routes(
         return Response(status_code=200)
 
     routes = [
+        Route("/v2/models/stats", statistics),
         Route("/v2/repository/index", repository_index, methods=["POST"]),
         Route("/v2/repository/models/{model}/load", load, methods=["POST"]),
         Route("/v2/repository/models/{model}/unload", unload, methods=["POST"]),
@@ -578,6 +592,7 @@ def _model_routes(
             Route(prefix, model_metadata),
             Route(f"{prefix}/ready", model_ready),
             Route(f"{prefix}/config", model_config),
+            Route(f"{prefix}/stats", statistics),
             Route(f"{prefix}/infer", infer, methods=["POST"]),
         ]
     return routes

@@ -27,7 +27,7 @@ from aisp.infer.repository import ModelRepository
 from aisp.infer.runtime import Runtime
 from aisp.infer.versions import ServedModel
 
-__all__ = ["NP_TO_OIP", "OIP_TO_NP", "InferResult", "ModelServer", "RequestFailed"]
+__all__ = ["NP_TO_OIP", "OIP_TO_NP", "InferResult", "ModelServer", "ModelStats", "RequestFailed"]
 
 NP_TO_OIP = {
     np.dtype(np.bool_): "BOOL",
@@ -77,11 +77,82 @@ class _Pending:
     event: threading.Event = field(default_factory=threading.Event)
 
 
+class ModelStats:
+    """Triton's statistics extension for one model version, since it was loaded.
+
+    Requests: ``success`` / ``fail`` (count, total ns from receipt to answer). Rows: ``queue``
+    (each row counted with its batch's queueing time), ``compute_input`` / ``compute_infer`` /
+    ``compute_output`` per model call, and the same per batch size in ``batch_stats``.
+    """
+
+    _PHASES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
+
+    def __init__(self, name: str, version: str) -> None:
+        self.name, self.version = name, version
+        self._lock = threading.Lock()
+        self._phases = {p: [0, 0] for p in self._PHASES}
+        self._batches: dict[int, list[int]] = {}  # size -> count, input ns, infer ns, output ns
+        self.inference_count = 0
+        self.execution_count = 0
+        self.last_inference_ms = 0
+        self._input_ns = 0
+        self._output_ns = 0
+
+    def request(self, ok: bool, ns: int) -> None:
+        with self._lock:
+            entry = self._phases["success" if ok else "fail"]
+            entry[0] += 1
+            entry[1] += ns
+            self.last_inference_ms = int(time.time() * 1000)
+
+    def batch(self, rows: int, wait_ns: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        with self._lock:
+            self.inference_count += rows
+            self.execution_count += 1
+            for phase, ns in (
+                ("queue", wait_ns * rows),
+                ("compute_input", input_ns),
+                ("compute_infer", infer_ns),
+                ("compute_output", output_ns),
+            ):
+                entry = self._phases[phase]
+                entry[0] += rows if phase == "queue" else 1
+                entry[1] += ns
+            b = self._batches.setdefault(rows, [0, 0, 0, 0])
+            b[0] += 1
+            b[1] += input_ns
+            b[2] += infer_ns
+            b[3] += output_ns
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``$model_stat`` object of the HTTP/REST statistics extension."""
+        with self._lock:
+            return {
+                "name": self.name,
+                "version": self.version,
+                "last_inference": self.last_inference_ms,
+                "inference_count": self.inference_count,
+                "execution_count": self.execution_count,
+                "inference_stats": {p: {"count": c, "ns": ns} for p, (c, ns) in self._phases.items()},
+                "batch_stats": [
+                    {
+                        "batch_size": size,
+                        "compute_input": {"count": n, "ns": i},
+                        "compute_infer": {"count": n, "ns": c},
+                        "compute_output": {"count": n, "ns": o},
+                    }
+                    for size, (n, i, c, o) in sorted(self._batches.items())
+                ],
+            }
+
+
 class _Served:
     """One loaded model and its batcher."""
 
     def __init__(self, server: ModelServer, model: ServedModel, config: BatcherConfig | None = None) -> None:
         self.model = model
+        self.stats: dict[str, ModelStats] = {}
+        self._phase_ns = threading.local()
         self.batcher = DynamicBatcher(
             model,
             config or model.config.batcher,
@@ -89,11 +160,28 @@ class _Served:
             finish=self._finish,
             emit=server._complete,
             dead_letter=server._fail,
-            on_batch=lambda rows, wait_ns, compute_ns: server._batched(model.name, rows),
+            on_batch=lambda rows, wait_ns, compute_ns: self._batched(server, rows, wait_ns, compute_ns),
         )
         self.batcher.start()
 
+    def stats_of(self, version: str) -> ModelStats:
+        s = self.stats.get(version)
+        if s is None:
+            s = self.stats.setdefault(version, ModelStats(self.model.name, version))
+        return s
+
+    def _batched(self, server: ModelServer, rows: int, wait_ns: int, compute_ns: int) -> None:
+        t = self._phase_ns
+        self.stats_of(t.version).batch(rows, wait_ns, t.input_ns, compute_ns, t.output_ns)
+        server._batched(self.model.name, rows)
+
     def _prepare(self, batch: Batch) -> dict[str, npt.NDArray[Any]]:
+        start = time.perf_counter_ns()
+        out = self._inputs(batch)
+        self._phase_ns.input_ns = time.perf_counter_ns() - start
+        return out
+
+    def _inputs(self, batch: Batch) -> dict[str, npt.NDArray[Any]]:
         specs = self.model.input_specs
         out = {}
         for name in self.model.input_names:
@@ -104,13 +192,16 @@ class _Served:
             out[name] = np.ascontiguousarray(arr, dtype=spec.dtype if spec is not None else None)
         return out
 
-    @staticmethod
-    def _finish(batch: Batch, outputs: Mapping[str, npt.NDArray[Any]], runtime: Runtime) -> Batch:
+    def _finish(self, batch: Batch, outputs: Mapping[str, npt.NDArray[Any]], runtime: Runtime) -> Batch:
+        start = time.perf_counter_ns()
         cols: dict[str, Any] = {}
         for name, arr in outputs.items():
             cols[f"out:{name}"] = matrix_column(arr.reshape(arr.shape[0], -1))
         cols["_version"] = np.full(batch.num_rows, int(runtime.version), dtype=np.int64)
-        return batch.select([_REQ, _ROW]).with_columns(cols)
+        out = batch.select([_REQ, _ROW]).with_columns(cols)
+        self._phase_ns.output_ns = time.perf_counter_ns() - start
+        self._phase_ns.version = str(runtime.version)
+        return out
 
 
 class ModelServer:
@@ -263,6 +354,8 @@ class ModelServer:
         with self._lock:
             self._pending[req] = pending
             served = self._served[name]
+        started = time.perf_counter_ns()
+        ok = False
         try:
             try:
                 served.batcher.submit(Batch.from_columns(cols), timeout_ms=self.admission_wait_ms)
@@ -273,9 +366,11 @@ class ModelServer:
                 ) from exc
             if not pending.event.wait(None if timeout_s is None else timeout_s + 1.0):
                 raise RequestFailed(f"model {name!r}: no answer in {timeout_s:g} s", reason="timeout")
+            ok = pending.error is None
         finally:
             with self._lock:
                 self._pending.pop(req, None)
+            served.stats_of(pending.version or model.version).request(ok, time.perf_counter_ns() - started)
         if pending.error is not None:
             raise RequestFailed(f"model {name!r}: {pending.error}", reason=pending.error)
         shapes = self._shapes.get(name, {})
@@ -284,6 +379,21 @@ class ModelServer:
             for k, v in pending.outputs.items()
         }
         return InferResult(name, pending.version, outputs)
+
+    def statistics(self, name: str | None = None, version: str | None = None) -> list[dict[str, Any]]:
+        """Triton statistics (``$model_stat`` objects) of the loaded models, or of one model
+        (and version); a model not loaded raises ``ModelError``."""
+        with self._lock:
+            served = dict(self._served)
+        if name is not None:
+            if name not in served:
+                raise ModelError(f"model {name!r} is not loaded")
+            served = {name: served[name]}
+        out = []
+        for _, s in sorted(served.items()):
+            versions = [version] if version else sorted(set(s.stats) | {s.model.version}, key=int)
+            out += [s.stats_of(v).to_dict() for v in versions]
+        return out
 
     def tier_of(self, name: str, priority: int) -> int:
         """The tier a request with OIP/Triton ``priority`` gets on model ``name``."""
