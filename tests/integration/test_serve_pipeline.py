@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -152,3 +153,25 @@ def test_overload_gets_429_with_retry_after_and_every_accepted_request_is_answer
     finally:
         assert service.close()
     assert np.isfinite(service.stats.e2e.percentile(99))
+
+
+def test_sigterm_mid_stream_finishes_the_stream_and_exits_0(
+    events: tuple[list[bytes], dict[int, dict[str, object]]],
+) -> None:
+    lines, expected = events
+    with aisp_serve(PIPELINE, http=True, grpc=False) as (addresses, proc):
+        wait_http(addresses["http"])
+
+        def pieces() -> Iterator[bytes]:
+            for i in range(0, len(lines), 300):
+                if i == 900:
+                    proc.send_signal(signal.SIGTERM)  # the request is being read: it was accepted
+                    time.sleep(0.2)
+                yield b"\n".join(lines[i : i + 300]) + b"\n"
+
+        r = httpx.post(f"http://{addresses['http']}/v1/pipelines/fraud/events", content=pieces(), timeout=60)
+        assert r.status_code == 200
+        check_scores([json.loads(x) for x in r.content.splitlines()], expected)
+        assert proc.wait(timeout=30) == 0
+        with pytest.raises(httpx.TransportError):  # and it took no new request
+            httpx.post(f"http://{addresses['http']}/v1/pipelines/fraud/events", content=lines[0], timeout=2)

@@ -145,7 +145,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             raise
         finally:
             if self.metrics is not None:
-                label = request.model_name if request.model_name in self.models.models else "unknown"
+                label = request.model_name if self.models.is_loaded(request.model_name) else "unknown"
                 self.metrics.observe("grpc", label, code, time.perf_counter() - started)
 
     def _model_infer(self, request: Any, context: Any) -> Any:

@@ -184,7 +184,7 @@ async def _body_lines(receive: Any, chunk_rows: int, max_line_bytes: int) -> Asy
         tail = parts.pop() if more else b""
         if len(tail) > max_line_bytes:
             raise BadRequest(f"a line is longer than {max_line_bytes} bytes")
-        lines = [p for p in parts if p.strip()]
+        lines = [p for p in parts if p]  # blank lines are skipped; whitespace-only ones fail to parse
         for i in range(0, len(lines), chunk_rows):
             yield lines[i : i + chunk_rows]
 
@@ -512,7 +512,7 @@ def _model_routes(
         started = time.perf_counter()
         response = await _infer(request)
         model = request.path_params["model"]
-        label = model if model in models.models else "unknown"
+        label = model if models.is_loaded(model) else "unknown"
         metrics.observe("http", label, str(response.status_code), time.perf_counter() - started)
         return response
 
@@ -536,8 +536,7 @@ def _model_routes(
                 if wait:
                     message = f"rate limit: retry in {wait:.3f} s"
                     return JSONResponse({"error": message}, 429, {"Retry-After": limiter.retry_after(wait)})
-            result = await run_in_threadpool(
-                models.infer,
+            result = await models.infer_async(
                 p["model"],
                 inputs,
                 version=p.get("version") or None,

@@ -9,7 +9,9 @@ honours; rows that time out or are shed fail their request with that reason.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -67,14 +69,16 @@ class InferResult:
     outputs: dict[str, npt.NDArray[Any]]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     rows: int
+    future: asyncio.Future[None] | None = None
+    loop: asyncio.AbstractEventLoop | None = None
     outputs: dict[str, npt.NDArray[Any]] = field(default_factory=dict)
     done_rows: int = 0
     version: str = ""
     error: str | None = None
-    event: threading.Event = field(default_factory=threading.Event)
+    event: threading.Event | None = None  # thread callers wait on it; asyncio ones on ``future``
 
 
 class ModelStats:
@@ -152,6 +156,7 @@ class _Served:
     def __init__(self, server: ModelServer, model: ServedModel, config: BatcherConfig | None = None) -> None:
         self.model = model
         self.stats: dict[str, ModelStats] = {}
+        self.gather: list[_Gathered] = []  # asyncio requests of this loop turn (see infer_async)
         self._phase_ns = threading.local()
         self.batcher = DynamicBatcher(
             model,
@@ -321,7 +326,35 @@ class ModelServer:
         with self._lock:
             return sorted(self._served)
 
+    def is_loaded(self, name: str) -> bool:
+        return name in self._served
+
     # -- inference ----------------------------------------------------------------------------
+    def _check(self, model: ServedModel, inputs: Mapping[str, npt.NDArray[Any]]) -> int:
+        """The request's row count, after checking its inputs against the model's."""
+        name = model.name
+        missing = sorted(set(model.input_names) - set(inputs))
+        if missing:
+            raise ModelError(f"model {name!r} needs inputs {list(model.input_names)}; missing {missing}")
+        rows = {int(a.shape[0]) if a.ndim else -1 for a in inputs.values()}
+        if len(rows) != 1 or -1 in rows:
+            raise ModelError(f"inputs need one shared batch dimension first, got batch sizes {sorted(rows)}")
+        specs = model.input_specs
+        for k in model.input_names:
+            spec = specs.get(k)
+            dims = [d for d in spec.shape[1:] if isinstance(d, int) and d > 0] if spec and spec.shape else []
+            if spec is None or not spec.shape or len(dims) != len(spec.shape) - 1:
+                continue
+            per_row = math.prod(dims)
+            arr = inputs[k]
+            if math.prod(arr.shape[1:]) != per_row:
+                want = ["-1", *map(str, spec.shape[1:])]
+                raise ModelError(
+                    f"input {k!r} of model {name!r} has shape {list(arr.shape)};"
+                    f" the model takes [{', '.join(want)}]"
+                )
+        return rows.pop()
+
     def infer(
         self,
         name: str,
@@ -332,45 +365,128 @@ class ModelServer:
         tier: int | None = None,
         timeout_s: float | None = None,
     ) -> InferResult:
-        """Run ``inputs`` (arrays with the batch dimension first) through the model's batcher."""
+        """Run ``inputs`` (arrays with the batch dimension first) through the model's batcher,
+        from a thread (blocks until answered). Asyncio callers use ``infer_async``."""
         model = self.served(name, version)
-        missing = sorted(set(model.input_names) - set(inputs))
-        if missing:
-            raise ModelError(f"model {name!r} needs inputs {list(model.input_names)}; missing {missing}")
-        rows = {int(a.shape[0]) for a in inputs.values()}
-        if len(rows) != 1:
-            raise ModelError(f"inputs have different batch sizes: {sorted(rows)}")
-        n = rows.pop()
-        if tier is None:
-            tier = model.config.tier(priority)
+        n = self._check(model, inputs)
         req = next(self._ids)
-        pending = _Pending(n)
-        cols: dict[str, Any] = {k: _column(v) for k, v in inputs.items() if k in model.input_names}
-        cols[_REQ] = np.full(n, req, dtype=np.int64)
-        cols[_ROW] = np.arange(n, dtype=np.int64)
-        cols[TIER] = np.full(n, tier, dtype=np.int8)
-        if timeout_s is not None:
-            cols[DEADLINE_NS] = np.full(n, time.monotonic_ns() + int(timeout_s * 1e9), dtype=np.int64)
+        pending = _Pending(n, event=threading.Event())
+        deadline = None if timeout_s is None else time.monotonic_ns() + int(timeout_s * 1e9)
+        tier = model.config.tier(priority) if tier is None else tier
+        batch = _request_batch(model, [_Gathered(req, inputs, n, tier, deadline, 0)])
         with self._lock:
             self._pending[req] = pending
             served = self._served[name]
         started = time.perf_counter_ns()
-        ok = False
         try:
             try:
-                served.batcher.submit(Batch.from_columns(cols), timeout_ms=self.admission_wait_ms)
+                served.batcher.submit(batch, timeout_ms=self.admission_wait_ms)
             except TimeoutError as exc:
+                pending.error = "overloaded"
                 raise RequestFailed(
                     f"model {name!r} is overloaded: its queue is full ({exc}); retry later",
                     reason="overloaded",
                 ) from exc
+            assert pending.event is not None
             if not pending.event.wait(None if timeout_s is None else timeout_s + 1.0):
-                raise RequestFailed(f"model {name!r}: no answer in {timeout_s:g} s", reason="timeout")
-            ok = pending.error is None
+                pending.error = "timeout"
         finally:
             with self._lock:
                 self._pending.pop(req, None)
+            ok = pending.error is None
             served.stats_of(pending.version or model.version).request(ok, time.perf_counter_ns() - started)
+        return self._result(name, n, pending, timeout_s)
+
+    async def infer_async(
+        self,
+        name: str,
+        inputs: Mapping[str, npt.NDArray[Any]],
+        *,
+        version: str | None = None,
+        priority: int = 0,
+        tier: int | None = None,
+        timeout_s: float | None = None,
+    ) -> InferResult:
+        """``infer`` for asyncio: the requests that arrive in one turn of the event loop are
+        handed to the batcher as one batch (one Arrow batch, one queue operation), and their
+        answers come back to the loop in one call per model batch."""
+        model = self.served(name, version)
+        n = self._check(model, inputs)
+        loop = asyncio.get_running_loop()
+        req = next(self._ids)
+        pending = _Pending(n, future=loop.create_future(), loop=loop)
+        now = time.monotonic_ns()
+        deadline = None if timeout_s is None else now + int(timeout_s * 1e9)
+        tier = model.config.tier(priority) if tier is None else tier
+        with self._lock:
+            self._pending[req] = pending
+            served = self._served[name]
+        gather = served.gather
+        gather.append(_Gathered(req, inputs, n, tier, deadline, now + int(self.admission_wait_ms * 1e6)))
+        if len(gather) == 1:
+            loop.call_soon(self._flush, served, model)
+        started = time.perf_counter_ns()
+        try:
+            assert pending.future is not None
+            await asyncio.wait_for(
+                asyncio.shield(pending.future), None if timeout_s is None else timeout_s + 1.0
+            )
+        except TimeoutError:
+            pending.error = "timeout"
+        finally:
+            with self._lock:
+                self._pending.pop(req, None)
+            ok = pending.error is None
+            served.stats_of(pending.version or model.version).request(ok, time.perf_counter_ns() - started)
+        return self._result(name, n, pending, timeout_s)
+
+    def _flush(self, served: _Served, model: ServedModel) -> None:
+        """(Event loop) Submit the requests gathered this turn: those that fit in the model's
+        queue as one batch; the rest wait for room until their admission time is up."""
+        items, served.gather = served.gather, []
+        if not items:
+            return
+        batcher = served.batcher
+        queued = batcher.queued_rows
+        fits = np.cumsum([it.rows for it in items]) <= batcher.config.capacity_rows - queued
+        take = int(np.argmin(fits)) if not fits.all() else len(items)
+        if take == 0 and queued == 0:
+            take = 1  # a request larger than the whole queue is taken when it is empty
+        now = time.monotonic_ns()
+        refused = items[take:]
+        if take:
+            try:
+                batcher.submit(_request_batch(model, items[:take]), timeout_ms=0)
+            except TimeoutError:
+                refused = items
+            except RuntimeError:  # the model was unloaded or the server is stopping
+                self._settle([it.req for it in items[:take]], "unavailable")
+        waiting = [it for it in refused if it.admit_until_ns > now]
+        self._settle([it.req for it in refused if it.admit_until_ns <= now], "overloaded")
+        if waiting:
+            if not served.gather:
+                asyncio.get_running_loop().call_later(0.001, self._flush, served, model)
+            served.gather[:0] = waiting
+
+    def _settle(self, reqs: Sequence[int], error: str | None) -> None:
+        """Finish requests ``reqs`` (with ``error``, or done)."""
+        done: list[_Pending] = []
+        with self._lock:
+            for req in reqs:
+                p = self._pending.get(req)
+                if p is not None and p.error is None:
+                    if error is not None:
+                        p.error = error
+                    done.append(p)
+        _wake(done)
+
+    def _result(self, name: str, n: int, pending: _Pending, timeout_s: float | None) -> InferResult:
+        if pending.error == "overloaded":
+            raise RequestFailed(
+                f"model {name!r} is overloaded: its queue is full; retry later", reason="overloaded"
+            )
+        if pending.error == "timeout":
+            raise RequestFailed(f"model {name!r}: no answer in {timeout_s:g} s", reason="timeout")
         if pending.error is not None:
             raise RequestFailed(f"model {name!r}: {pending.error}", reason=pending.error)
         shapes = self._shapes.get(name, {})
@@ -413,29 +529,87 @@ class ModelServer:
         rows = batch.numpy(_ROW)
         version = str(int(batch.numpy("_version")[0]))
         outs = {c[4:]: batch.numpy(c) for c in batch.column_names if c.startswith("out:")}
-        for req in np.unique(reqs).tolist():
-            sel = reqs == req
-            with self._lock:
-                p = self._pending.get(req)
+        # rows of one request are contiguous unless tiers or a split reordered them
+        bounds = np.flatnonzero(reqs[1:] != reqs[:-1]) + 1
+        starts = [0, *bounds.tolist()]
+        ends = [*bounds.tolist(), reqs.shape[0]]
+        firsts = reqs[starts].tolist()
+        with self._lock:
+            found = [self._pending.get(r) for r in firsts]
+        done = []
+        for p, s, e in zip(found, starts, ends, strict=True):
             if p is None:
                 continue  # the caller gave up
-            for name, arr in outs.items():
-                buf = p.outputs.get(name)
-                if buf is None:
-                    buf = p.outputs[name] = np.empty((p.rows, arr.shape[1]), dtype=arr.dtype)
-                buf[rows[sel]] = arr[sel]
+            if p.done_rows == 0 and e - s == p.rows and rows[s] == 0 and rows[e - 1] == p.rows - 1:
+                p.outputs = {name: arr[s:e] for name, arr in outs.items()}  # the whole request, in order
+            else:
+                for name, arr in outs.items():
+                    buf = p.outputs.get(name)
+                    if buf is None:
+                        buf = p.outputs[name] = np.empty((p.rows, arr.shape[1]), dtype=arr.dtype)
+                    buf[rows[s:e]] = arr[s:e]
             p.version = version
-            p.done_rows += int(sel.sum())
+            p.done_rows += e - s
             if p.done_rows >= p.rows:
-                p.event.set()
+                done.append(p)
+        _wake(done)
 
     def _fail(self, batch: Batch, reason: str) -> None:
-        for req in np.unique(batch.numpy(_REQ)).tolist():
-            with self._lock:
-                p = self._pending.get(req)
-            if p is not None and p.error is None:
-                p.error = reason
-                p.event.set()
+        self._settle(np.unique(batch.numpy(_REQ)).tolist(), reason)
+
+
+@dataclass(slots=True)
+class _Gathered:
+    req: int
+    inputs: Mapping[str, npt.NDArray[Any]]
+    rows: int
+    tier: int
+    deadline_ns: int | None
+    admit_until_ns: int
+
+
+def _request_batch(model: ServedModel, gathered: Sequence[_Gathered]) -> Batch:
+    """One batch of the rows of requests ``gathered``, tagged with request id and row number."""
+    ns = np.fromiter((it.rows for it in gathered), dtype=np.int64, count=len(gathered))
+    cols: dict[str, Any] = {}
+    for k in model.input_names:
+        arrays = [it.inputs[k] for it in gathered]
+        cols[k] = _column(
+            arrays[0] if len(arrays) == 1 else np.concatenate([a.reshape(a.shape[0], -1) for a in arrays])
+        )
+    reqs = np.fromiter((it.req for it in gathered), dtype=np.int64, count=len(gathered))
+    cols[_REQ] = np.repeat(reqs, ns)
+    total = int(ns.sum())
+    if total == len(gathered):
+        cols[_ROW] = np.zeros(total, dtype=np.int64)
+    else:
+        cols[_ROW] = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(ns) - ns, ns)
+    cols[TIER] = np.repeat(np.fromiter((it.tier for it in gathered), dtype=np.int8, count=len(gathered)), ns)
+    if any(it.deadline_ns is not None for it in gathered):
+        d = np.fromiter((it.deadline_ns or 0 for it in gathered), dtype=np.int64, count=len(gathered))
+        cols[DEADLINE_NS] = np.repeat(d, ns)
+    return Batch.from_columns(cols)
+
+
+def _wake(done: Sequence[_Pending]) -> None:
+    """Wake the waiters of finished requests: threads directly, each event loop once."""
+    loops: dict[asyncio.AbstractEventLoop, list[_Pending]] = {}
+    for p in done:
+        if p.event is not None:
+            p.event.set()
+        elif p.loop is not None:
+            loops.setdefault(p.loop, []).append(p)
+    for loop, ps in loops.items():
+        try:
+            loop.call_soon_threadsafe(_resolve, ps)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+
+def _resolve(ps: Sequence[_Pending]) -> None:
+    for p in ps:
+        if p.future is not None and not p.future.done():
+            p.future.set_result(None)
 
 
 def _column(arr: npt.NDArray[Any]) -> Any:

@@ -141,7 +141,9 @@ class Chunk:
         self.done = threading.Event()
 
     def lines(self, start: int, stop: int) -> bytes:
-        return b"".join(r + b"\n" for r in self.results[start:stop] if r is not None)
+        """The result lines of events ``start:stop`` (done ones), newline-terminated."""
+        done = self.results[start:stop]
+        return b"\n".join(r if r is not None else b"{}" for r in done) + b"\n" if done else b""
 
     def _advance(self) -> bool:
         rest = np.flatnonzero(self.open[self.prefix :])

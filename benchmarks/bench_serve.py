@@ -1,0 +1,272 @@
+"""`aisp serve` under load, against the HTTP stack's ceiling and an unbatched server.
+
+Part 1, OIP v2 single-row JSON infer (``wrk`` with ``benchmarks/oip_infer.lua``, one wrk thread,
+closed loop, ``--seconds`` per point), at concurrency 1, 16, 64, 256, for:
+
+* ``hello``: a hello-world endpoint on the same stack (Starlette on uvicorn, httptools, uvloop);
+* ``unbatched``: the same stack decoding the same OIP JSON and calling ONNX Runtime per request;
+* ``aisp``: ``aisp serve`` on a model repository (dynamic batcher, admission control, metrics);
+
+first with workload F's small fraud MLP, then with a compute-heavy MLP (18 -> 1024 -> 1024 -> 1)
+where batching pays; and ``hello`` on granian, for the choice of HTTP server.
+
+Part 2, pipeline ingest: ``aisp serve examples/fraud/pipeline.py`` and a separate client process
+(``--ingest-client``) that streams workload-F events over one chunked HTTP request per stream
+(``--streams``), reading the ordered NDJSON results as they come. Latency per event runs from
+the moment its chunk was written to the moment its result line was read. Runs at full speed,
+then paced at 80% of that.
+
+    python benchmarks/bench_serve.py [--seconds 8] [--events 400000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
+from benchmarks.workload import mlp_model, write_events  # noqa: E402
+
+PY = sys.executable
+ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
+LUA = ROOT / "benchmarks" / "oip_infer.lua"
+CONCURRENCY = (1, 16, 64, 256)
+
+
+@contextmanager
+def server(cmd: list[str]) -> Iterator[str]:
+    """Start a server that prints ``http HOST:PORT``; yield the address; SIGTERM it after."""
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    try:
+        address = ""
+        while not address:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"server exited: {cmd}")
+            if line.startswith("http "):
+                address = line.split()[1]
+        time.sleep(1.5)  # bound before it serves; let it warm up
+        yield address
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+def wrk(address: str, concurrency: int, seconds: float) -> dict[str, float]:
+    url = f"http://{address}/v2/models/fraud/infer"
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{concurrency}", f"-d{seconds}s", "--latency", "-s", str(LUA), url],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    res: dict[str, float] = {"rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))}  # type: ignore[union-attr]
+    for pct in ("50", "99"):
+        m = re.search(rf"\s{pct}%\s+([\d.]+)(us|ms|s)", out)
+        res[f"p{pct}_ms"] = float(m.group(1)) * _UNITS[m.group(2)] if m else float("nan")
+    errors = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    res["non_2xx"] = float(errors.group(1)) if errors else 0.0
+    return res
+
+
+def repository(root: Path, model: Path, max_batch: int) -> Path:
+    (root / "fraud" / "1").mkdir(parents=True)
+    shutil.copy(model, root / "fraud" / "1" / "model.onnx")
+    (root / "fraud" / "config.pbtxt").write_text(
+        f"""name: "fraud"
+platform: "onnxruntime_onnx"
+max_batch_size: {max_batch}
+input [ {{ name: "features" data_type: TYPE_FP32 dims: [ 18 ] }} ]
+output [ {{ name: "score" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+dynamic_batching {{ max_queue_delay_microseconds: 500 }}
+"""
+    )
+    return root
+
+
+def infer_part(seconds: float, tmp: Path) -> dict[str, Any]:
+    heavy = mlp_model(tmp / "heavy.onnx")
+    models = {"fraud": ROOT / "examples" / "fraud" / "model.onnx", "heavy": heavy}
+    apps = ROOT / "benchmarks" / "serve_apps.py"
+    results: dict[str, Any] = {}
+    for model_name, model in models.items():
+        repo = repository(tmp / f"repo-{model_name}", model, 512)
+        contenders = {
+            "hello": [PY, str(apps), "hello", "0"],
+            "unbatched": [PY, str(apps), "unbatched", "0", "uvicorn", str(model)],
+            "aisp": [PY, "-m", "aisp.cli", "serve", str(repo), "--http-port", "0", "--grpc-port", "-1"],
+        }
+        if model_name == "heavy":
+            del contenders["hello"]  # the stack's ceiling does not depend on the model
+        for name, cmd in contenders.items():
+            with server(cmd) as address:
+                for c in CONCURRENCY:
+                    r = wrk(address, c, seconds)
+                    results[f"{model_name}/{name}/c{c}"] = r
+                    print(f"{model_name:6} {name:9} c={c:3}  {r}", flush=True)
+    with server([PY, str(apps), "hello", "18777", "granian"]) as address:
+        for c in (64, 256):
+            r = wrk(address, c, seconds)
+            results[f"granian/hello/c{c}"] = r
+            print(f"granian hello     c={c:3}  {r}", flush=True)
+    return results
+
+
+# -- pipeline ingest ---------------------------------------------------------------------------
+async def _stream(host: str, port: int, lines: list[bytes], chunk: int, rate: float) -> dict[str, Any]:
+    """One chunked POST of ``lines``; returns counts and per-event latencies (ms)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(
+        b"POST /v1/pipelines/fraud/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-ndjson\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+    sent_at: list[int] = []
+    n_chunks = (len(lines) + chunk - 1) // chunk
+
+    async def write() -> None:
+        start = time.monotonic_ns()
+        for i in range(n_chunks):
+            if rate > 0:
+                due = start + int(i * chunk / rate * 1e9)
+                delay = (due - time.monotonic_ns()) / 1e9
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            body = b"\n".join(lines[i * chunk : (i + 1) * chunk]) + b"\n"
+            sent_at.append(time.monotonic_ns())
+            writer.write(b"%x\r\n%s\r\n" % (len(body), body))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    writing = asyncio.create_task(write())
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0], head
+    latencies = np.empty(len(lines), dtype=np.float64)
+    got, errors, tail = 0, 0, b""
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+        data = await reader.readexactly(size + 2)
+        if size == 0:
+            break
+        now = time.monotonic_ns()
+        parts = (tail + data[:-2]).split(b"\n")
+        tail = parts.pop()
+        for part in parts:
+            if part.startswith(b'{"error"'):
+                errors += 1
+        k = len(parts)
+        first_chunk = np.arange(got, got + k) // chunk
+        latencies[got : got + k] = (now - np.asarray(sent_at)[first_chunk]) / 1e6
+        got += k
+    await writing
+    writer.close()
+    return {"events": got, "errors": errors, "latencies": latencies[:got]}
+
+
+async def _ingest(address: str, lines: list[bytes], streams: int, chunk: int, rate: float) -> dict[str, Any]:
+    host, port = address.rsplit(":", 1)
+    per = len(lines) // streams
+    started = time.monotonic()
+    parts = await asyncio.gather(
+        *(
+            _stream(host, int(port), lines[i * per : (i + 1) * per], chunk, rate / streams)
+            for i in range(streams)
+        )
+    )
+    seconds = time.monotonic() - started
+    lat = np.concatenate([p["latencies"] for p in parts])
+    return {
+        "events": int(sum(p["events"] for p in parts)),
+        "errors": int(sum(p["errors"] for p in parts)),
+        "seconds": round(seconds, 3),
+        "events_per_s": round(sum(p["events"] for p in parts) / seconds),
+        "p50_ms": round(float(np.percentile(lat, 50)), 2),
+        "p99_ms": round(float(np.percentile(lat, 99)), 2),
+        "max_ms": round(float(lat.max()), 2),
+    }
+
+
+def ingest_client() -> None:
+    """``--ingest-client ADDRESS FILE STREAMS CHUNK RATE``: print one JSON result line."""
+    address, path, streams, chunk, rate = sys.argv[2:7]
+    lines = Path(path).read_bytes().splitlines()
+    print(json.dumps(asyncio.run(_ingest(address, lines, int(streams), int(chunk), float(rate)))))
+
+
+def ingest_part(events: int, streams: int, chunk: int, tmp: Path) -> dict[str, Any]:
+    data = tmp / "events.jsonl"
+    write_events(data, events, seed=0)
+    pipeline = ROOT / "examples" / "fraud" / "pipeline.py"
+    results: dict[str, Any] = {}
+    cmd = [PY, "-m", "aisp.cli", "serve", str(pipeline), "--http-port", "0", "--grpc-port", "-1"]
+    rate = 0.0
+    for label in ("max", "paced80"):
+        with server(cmd) as address:
+            client = [
+                PY,
+                __file__,
+                "--ingest-client",
+                address,
+                str(data),
+                str(streams),
+                str(chunk),
+                str(rate),
+            ]
+            out = subprocess.run(client, env=ENV, capture_output=True, text=True, check=True).stdout
+            r = json.loads(out)
+            results[label] = {**r, "rate": rate}
+            print(f"ingest {label:8} {results[label]}", flush=True)
+            rate = 0.8 * r["events_per_s"]
+    return results
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--ingest-client":
+        ingest_client()
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=8)
+    ap.add_argument("--events", type=int, default=400_000)
+    ap.add_argument("--streams", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=1000)
+    ap.add_argument("--skip-infer", action="store_true")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    if shutil.which("wrk") is None and not args.skip_infer:
+        print("wrk is not installed (Debian: apt-get install wrk)", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        results = {"infer": {} if args.skip_infer else infer_part(args.seconds, tmp)}
+        results["ingest"] = ingest_part(args.events, args.streams, args.chunk, tmp)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""The reference HTTP apps that ``bench_serve.py`` measures ``aisp serve`` against.
+
+* ``hello``: answers ``POST /v2/models/{m}/infer`` with a fixed OIP response after reading the
+  body: the HTTP stack's ceiling (no decoding, no model).
+* ``unbatched``: the same OIP JSON decoding and encoding as ``aisp serve``, but one ONNX Runtime
+  call per request, in the request's own handler (no batcher).
+
+Run one: ``python benchmarks/serve_apps.py hello|unbatched PORT [uvicorn|granian] [MODEL]``; it prints
+``http 127.0.0.1:PORT`` once it listens.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "examples" / "fraud" / "model.onnx"
+HELLO = (
+    b'{"model_name":"fraud","model_version":"1","outputs":'
+    b'[{"name":"score","datatype":"FP32","shape":[1,1],"data":[0.5]}]}'
+)
+
+
+def hello() -> Any:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    async def infer(request: Request) -> Response:
+        await request.body()
+        return Response(HELLO, media_type="application/json")
+
+    return Starlette(routes=[Route("/v2/models/{model}/infer", infer, methods=["POST"])])
+
+
+def unbatched(model: Path = MODEL) -> Any:
+    import onnxruntime as ort
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from aisp.serve.http import HEADER_LENGTH, decode_request, encode_response
+    from aisp.serve.models import InferResult
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
+    session = ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
+
+    async def infer(request: Request) -> Response:
+        req, inputs = decode_request(await request.body(), request.headers.get(HEADER_LENGTH))
+        (score,) = session.run(["score"], {"features": inputs["features"]})
+        return encode_response(req, InferResult("fraud", "1", {"score": score}))
+
+    return Starlette(routes=[Route("/v2/models/{model}/infer", infer, methods=["POST"])])
+
+
+def main() -> None:
+    kind, port = sys.argv[1], int(sys.argv[2])
+    server = sys.argv[3] if len(sys.argv) > 3 else "uvicorn"
+    if server == "granian":
+        from granian import Granian
+        from granian.constants import Interfaces, Loops
+
+        print(f"http 127.0.0.1:{port}", flush=True)
+        Granian(
+            f"serve_apps:{kind}",
+            address="127.0.0.1",
+            port=port,
+            interface=Interfaces.ASGI,
+            loop=Loops.uvloop,
+            factory=True,
+            log_enabled=False,
+            working_dir=Path(__file__).parent,
+        ).serve()
+        return
+    import uvicorn
+
+    sock = socket.create_server(("127.0.0.1", port))
+    print(f"http 127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    app = hello() if kind == "hello" else unbatched(Path(sys.argv[4]) if len(sys.argv) > 4 else MODEL)
+    config = uvicorn.Config(app, log_level="warning", http="httptools", loop="uvloop", lifespan="off")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()
