@@ -125,3 +125,37 @@ def test_rate_limits_per_key_and_tier(heavy: Path) -> None:
         assert bad == 400
     finally:
         models.close()
+
+
+def test_overload_over_a_real_server_stays_4xx_bounded_and_answers_every_accepted_request(
+    tmp_path: Path,
+) -> None:
+    """300 concurrent requests against `aisp serve` with a queue of 8 rows and a slow model."""
+    import psutil
+
+    from tests.support.serving import aisp_serve, wait_http
+
+    (tmp_path / "fraud").mkdir()
+    config = FRAUD_CONFIG.replace("max_batch_size: 256", "max_batch_size: 4").replace(
+        "preferred_batch_size: [ 64, 128 ]", "default_queue_policy { max_queue_size: 8 }"
+    )
+    (tmp_path / "fraud" / "config.pbtxt").write_text(config)
+    mlp_model(tmp_path / "fraud" / "1" / "model.onnx")
+    with aisp_serve(tmp_path, http=True, grpc=False) as (addresses, proc):
+        wait_http(addresses["http"])
+        url = f"http://{addresses['http']}/v2/models/fraud/infer"
+        rss_before = psutil.Process(proc.pid).memory_info().rss
+
+        async def burst() -> list[httpx.Response]:
+            limits = httpx.Limits(max_connections=300)
+            async with httpx.AsyncClient(limits=limits, timeout=60) as client:
+                return await asyncio.gather(*(client.post(url, json=BODY) for _ in range(300)))
+
+        responses = asyncio.run(burst())
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 429} and codes.count(429) > 0 and codes.count(200) > 0
+        assert all(r.headers["Retry-After"] for r in responses if r.status_code == 429)
+        assert all(len(r.json()["outputs"][0]["data"]) == 1 for r in responses if r.status_code == 200)
+        growth_mb = (psutil.Process(proc.pid).memory_info().rss - rss_before) / 2**20
+        assert growth_mb < 100, f"RSS grew by {growth_mb:.0f} MB under overload"
+        assert httpx.post(url, json=BODY, timeout=30).status_code == 200  # and it recovers
