@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -560,3 +561,41 @@ def test_onnx_batcher_matches_direct_call(onnx_model: Path) -> None:
     np.testing.assert_allclose(out.numpy("score")[order], expected, rtol=1e-6)
     assert all(b.num_rows <= 128 for b in sink.out)
     assert ID in out
+
+
+# -- inline calls ---------------------------------------------------------------------------------
+def test_run_inline_only_when_idle_and_cheap() -> None:
+    threads: list[str] = []
+    release = threading.Event()
+    gate = {"block": False}
+
+    def record(_: dict[str, np.ndarray]) -> None:
+        threads.append(threading.current_thread().name)
+        if gate["block"]:
+            release.wait(WAIT_S)
+
+    sink = Collector(expect=3)
+    b = make_batcher(doubler(record), BatcherConfig(max_batch_size=8, max_queue_delay_ms=0.0), sink)
+    b.start()
+    try:
+        assert not b.run_inline(rows([1]), max_cost_ns=10**9)  # no cost observed yet: no guess
+        b.submit(rows([2]))
+        for _ in range(1000):
+            if sum(x.num_rows for x in sink.out) == 1:
+                break
+            time.sleep(0.01)
+        assert b.run_inline(rows([3]), max_cost_ns=10**9)  # idle, observed cost well under 1 s
+        assert threads[-1] == threading.current_thread().name
+        assert ids_of(sink.out)[-1] == 3 and sink.out[-1].numpy("y").tolist() == [6.0]
+        assert not b.run_inline(rows([4]), max_cost_ns=0)  # too slow for the caller's budget
+        gate["block"] = True
+        b.submit(rows([5]))  # a call in flight: the model is not idle
+        for _ in range(1000):
+            if len(threads) == 3:
+                break
+            time.sleep(0.01)
+        assert not b.run_inline(rows([6]), max_cost_ns=10**9)
+        release.set()
+    finally:
+        release.set()
+        b.close()

@@ -109,6 +109,7 @@ class DynamicBatcher:
         self._threads: list[threading.Thread] = []
         self._started = self._closing = False
         self._count: Counter[str] = Counter()
+        self._in_flight = 0  # model calls running now
         self._failure: BaseException | None = None
         self._tuner: AdaptiveTuner | None = None
         if config.adaptive is not None:
@@ -193,6 +194,33 @@ class DynamicBatcher:
         for rows_shed in shed:
             self._guard(self._dead, rows_shed, "shed")
 
+    def run_inline(self, batch: Batch, *, max_cost_ns: int) -> bool:
+        """Run ``batch`` now, in the caller's thread, if the model is idle (nothing queued, no
+        call in flight) and a call on its rows is expected to take at most ``max_cost_ns``.
+
+        For callers whose hand-off to a dispatcher thread costs more than such a call (an event
+        loop serving a small model). Returns False, having done nothing, otherwise; the results
+        go to ``emit`` (or ``dead_letter``) before it returns True.
+        """
+        rows = batch.num_rows
+        with self._lock:
+            expected = self._queue.cost.expected_ns(rows)
+            if (
+                self._closing
+                or self._in_flight
+                or self._queue.queued_rows
+                or not 0 < expected <= max_cost_ns
+                or rows > self._queue.config.max_batch_size
+            ):
+                return False
+            self._in_flight += 1
+        try:
+            self._call(batch, 0)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+        return True
+
     def _apply(self, setting: Setting) -> None:
         self._queue.retune(
             max_batch_size=setting.max_batch_size,
@@ -233,7 +261,11 @@ class DynamicBatcher:
             for rows, reason in expired:
                 self._guard(self._dead, rows, reason)
             if batch is not None:
-                self._call(batch, wait_ns)
+                try:
+                    self._call(batch, wait_ns)
+                finally:
+                    with self._lock:
+                        self._in_flight -= 1
 
     def _next_work(self) -> tuple[list[tuple[Batch, str]], Batch | None, int] | None:
         """Under the lock: wait until rows expire or a batch is ready; None once closed and empty."""
@@ -244,6 +276,7 @@ class DynamicBatcher:
             batch = queue.form_batch(now) if self._closing else queue.pop_ready(now, idle=True)
             if expired or batch is not None:
                 self._count["timeouts"] += sum(b.num_rows for b, _ in expired)
+                self._in_flight += batch is not None
                 self._not_full.notify_all()
                 if queue.queued_rows:
                     self._not_empty.notify()

@@ -219,6 +219,9 @@ class ModelServer:
         admission_wait_ms: how long a request may wait for room in a full model queue before it
             is refused as overloaded (HTTP 429 / gRPC RESOURCE_EXHAUSTED); the queue is the
             model's bounded admission queue (``capacity_rows``).
+        inline_max_us: asyncio requests gathered in one event-loop turn run in the loop itself
+            when their model is idle and the call is expected to take at most this long (a
+            small model costs less than the hand-off to its dispatcher thread); 0: never.
     """
 
     def __init__(
@@ -228,9 +231,11 @@ class ModelServer:
         models: Sequence[str] | None = None,
         batching: Mapping[str, BatcherConfig] | None = None,
         admission_wait_ms: float = 0.0,
+        inline_max_us: float = 200.0,
     ) -> None:
         self._batching = dict(batching or {})
         self.admission_wait_ms = admission_wait_ms
+        self.inline_max_us = inline_max_us
         self.on_batch: Callable[[str, int], None] | None = None
         """Metrics hook: ``on_batch(model, rows)`` after every model call."""
         self.repository = (
@@ -428,9 +433,10 @@ class ModelServer:
         started = time.perf_counter_ns()
         try:
             assert pending.future is not None
-            await asyncio.wait_for(
-                asyncio.shield(pending.future), None if timeout_s is None else timeout_s + 1.0
-            )
+            if timeout_s is None:
+                await pending.future
+            else:
+                await asyncio.wait_for(asyncio.shield(pending.future), timeout_s + 1.0)
         except TimeoutError:
             pending.error = "timeout"
         finally:
@@ -455,8 +461,11 @@ class ModelServer:
         now = time.monotonic_ns()
         refused = items[take:]
         if take:
+            batch = _request_batch(model, items[:take])
+            cost_ns = int(self.inline_max_us * 1e3)
             try:
-                batcher.submit(_request_batch(model, items[:take]), timeout_ms=0)
+                if not (cost_ns > 0 and batcher.run_inline(batch, max_cost_ns=cost_ns)):
+                    batcher.submit(batch, timeout_ms=0)
             except TimeoutError:
                 refused = items
             except RuntimeError:  # the model was unloaded or the server is stopping
@@ -599,7 +608,16 @@ def _wake(done: Sequence[_Pending]) -> None:
             p.event.set()
         elif p.loop is not None:
             loops.setdefault(p.loop, []).append(p)
+    if not loops:
+        return
+    try:
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
     for loop, ps in loops.items():
+        if loop is running:  # an inline call: already on the loop's thread
+            _resolve(ps)
+            continue
         try:
             loop.call_soon_threadsafe(_resolve, ps)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
