@@ -192,6 +192,9 @@ def serve(
     dead_letter: Annotated[
         str | None, typer.Option("--dead-letter", help="JSONL file for a pipeline's dead letters.")
     ] = None,
+    decode_process: Annotated[
+        bool, typer.Option(help="Decode a pipeline's incoming JSON in a worker process (another core).")
+    ] = True,
 ) -> None:
     """Serve a PIPELINE (events in, results out, over HTTP NDJSON and a gRPC stream) or a model
     REPOSITORY over Open Inference Protocol v2 (HTTP and gRPC).
@@ -220,7 +223,10 @@ def serve(
         if _is_pipeline_file(target):
             params = {} if model_repository is None else {"model_repository": model_repository}
             service = PipelineService(
-                load_pipeline(target, **params), capacity_rows=admission_rows, dead_letter=dead_letter
+                load_pipeline(target, **params),
+                capacity_rows=admission_rows,
+                dead_letter=dead_letter,
+                decode_process=decode_process,
             )
             pipelines[service.name] = service
             repository = model_repository

@@ -15,6 +15,13 @@ class Ev(msgspec.Struct):
     f: Annotated[list[float], msgspec.Meta(min_length=3, max_length=3)]
 
 
+LINES = [
+    b'{"id":1,"user":"a","amount":2,"f":[1,2,3]}',
+    b'{"id":2,"user":"oops","amount":"x","f":[1,2,3]}',
+    b'{"id":3,"user":"c","amount":0.5,"f":[4,5,6]}',
+]
+
+
 def test_fast_path_builds_typed_columns() -> None:
     lines = [b'{"id":1,"user":"a","amount":2,"f":[1,2,3]}', b'{"id":2,"user":"b","amount":0.5,"f":[4,5,6]}']
     d = ColumnarDecoder(Ev).decode(lines)
@@ -56,3 +63,43 @@ def test_ints_are_accepted_as_floats() -> None:
 
     d = ColumnarDecoder(F).decode([b'{"x": 1.5}', b'{"x": 2}'])
     assert d.columns["x"].to_pylist() == [1.5, 2.0]
+
+
+DECODER_PROCESS_CHECK = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from tests.unit.test_decode import Ev, LINES
+from aisp.ingest.decode import ColumnarDecoder
+from aisp.ingest.decoder_process import DecoderProcess
+
+proc = DecoderProcess(Ev)  # forked before any other thread, as the rule wants
+try:
+    for lines in (LINES, [l for l in LINES if b"oops" not in l], []):
+        got, want = proc.decode(lines), ColumnarDecoder(Ev).decode(lines)
+        assert {k: v.to_pylist() for k, v in got.columns.items()} == {
+            k: v.to_pylist() for k, v in want.columns.items()
+        }, lines
+        same_kept = got.kept is None or list(got.kept) == list(want.kept)
+        assert (got.kept is None) == (want.kept is None) and same_kept
+        assert got.errors == want.errors
+finally:
+    proc.close()
+print("ok")
+"""
+
+
+def test_decoder_process_answers_like_the_in_process_decoder() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run(
+        [sys.executable, "-c", DECODER_PROCESS_CHECK, str(root)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root / "src")},
+        timeout=60,
+    )
+    assert res.stdout.strip() == "ok", res.stderr

@@ -287,7 +287,8 @@ class _Events:
         accepted, line = 0, 1
         errors: list[dict[str, Any]] = []
         async for lines in stream:
-            batch, _, bad = service.prepare(lines, track=False, first_line=line, **opts)
+            decoded = await service.decode_async(lines)
+            batch, _, bad = service.prepare(lines, decoded=decoded, track=False, first_line=line, **opts)
             await self._admit(service, batch, None, key, opts["tier"], first=line == 1)
             line += len(lines)
             accepted += len(lines) - len(bad)
@@ -313,7 +314,10 @@ class _Events:
             loop.call_soon_threadsafe(wake.set)
 
         async def admit_next(lines: list[bytes], first: bool) -> None:
-            batch, chunk, _ = service.prepare(lines, notify=notify, first_line=state["line"], **opts)
+            decoded = await service.decode_async(lines)
+            batch, chunk, _ = service.prepare(
+                lines, decoded=decoded, notify=notify, first_line=state["line"], **opts
+            )
             assert chunk is not None
             await self._admit(service, batch, chunk, key, opts["tier"], first=first)
             state["line"] += len(lines)

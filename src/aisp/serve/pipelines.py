@@ -16,10 +16,13 @@ Fire-and-forget chunks are not tracked at all.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -29,7 +32,8 @@ import numpy.typing as npt
 from aisp.batch import DEADLINE_NS, ID, TIER, Batch
 from aisp.errors import ConfigError
 from aisp.ingest.base import Source, SourceContext, SourcePartition
-from aisp.ingest.decode import ColumnarDecoder
+from aisp.ingest.decode import ColumnarDecoder, Decoded
+from aisp.ingest.decoder_process import DecoderProcess
 from aisp.pipeline import Pipeline
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
 from aisp.sinks.base import RowEncoder
@@ -40,6 +44,7 @@ from aisp.transform.operators import Emit
 __all__ = ["Chunk", "Inbox", "InboxClosed", "PipelineService", "ResultTracker"]
 
 _encode = msgspec.json.Encoder().encode
+log = logging.getLogger("aisp.serve")
 
 
 class InboxClosed(Exception):
@@ -301,6 +306,9 @@ class PipelineService:
         capacity_rows: the admission queue: events accepted but not yet read by the pipeline.
         chunk_rows: the most lines decoded into one batch.
         dead_letter: where dead letters also go (a JSONL path), besides the responses.
+        decode_process: decode request lines in a forked worker process (``DecoderProcess``),
+            so that JSON parsing runs on another core; needs a process with no other thread
+            yet, else decoding stays in-process (with a warning).
     """
 
     def __init__(
@@ -311,6 +319,7 @@ class PipelineService:
         chunk_rows: int = 2048,
         batch_rows: int = 2048,
         dead_letter: str | None = None,
+        decode_process: bool = False,
     ) -> None:
         if pipeline.input_schema is None:
             raise ConfigError(
@@ -321,6 +330,13 @@ class PipelineService:
         self.chunk_rows = chunk_rows
         self.inbox = Inbox(capacity_rows)
         self._decoder = ColumnarDecoder(pipeline.input_schema)
+        self._decoder_process: DecoderProcess | None = None
+        self._decode_pool: ThreadPoolExecutor | None = None
+        if decode_process and threading.active_count() > 1:
+            log.warning("pipeline %r decodes in-process: other threads are running", pipeline.name)
+        elif decode_process:
+            self._decoder_process = DecoderProcess(pipeline.input_schema)
+            self._decode_pool = ThreadPoolExecutor(1, thread_name_prefix=f"aisp-decode-{pipeline.name}")
         pipeline.bind(source=InboxSource(self.inbox), sink=NullSink())
         graph = pipeline.build()
         primary = [n.step_id for n in graph.nodes if n.kind == "sink"]
@@ -346,6 +362,9 @@ class PipelineService:
         self.inbox.close()
         done = self.executor.join(timeout_s)
         self.dead_letters.close()
+        if self._decoder_process is not None and self._decode_pool is not None:
+            self._decode_pool.shutdown()
+            self._decoder_process.close()
         return done
 
     @property
@@ -353,10 +372,24 @@ class PipelineService:
         return self.executor.stats
 
     # -- ingest -------------------------------------------------------------------------------
+    def decode(self, lines: list[bytes]) -> Decoded:
+        """Columns of ``lines`` (in the decoder process when there is one); blocking."""
+        if self._decoder_process is not None:
+            return self._decoder_process.decode(lines)
+        return self._decoder.decode(lines)
+
+    async def decode_async(self, lines: list[bytes]) -> Decoded | None:
+        """``decode`` for asyncio callers: None when decoding is in-process (``prepare`` then
+        does it); otherwise the decoder process's answer, awaited without blocking the loop."""
+        if self._decode_pool is None:
+            return None
+        return await asyncio.get_running_loop().run_in_executor(self._decode_pool, self.decode, lines)
+
     def prepare(
         self,
-        lines: Sequence[bytes],
+        lines: list[bytes],
         *,
+        decoded: Decoded | None = None,
         deadline_ns: int | None = None,
         tier: int | None = None,
         track: bool = True,
@@ -373,7 +406,8 @@ class PipelineService:
             start = self._ids
             self._ids += n
         now = time.monotonic_ns()
-        decoded = self._decoder.decode(lines)
+        if decoded is None:
+            decoded = self.decode(lines)
         kept = np.arange(n, dtype=np.int64) if decoded.kept is None else decoded.kept
         chunk = Chunk(start, n, notify) if track else None
         errors = [{"line": first_line + e.index, "reason": e.reason} for e in decoded.errors]
@@ -408,7 +442,7 @@ class PipelineService:
 
     def submit(
         self,
-        lines: Sequence[bytes],
+        lines: list[bytes],
         *,
         deadline_ns: int | None = None,
         tier: int | None = None,
