@@ -159,3 +159,33 @@ def test_overload_over_a_real_server_stays_4xx_bounded_and_answers_every_accepte
         growth_mb = (psutil.Process(proc.pid).memory_info().rss - rss_before) / 2**20
         assert growth_mb < 100, f"RSS grew by {growth_mb:.0f} MB under overload"
         assert httpx.post(url, json=BODY, timeout=30).status_code == 200  # and it recovers
+
+
+def test_grpc_rate_limits_by_tier(tmp_path: Path) -> None:
+    """`[limits]` of the config file apply to gRPC infer (RESOURCE_EXHAUSTED) as to HTTP."""
+    import grpc
+    import tritonclient.grpc as tc
+    from tritonclient.utils import InferenceServerException
+
+    from tests.support.models import fraud_repository
+    from tests.support.serving import aisp_serve
+
+    repo = fraud_repository(tmp_path / "repo", {1: 0.1})
+    config = tmp_path / "aisp.toml"
+    config.write_text("[limits]\nburst_s = 1.0\n[limits.tiers]\nbronze = 3\n")
+    with aisp_serve(repo, http=False, grpc=True, extra_args=("--config", str(config))) as (addresses, _):
+        client = tc.InferenceServerClient(addresses["grpc"])
+        inp = tc.InferInput("features", [1, 18], "FP32")
+        inp.set_data_from_numpy(np.zeros((1, 18), np.float32))
+
+        def call(tier: str) -> str:
+            try:
+                client.infer("fraud", [inp], headers={"x-tier": tier})
+            except InferenceServerException as exc:
+                return str(exc.status())
+            return "OK"
+
+        bronze = [call("bronze") for _ in range(6)]
+        assert bronze[:3] == ["OK"] * 3 and str(grpc.StatusCode.RESOURCE_EXHAUSTED) in bronze[3:]
+        assert [call("gold") for _ in range(6)] == ["OK"] * 6  # gold is not limited
+        assert call("platinum") == str(grpc.StatusCode.INVALID_ARGUMENT)
