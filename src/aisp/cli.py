@@ -63,6 +63,13 @@ def run(
     repository_poll_s: Annotated[
         float, typer.Option(help="Check the repository for new model versions every N s (0: never).")
     ] = 1.0,
+    checkpoint_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--checkpoint-dir", help="Checkpoint here every --checkpoint-interval-s; restart from the newest."
+        ),
+    ] = None,
+    checkpoint_interval_s: Annotated[float, typer.Option(help="Seconds between checkpoints.")] = 1.0,
 ) -> None:
     """Run PIPELINE to the end of its input (Ctrl-C / SIGTERM drain cleanly)."""
     from aisp.runner import RunOptions
@@ -87,6 +94,8 @@ def run(
                 handle_signals=True,
                 summary_json=summary_json,
                 repository_poll_s=repository_poll_s,
+                checkpoint_dir=checkpoint_dir,
+                checkpoint_interval_s=checkpoint_interval_s,
             ),
         )
     except AispError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import resource
 import signal
 import threading
@@ -14,15 +15,19 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from aisp.errors import ConfigError
 from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.versions import ServedModel
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
 from aisp.sinks.deadletter import DeadLetterSink
+from aisp.state.checkpoint import CheckpointStore
 
 if TYPE_CHECKING:
     from aisp.pipeline import Pipeline
 
 __all__ = ["RunOptions", "RunSummary", "run"]
+
+log = logging.getLogger("aisp.runner")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +46,10 @@ class RunOptions:
     tune_gc: bool = True
     repository_poll_s: float = 1.0
     on_progress: Callable[[LocalExecutor], None] | None = None
+    checkpoint_dir: str | None = None
+    """Take checkpoints here, and restore from the newest verified one at start."""
+    checkpoint_interval_s: float = 1.0
+    checkpoint_keep: int = 3
 
 
 @dataclass
@@ -57,6 +66,8 @@ class RunSummary:
     dead_letters_by_step: dict[str, int] = field(default_factory=dict)
     stages: list[dict[str, Any]] = field(default_factory=list)
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    checkpoints: int = 0
+    restored_from: int | None = None
 
     def to_json(self) -> bytes:
         return msgspec.json.format(msgspec.json.encode(self), indent=2)
@@ -109,9 +120,18 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
     """Build, start and drain ``pipeline``; SIGINT/SIGTERM (when handled) trigger a clean drain."""
     opts = options or RunOptions()
     graph = pipeline.build()
-    writer = DeadLetterSink(path=opts.dead_letter).open()
+    store = CheckpointStore(opts.checkpoint_dir, keep=opts.checkpoint_keep) if opts.checkpoint_dir else None
+    latest = store.latest() if store is not None else None
+    if latest is not None and latest.meta.get("pipeline") != graph.name:
+        raise ConfigError(
+            f"checkpoint {latest.path} is of pipeline {latest.meta.get('pipeline')!r}, not {graph.name!r}"
+        )
+    writer = DeadLetterSink(path=opts.dead_letter).open(
+        latest.meta.get("dead_letter_bytes") if latest is not None else None
+    )
     ex = LocalExecutor(
         graph,
+        restore=latest,
         dead_letter=writer,
         options=ExecutorOptions(
             channel_capacity_rows=opts.channel_capacity_rows,
@@ -126,6 +146,7 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
     try:
         ex.start()
         watcher = _VersionWatcher(ex, opts.repository_poll_s)
+        checkpoints = _Checkpointer(ex, store, opts.checkpoint_interval_s)
         if opts.live:
             from aisp.live import LiveView
 
@@ -133,11 +154,13 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
                 while not ex.join(timeout_s=0.25):
                     view.update()
                     watcher.poll()
+                    checkpoints.poll()
         else:
             while not ex.join(timeout_s=0.25):
                 watcher.poll()
                 if opts.on_progress is not None:
                     opts.on_progress(ex)
+                checkpoints.poll()
     finally:
         if restore is not None:
             restore()
@@ -147,10 +170,27 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
     if ex.errors:
         raise ex.errors[0]
     summary = summarize(ex)
+    summary.checkpoints = ex.stats.checkpoints
+    summary.restored_from = latest.id if latest is not None else None
     if opts.summary_json:
         with open(opts.summary_json, "wb") as fh:
             fh.write(summary.to_json())
     return summary
+
+
+class _Checkpointer:
+    """Takes a checkpoint every ``interval_s`` (when the run has a checkpoint store)."""
+
+    def __init__(self, ex: LocalExecutor, store: CheckpointStore | None, interval_s: float) -> None:
+        self._ex, self._store, self._interval = ex, store, interval_s
+        self._next = time.monotonic() + interval_s
+
+    def poll(self) -> None:
+        if self._store is None or time.monotonic() < self._next or self._ex.stopping:
+            return
+        if self._ex.checkpoint(self._store) is None:
+            log.warning("checkpoint skipped: the pipeline did not go quiet in time")
+        self._next = time.monotonic() + self._interval
 
 
 class _VersionWatcher:

@@ -9,6 +9,7 @@ A ``Source`` is a config-only factory (cheap to build, safe to copy, no live res
 * ``snapshot()`` returns the position *after* the last row handed out, as plain JSON-able data;
   ``Source.open(ctx, resume_from=snapshot)`` continues from there, so a checkpoint holding state
   and this position replays exactly the rows that came later.
+* ``commit(position)`` says a checkpoint holding ``position`` is durable (acks to a broker).
 * ``close()`` releases the reader; it is called once, also after errors.
 """
 
@@ -43,6 +44,10 @@ class SourcePartition(abc.ABC):
 
     def snapshot(self) -> Any:
         return None
+
+    def commit(self, position: Any) -> None:  # noqa: B027 - optional hook
+        """A checkpoint covering everything up to ``position`` is durable: a broker source acks
+        or commits up to there. Called between batches (the source is paused)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""

@@ -32,8 +32,7 @@ _KEPT = "_kept"
 
 
 def _child_main(schema: type[msgspec.Struct], conn: Connection, parent_end: Connection) -> None:
-    worker_init()
-    parent_end.close()  # else the parent closing its end would never reach us as EOF
+    worker_init(parent_end)  # else the parent closing its end would never reach us as EOF
     decoder = ColumnarDecoder(schema)
     encode = msgspec.json.Encoder().encode
     try:

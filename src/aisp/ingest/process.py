@@ -60,9 +60,9 @@ class ProcessSource(Source):
 
 
 def _child_main(
-    cfg: ProcessSource, ctx_step: str, batch_rows: int, resume_from: Any, conn: Connection
+    cfg: ProcessSource, ctx_step: str, batch_rows: int, resume_from: Any, conn: Connection, rx: Connection
 ) -> None:
-    worker_init()
+    worker_init(rx)
     enc = msgspec.json.Encoder()
 
     def dead_letter(records: list[DeadLetterRecord]) -> None:
@@ -98,7 +98,7 @@ class _ParentPartition(SourcePartition):
         set_pipe_size(tx, cfg.pipe_bytes)
         self._proc = ctx_mp.Process(
             target=_child_main,
-            args=(cfg, ctx.step_id, ctx.batch_rows, resume_from, tx),
+            args=(cfg, ctx.step_id, ctx.batch_rows, resume_from, tx, self._rx),
             name=f"aisp-source-{ctx.step_id}",
             daemon=True,
         )

@@ -50,6 +50,7 @@ class RunStats:
     ended_ns: int | None = None
     events_in: int = 0
     events_out: int = 0
+    checkpoints: int = 0
     e2e: LatencyHistogram = field(default_factory=LatencyHistogram)
     stages: dict[str, StageStats] = field(default_factory=dict)
 

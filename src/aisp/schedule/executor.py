@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
+import pyarrow as pa
 
 from aisp.batch import INGEST_NS, Batch
 from aisp.errors import AispError
@@ -39,8 +40,9 @@ from aisp.schedule.pacing import Pacer
 from aisp.sinks.base import Sink, SinkPartition
 from aisp.sinks.deadletter import DeadLetterWriter
 from aisp.sinks.process import ProcessSink
+from aisp.state.checkpoint import Checkpoint, CheckpointStore
 from aisp.state.keyed import KeyIndex
-from aisp.transform.operators import Emit, Operator, OperatorContext
+from aisp.transform.operators import Checkpointable, Emit, Operator, OperatorContext
 
 __all__ = ["ExecutorOptions", "Lineage", "LocalExecutor"]
 
@@ -69,14 +71,15 @@ class Lineage(Protocol):
     before its outputs move on (a filter closes branches, a route to two ports opens one), and
     of every output that goes to several consumers, or to none;
     ``written`` that a sink took rows (each closes a branch); ``failed`` that rows went to the
-    dead-letter sink (each closes a branch). Calls come from the executor's threads.
+    dead-letter sink (each closes a branch, unless ``closes`` is False: an operator dead-lettered
+    them itself, and ``forwarded`` closes their branch). Calls come from the executor's threads.
     """
 
     def forwarded(self, step: str, batch: Batch, outs: Emit) -> None: ...
 
     def written(self, step: str, batch: Batch) -> None: ...
 
-    def failed(self, step: str, batch: Batch, reason: str) -> None: ...
+    def failed(self, step: str, batch: Batch, reason: str, *, closes: bool = True) -> None: ...
 
 
 def _can_fork(step_id: str) -> bool:
@@ -139,6 +142,7 @@ class LocalExecutor:
         dead_letter: DeadLetterWriter,
         options: ExecutorOptions | None = None,
         lineage: Lineage | None = None,
+        restore: Checkpoint | None = None,
     ) -> None:
         graph.validate()
         self.lineage = lineage
@@ -156,9 +160,17 @@ class LocalExecutor:
         self._pending_inputs: dict[str, int] = {}
         self._threads: list[threading.Thread] = []
         self._key_indexes: dict[str, KeyIndex] = {}
-        self._sink_parts: list[SinkPartition] = []
+        self._sink_parts: dict[str, SinkPartition] = {}
         self._source_parts: dict[str, SourcePartition] = {}
         self.batchers: dict[str, DynamicBatcher] = {}
+        self._restore = restore
+        # checkpoints: rows in flight (read, not yet written, dropped or dead-lettered), and a
+        # pause that sources obey between batches
+        self._in_flight = 0
+        self._flight = threading.Condition()
+        self._pause = False
+        self._sources_waiting = 0
+        self._sources_running = 0
 
     # -- planning -----------------------------------------------------------------------------
     def _assign_tasks(self) -> dict[str, str]:
@@ -194,9 +206,26 @@ class LocalExecutor:
 
     # -- building -----------------------------------------------------------------------------
     def _dead_letter_rows(self, batch: Batch, step: str, reason: str) -> None:
+        """Rows that leave the pipeline here (a failed batch, the batcher's expired rows)."""
         self.dead_letter.rows(batch, step, reason)
+        self._landed(-batch.num_rows)
         if self.lineage is not None:
             self.lineage.failed(step, batch, reason)
+
+    def _operator_dead_letters(self, batch: Batch, step: str, reason: str) -> None:
+        """Rows an operator dead-letters itself: also missing from its output, which is where
+        their branch is counted as closed."""
+        self.dead_letter.rows(batch, step, reason)
+        if self.lineage is not None:
+            self.lineage.failed(step, batch, reason, closes=False)
+
+    def _landed(self, rows: int) -> None:
+        """``rows`` more (or, negative, fewer) rows are in flight."""
+        if rows:
+            with self._flight:
+                self._in_flight += rows
+                if self._in_flight <= 0:
+                    self._flight.notify_all()
 
     def _build(self) -> None:
         for sid, node in self._nodes.items():
@@ -212,13 +241,14 @@ class LocalExecutor:
                 spec: Sink = node.spec
                 if self.options.offload_sinks and spec.encode_heavy and _can_fork(sid):
                     spec = ProcessSink(inner=spec)
-                part = spec.open()
-                self._sink_parts.append(part)
+                position = self._restore.meta["sinks"].get(sid) if self._restore is not None else None
+                part = spec.open() if position is None else spec.resume(position)
+                self._sink_parts[sid] = part
                 self._ops[sid] = _SinkOp(part, self.stats)
             elif node.kind == "infer":
                 self._ops[sid] = _InferOp(self._make_batcher(node, st))
             else:
-                ctx = OperatorContext(sid, self._dead_letter_rows, self._key_indexes)
+                ctx = OperatorContext(sid, self._operator_dead_letters, self._key_indexes)
                 self._ops[sid] = node.spec.build(ctx)
 
     def _make_batcher(self, node: Node, st: StageStats) -> DynamicBatcher:
@@ -260,6 +290,10 @@ class LocalExecutor:
         kind = self._nodes[sid].kind
         if kind != "infer":
             st.batches += 1
+        if kind == "sink":
+            self._landed(-batch.num_rows)
+        elif kind != "infer":
+            self._landed(sum(o.num_rows for _, o in outs) - batch.num_rows)
         if self.lineage is not None:
             if kind == "sink":
                 self.lineage.written(sid, batch)
@@ -272,8 +306,10 @@ class LocalExecutor:
 
     def _emit(self, sid: str, port: str, batch: Batch) -> None:
         consumers = self._consumers.get((sid, port), ())
-        if self.lineage is not None and len(consumers) != 1:  # each consumer gets its own copy
-            self.lineage.forwarded(sid, batch, [(port, batch)] * len(consumers))
+        if len(consumers) != 1:  # each consumer gets its own copy
+            self._landed(batch.num_rows * (len(consumers) - 1))
+            if self.lineage is not None:
+                self.lineage.forwarded(sid, batch, [(port, batch)] * len(consumers))
         for consumer in consumers:
             if self._chained(consumer):
                 self._push(consumer, batch)
@@ -306,7 +342,8 @@ class LocalExecutor:
         if self.options.offload_sources and spec.decode_heavy and _can_fork(node.step_id):
             spec = ProcessSource(inner=spec)
         ctx = SourceContext(node.step_id, self._source_dead_letters, self.options.source_batch_rows)
-        return spec.open(ctx)
+        position = self._restore.meta["sources"].get(node.step_id) if self._restore is not None else None
+        return spec.open(ctx, resume_from=position)
 
     def _source_dead_letters(self, records: list[DeadLetterRecord]) -> None:
         """Input a source could not decode: counted as read (``events_in``) and dead-lettered."""
@@ -322,6 +359,9 @@ class LocalExecutor:
             self._errors.append(exc)
             self._stop.set()
         finally:
+            with self._flight:
+                self._sources_running -= 1
+                self._flight.notify_all()
             part.close()
             self._finish(node.step_id)
 
@@ -331,6 +371,9 @@ class LocalExecutor:
         held: Batch | None = None
         while not self._stop.is_set():
             if held is None or held.num_rows == 0:
+                if self._pause:
+                    self._wait_while_paused()
+                    continue
                 t0 = time.perf_counter_ns()
                 held = part.next_batch(self.options.source_batch_rows)
                 st.busy_ns += time.perf_counter_ns() - t0
@@ -353,6 +396,7 @@ class LocalExecutor:
             st.rows_out += out.num_rows
             st.batches += 1
             self.stats.events_in += out.num_rows
+            self._landed(out.num_rows)
             self._emit(node.step_id, "out", out)
 
     def _chain_task(self, sid: str) -> None:
@@ -367,6 +411,80 @@ class LocalExecutor:
                 pass
         finally:
             self._finish(sid)
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def _wait_while_paused(self) -> None:
+        with self._flight:
+            self._sources_waiting += 1
+            self._flight.notify_all()
+            while self._pause and not self._stop.is_set():
+                self._flight.wait(0.1)
+            self._sources_waiting -= 1
+
+    def _quiesce(self, timeout_s: float) -> bool:
+        """Pause the sources between batches and wait until no row is in flight."""
+        deadline = time.monotonic() + timeout_s
+        with self._flight:
+            self._pause = True
+            while self._sources_waiting < self._sources_running or self._in_flight > 0:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    return False
+                self._flight.wait(min(left, 0.05))
+        return True
+
+    def _resume(self) -> None:
+        with self._flight:
+            self._pause = False
+            self._flight.notify_all()
+
+    def checkpoint(self, store: CheckpointStore, *, timeout_s: float = 10.0) -> int | None:
+        """Take a checkpoint: pause the sources, let every row read so far be written, then
+        write operator state, key spaces, source and sink positions and model versions to
+        ``store``, tell the sources (brokers ack up to there) and resume. Returns its id, or
+        None when the pipeline did not go quiet within ``timeout_s`` (nothing is written)."""
+        try:
+            if not self._quiesce(timeout_s):
+                return None
+            tables: dict[str, pa.Table] = {}
+            for space, index in self._key_indexes.items():
+                tables[f"keys.{space}"] = pa.table({"key": pa.array(index.keys())})
+            for sid, op in self._ops.items():
+                if isinstance(op, Checkpointable):
+                    tables[f"op.{sid}"] = pa.table(op.snapshot())
+            sources = {sid: part.snapshot() for sid, part in self._source_parts.items()}
+            meta = {
+                "pipeline": self.graph.name,
+                "sources": sources,
+                "sinks": {sid: part.snapshot() for sid, part in self._sink_parts.items()},
+                "models": {sid: str(getattr(b.runtime, "version", "")) for sid, b in self.batchers.items()},
+                "dead_letter_bytes": self.dead_letter.snapshot(),
+                "events_in": self.stats.events_in,
+            }
+            checkpoint_id = store.next_id()
+            store.write(checkpoint_id, tables, meta)
+            for sid, part in self._source_parts.items():
+                part.commit(sources[sid])
+            self.stats.checkpoints += 1
+            return checkpoint_id
+        finally:
+            self._resume()
+
+    def _restore_state(self, checkpoint: Checkpoint) -> None:
+        for name, table in checkpoint.tables.items():
+            kind, _, target = name.partition(".")
+            if kind == "keys":
+                self._key_indexes.setdefault(target, KeyIndex()).restore(table.column("key").combine_chunks())
+        for name, table in checkpoint.tables.items():
+            kind, _, target = name.partition(".")
+            if kind == "op":
+                op = self._ops.get(target)
+                if not isinstance(op, Checkpointable):
+                    raise AispError(
+                        f"checkpoint {checkpoint.id} has state for step {target!r}, which this pipeline"
+                        " does not have (or has no state): was the pipeline changed?"
+                    )
+                op.restore({c: table.column(c).to_numpy() for c in table.column_names})
 
     # -- control ------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -385,6 +503,8 @@ class LocalExecutor:
     def start(self) -> None:
         """Open sources (forking source processes while this is the only thread), then start."""
         self._build()
+        if self._restore is not None:
+            self._restore_state(self._restore)
         try:
             for sid, node in self._nodes.items():
                 if node.kind == "source":
@@ -406,6 +526,7 @@ class LocalExecutor:
             t = threading.Thread(target=target, args=args, name=f"aisp-{sid}", daemon=True)
             self._threads.append(t)
         self.stats.started_ns = time.monotonic_ns()
+        self._sources_running = len(self._source_parts)
         for t in self._threads:
             t.start()
 
@@ -418,7 +539,7 @@ class LocalExecutor:
         done = not any(t.is_alive() for t in self._threads)
         if done and self.stats.ended_ns is None:
             self.stats.ended_ns = time.monotonic_ns()
-            for part in self._sink_parts:
+            for part in self._sink_parts.values():
                 part.close()
             self.dead_letter.flush()
         return done

@@ -221,11 +221,12 @@ class ResultTracker:
         else:
             self._update(batch.ids, minus, fill=_encode({"sink": step}), rank=self.SIDE_SINK)
 
-    def failed(self, step: str, batch: Batch, reason: str) -> None:
+    def failed(self, step: str, batch: Batch, reason: str, *, closes: bool = True) -> None:
         if ID not in batch or not batch.num_rows:
             return
-        minus = np.full(batch.num_rows, -1, dtype=np.int32)
-        self._update(batch.ids, minus, fill=_encode({"error": reason, "step": step}), rank=self.ERROR)
+        delta = np.full(batch.num_rows, -1 if closes else 0, dtype=np.int32)
+        fill = _encode({"error": reason, "step": step})
+        self._update(batch.ids, delta, fill=fill, rank=self.ERROR, always_fill=not closes)
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _locate(self, ids: npt.NDArray[np.int64]) -> list[tuple[Chunk, npt.NDArray[np.intp]]]:
@@ -256,9 +257,11 @@ class ResultTracker:
         lines: Sequence[bytes] | None = None,
         fill: bytes | None = None,
         rank: int = 0,
+        always_fill: bool = False,
     ) -> None:
         """Apply branch changes ``delta`` to events ``ids``: ``lines`` are their outputs;
-        ``fill`` (of ``rank``) is the outcome of the branches that close (``delta`` < 0)."""
+        ``fill`` (of ``rank``) is the outcome of the branches that close (``delta`` < 0), or of
+        every row given with ``always_fill``."""
         wake = []
         with self._lock:
             for chunk, rows in self._locate(ids):
@@ -272,7 +275,7 @@ class ResultTracker:
                         )
                     chunk.rank[idx] = self.OUTPUT
                 elif fill is not None:
-                    closing = idx[(delta[rows] < 0) & (chunk.rank[idx] < rank)]
+                    closing = idx[((delta[rows] < 0) | always_fill) & (chunk.rank[idx] < rank)]
                     for i in closing.tolist():
                         res[i] = fill
                     chunk.rank[closing] = rank

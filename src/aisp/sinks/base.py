@@ -3,7 +3,8 @@
 A ``Sink`` is a config-only factory; ``Sink.open()`` returns a ``SinkPartition`` that owns the
 live writer. ``write(batch)`` is called from one thread at a time with batches in arrival order;
 ``flush()`` makes everything written so far durable (called at drain and before checkpoints);
-``close()`` flushes and releases the writer.
+``close()`` flushes and releases the writer. For checkpoints, ``snapshot()`` returns the durable
+position and ``Sink.resume(position)`` reopens there (the file sink truncates what came after).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from aisp.batch import META_COLUMNS, Batch
+from aisp.errors import SinkError
 
 __all__ = ["RowEncoder", "Sink", "SinkPartition", "user_columns"]
 
@@ -71,6 +73,12 @@ class SinkPartition(abc.ABC):
     @abc.abstractmethod
     def write(self, batch: Batch) -> None: ...
 
+    def snapshot(self) -> Any:
+        """Make everything written durable and return the position after it (JSON-able), for
+        a checkpoint; ``Sink.resume(position)`` reopens there. None: the sink cannot resume."""
+        self.flush()
+        return None
+
     def flush(self) -> None:  # noqa: B027 - optional hook
         """Make what was written durable."""
 
@@ -88,6 +96,11 @@ class Sink(abc.ABC):
 
     @abc.abstractmethod
     def open(self) -> SinkPartition: ...
+
+    def resume(self, position: Any) -> SinkPartition:
+        """Reopen at ``position`` (from ``SinkPartition.snapshot()``), undoing or skipping what was
+        written after it, so a restored pipeline's replay writes each output once."""
+        raise SinkError(f"sink {self.describe()} cannot resume from a checkpoint")
 
     def describe(self) -> str:
         return type(self).__name__

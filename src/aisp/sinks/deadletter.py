@@ -8,6 +8,7 @@ stage's thread.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -29,16 +30,23 @@ class DeadLetterSink:
     path: str | None = None
     keep_last: int = 1000
 
-    def open(self) -> DeadLetterWriter:
-        return DeadLetterWriter(self)
+    def open(self, resume_bytes: int | None = None) -> DeadLetterWriter:
+        """The writer; ``resume_bytes`` (from a checkpoint) truncates the file there and appends."""
+        return DeadLetterWriter(self, resume_bytes)
 
 
 class DeadLetterWriter:
     """Thread-safe writer; ``count`` and ``by_reason`` feed the run summary."""
 
-    def __init__(self, cfg: DeadLetterSink) -> None:
+    def __init__(self, cfg: DeadLetterSink, resume_bytes: int | None = None) -> None:
         self._lock = threading.Lock()
-        self._fh: IO[bytes] | None = Path(cfg.path).open("wb") if cfg.path else None  # noqa: SIM115
+        self._fh: IO[bytes] | None = None
+        if cfg.path and resume_bytes is None:
+            self._fh = Path(cfg.path).open("wb")  # noqa: SIM115 - closed in close()
+        elif cfg.path and resume_bytes is not None:
+            self._fh = Path(cfg.path).open("r+b")  # noqa: SIM115
+            self._fh.truncate(resume_bytes)
+            self._fh.seek(resume_bytes)
         self._encoder = msgspec.json.Encoder()
         self.count = 0
         self.by_step: dict[str, int] = {}
@@ -74,6 +82,15 @@ class DeadLetterWriter:
         with self._lock:
             if self._fh is not None:
                 self._fh.flush()
+
+    def snapshot(self) -> int | None:
+        """Flush and fsync; the file's length (for a checkpoint), or None without a file."""
+        with self._lock:
+            if self._fh is None:
+                return None
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            return self._fh.tell()
 
     def close(self) -> None:
         with self._lock:

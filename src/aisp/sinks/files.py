@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,17 +30,31 @@ class JsonlFileSink(Sink):
     def open(self) -> SinkPartition:
         return _JsonlWriter(self)
 
+    def resume(self, position: Any) -> SinkPartition:
+        """Truncate the file to ``position["bytes"]`` (what the checkpoint covered) and append."""
+        return _JsonlWriter(self, int(position["bytes"]))
+
     def describe(self) -> str:
         return f"jsonl:{self.path}"
 
 
 class _JsonlWriter(SinkPartition):
-    def __init__(self, cfg: JsonlFileSink) -> None:
+    def __init__(self, cfg: JsonlFileSink, resume_bytes: int | None = None) -> None:
         try:
-            self._fh: BinaryIO = Path(cfg.path).open("wb", buffering=cfg.buffer_bytes)  # noqa: SIM115
+            if resume_bytes is None:
+                self._fh: BinaryIO = Path(cfg.path).open("wb", buffering=cfg.buffer_bytes)  # noqa: SIM115
+            else:
+                self._fh = Path(cfg.path).open("r+b", buffering=cfg.buffer_bytes)  # noqa: SIM115
+                self._fh.truncate(resume_bytes)
+                self._fh.seek(resume_bytes)
         except OSError as exc:
             raise SinkError(f"cannot open output {cfg.path!r}: {exc.strerror}") from exc
         self._encoder = RowEncoder(cfg.columns)
+
+    def snapshot(self) -> Any:
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        return {"bytes": self._fh.tell()}
 
     def write(self, batch: Batch) -> None:
         if batch.num_rows:

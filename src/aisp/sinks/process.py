@@ -56,8 +56,8 @@ class ProcessSink(Sink):
         return f"process({self.inner.describe()})"
 
 
-def _child_main(cfg: ProcessSink, rx: Connection, ack: Connection) -> None:
-    worker_init()
+def _child_main(cfg: ProcessSink, rx: Connection, ack: Connection, *parent_ends: Connection) -> None:
+    worker_init(*parent_ends)
     part: SinkPartition | None = None
     schema: pa.Schema | None = None
     try:
@@ -95,7 +95,9 @@ class _ParentSink(SinkPartition):
         rx, self._tx = ctx.Pipe(duplex=False)
         self._ack, ack_tx = ctx.Pipe(duplex=False)
         set_pipe_size(self._tx, cfg.pipe_bytes)
-        self._proc = ctx.Process(target=_child_main, args=(cfg, rx, ack_tx), name="aisp-sink", daemon=True)
+        self._proc = ctx.Process(
+            target=_child_main, args=(cfg, rx, ack_tx, self._tx, self._ack), name="aisp-sink", daemon=True
+        )
         self._proc.start()
         rx.close()
         ack_tx.close()

@@ -189,6 +189,14 @@ class KeyIndex:
             self._n = len(table)
         return np.array(codes, dtype=np.int64)
 
+    def restore(self, keys: pa.Array) -> None:
+        """Load ``keys`` (``keys()`` of a snapshot, in code order) into this empty index."""
+        if self._n:
+            raise ValueError(f"restore needs an empty key index; this one has {self._n} keys")
+        codes = self.encode(keys)
+        if not np.array_equal(codes, np.arange(len(keys))):
+            raise ValueError("restored keys are not unique")
+
     def keys(self) -> list[Any]:
         """Key values in code order."""
         if self._dict is not None:

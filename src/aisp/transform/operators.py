@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -25,6 +25,7 @@ from aisp.state.keyed import KeyIndex
 
 __all__ = [
     "AssignTier",
+    "Checkpointable",
     "DEFAULT_TIERS",
     "Emit",
     "Filter",
@@ -49,6 +50,16 @@ class Operator(Protocol):
     def process(self, batch: Batch) -> Emit: ...
 
     def flush(self) -> Emit: ...
+
+
+@runtime_checkable
+class Checkpointable(Protocol):
+    """An operator with state: the executor snapshots it at checkpoints and restores it after a
+    restart. State is plain columns (numpy arrays of equal length), stored as Arrow."""
+
+    def snapshot(self) -> dict[str, npt.NDArray[Any]]: ...
+
+    def restore(self, columns: Mapping[str, npt.NDArray[Any]]) -> None: ...
 
 
 @dataclass

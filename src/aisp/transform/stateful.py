@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +91,15 @@ class _StatefulOp:
 
     def flush(self) -> Emit:
         return []
+
+    def snapshot(self) -> dict[str, npt.NDArray[Any]]:
+        return self._state.snapshot(len(self._index))
+
+    def restore(self, columns: Mapping[str, npt.NDArray[Any]]) -> None:
+        n = len(next(iter(columns.values()))) if columns else 0
+        self._state.ensure(n)
+        for name, values in columns.items():
+            self._state.column(name)[:n] = values
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,141 @@
+"""Checkpoints on disk: operator state as Arrow IPC files, positions in a manifest written last.
+
+A checkpoint is a directory ``chk-<id>`` under the store's root. Its tables (key spaces,
+operator state) are Arrow IPC files; ``manifest.json`` holds the metadata (source positions,
+sink positions, model versions) and every file's size and SHA-256, and is written last. Files
+are fsynced, the directory is written under a temporary name and renamed into place, and the
+root is fsynced, so a crash at any moment leaves either a complete checkpoint or none.
+
+``latest()`` returns the newest checkpoint whose manifest parses and whose files all match
+their digests; a corrupt or partial one is skipped with a warning, so the previous one is used.
+Nothing is unpickled: Arrow and JSON only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pyarrow as pa
+
+from aisp.errors import AispError
+
+__all__ = ["Checkpoint", "CheckpointStore"]
+
+log = logging.getLogger("aisp.checkpoint")
+MANIFEST = "manifest.json"
+_PREFIX = "chk-"
+
+
+class CorruptCheckpoint(AispError):
+    """A checkpoint directory that is incomplete or does not match its manifest."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A verified checkpoint: its id, metadata and tables."""
+
+    id: int
+    path: Path
+    meta: dict[str, Any]
+    tables: dict[str, pa.Table]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class CheckpointStore:
+    """Writes and finds checkpoints under ``root`` (see the module docstring); keeps ``keep``."""
+
+    def __init__(self, root: str | Path, *, keep: int = 3) -> None:
+        if keep < 2:
+            raise AispError(f"keep at least 2 checkpoints (a corrupt latest one falls back), got {keep}")
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+
+    def ids(self) -> list[int]:
+        """Ids of the checkpoint directories present (complete or not), ascending."""
+        names = [
+            p.name[len(_PREFIX) :] for p in self.root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)
+        ]
+        return sorted(int(n) for n in names if n.isdigit())
+
+    def write(self, checkpoint_id: int, tables: dict[str, pa.Table], meta: dict[str, Any]) -> Path:
+        """Write checkpoint ``checkpoint_id`` atomically; prune the oldest beyond ``keep``."""
+        final = self.root / f"{_PREFIX}{checkpoint_id:010d}"
+        tmp = self.root / f".{final.name}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        files = {}
+        for name, table in tables.items():
+            path = tmp / f"{name}.arrow"
+            with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+                writer.write_table(table)
+            with path.open("rb+") as fh:
+                os.fsync(fh.fileno())
+            files[name] = {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
+        manifest = {"id": checkpoint_id, "created_unix": time.time(), "files": files, "meta": meta}
+        with (tmp / MANIFEST).open("wb") as fh:
+            fh.write(msgspec.json.encode(manifest))
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        tmp.rename(final)
+        _fsync_dir(self.root)
+        for old in self.ids()[: -self.keep]:
+            shutil.rmtree(self.root / f"{_PREFIX}{old:010d}", ignore_errors=True)
+        return final
+
+    def load(self, checkpoint_id: int) -> Checkpoint:
+        """Read and verify one checkpoint; ``CorruptCheckpoint`` says what is wrong."""
+        path = self.root / f"{_PREFIX}{checkpoint_id:010d}"
+        try:
+            manifest = msgspec.json.decode((path / MANIFEST).read_bytes())
+        except (OSError, msgspec.DecodeError) as exc:
+            raise CorruptCheckpoint(f"{path.name}: no readable manifest ({exc})") from exc
+        tables = {}
+        for name, entry in manifest.get("files", {}).items():
+            file = path / entry["file"]
+            intact = (
+                file.is_file() and file.stat().st_size == entry["bytes"] and _sha256(file) == entry["sha256"]
+            )
+            if not intact:
+                raise CorruptCheckpoint(f"{path.name}: {entry['file']} is missing or fails its SHA-256")
+            with pa.memory_map(str(file)) as source:
+                tables[name] = pa.ipc.open_file(source).read_all()
+        return Checkpoint(int(manifest["id"]), path, dict(manifest.get("meta", {})), tables)
+
+    def latest(self) -> Checkpoint | None:
+        """The newest verified checkpoint (corrupt ones are skipped with a warning), or None."""
+        for checkpoint_id in reversed(self.ids()):
+            try:
+                return self.load(checkpoint_id)
+            except CorruptCheckpoint as exc:
+                log.warning("skipping checkpoint: %s", exc)
+        return None
+
+    def next_id(self) -> int:
+        ids = self.ids()
+        return ids[-1] + 1 if ids else 1

@@ -1,0 +1,68 @@
+"""Checkpoint store: atomic writes, verification, fallback past a corrupt checkpoint, pruning."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from aisp.state.checkpoint import CheckpointStore, CorruptCheckpoint
+from aisp.state.keyed import KeyIndex
+
+
+def table(n: int) -> pa.Table:
+    return pa.table({"count": np.arange(n, dtype=np.int64), "sum": np.linspace(0, 1, n)})
+
+
+def test_write_then_latest_round_trips(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    assert store.latest() is None and store.next_id() == 1
+    store.write(1, {"op.stats": table(5)}, {"sources": {"events": {"offset": 10}}, "sinks": {}})
+    store.write(2, {"op.stats": table(7)}, {"sources": {"events": {"offset": 20}}, "sinks": {}})
+    latest = store.latest()
+    assert latest is not None and latest.id == 2 and store.next_id() == 3
+    assert latest.meta["sources"] == {"events": {"offset": 20}}
+    assert latest.tables["op.stats"].equals(table(7))
+
+
+def test_a_corrupt_or_partial_latest_checkpoint_is_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = CheckpointStore(tmp_path)
+    for i in (1, 2, 3):
+        store.write(i, {"op.stats": table(i)}, {"n": i})
+    data = tmp_path / "chk-0000000003" / "op.stats.arrow"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="aisp.checkpoint"):
+        latest = store.latest()
+    assert latest is not None and latest.id == 2
+    assert "chk-0000000003" in caplog.text and "SHA-256" in caplog.text
+    with pytest.raises(CorruptCheckpoint):
+        store.load(3)
+    (tmp_path / "chk-0000000002" / "manifest.json").unlink()  # as if killed before the manifest
+    latest = store.latest()
+    assert latest is not None and latest.id == 1 and latest.meta == {"n": 1}
+
+
+def test_only_the_newest_are_kept(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=2)
+    for i in range(1, 6):
+        store.write(i, {}, {})
+    assert store.ids() == [4, 5]
+    with pytest.raises(Exception, match="keep at least 2"):
+        CheckpointStore(tmp_path, keep=1)
+
+
+def test_key_index_restores_codes_in_order() -> None:
+    idx = KeyIndex()
+    idx.encode(pa.array(["u3", "u1", "u3", "u7"]))
+    restored = KeyIndex()
+    restored.restore(pa.array(idx.keys()))
+    assert restored.encode(pa.array(["u7", "u1", "u3", "u9"])).tolist() == [2, 1, 0, 3]
+    with pytest.raises(ValueError, match="empty key index"):
+        restored.restore(pa.array(["x"]))
