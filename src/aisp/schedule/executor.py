@@ -439,10 +439,15 @@ class LocalExecutor:
             self._flight.notify_all()
 
     def checkpoint(self, store: CheckpointStore, *, timeout_s: float = 10.0) -> int | None:
-        """Take a checkpoint: pause the sources, let every row read so far be written, then
-        write operator state, key spaces, source and sink positions and model versions to
-        ``store``, tell the sources (brokers ack up to there) and resume. Returns its id, or
-        None when the pipeline did not go quiet within ``timeout_s`` (nothing is written)."""
+        """Take a checkpoint; returns its id, or None when the pipeline did not go quiet within
+        ``timeout_s`` (then nothing is written).
+
+        While the sources are paused and no row is in flight, it copies operator state and key
+        spaces and takes the source, sink and dead-letter positions (sinks flush to the OS);
+        then the sources resume, and only the durable part runs alongside the pipeline, in the
+        calling thread: sinks sync to disk, the files and the manifest are written, and the
+        sources are told (brokers ack up to there).
+        """
         try:
             if not self._quiesce(timeout_s):
                 return None
@@ -461,14 +466,17 @@ class LocalExecutor:
                 "dead_letter_bytes": self.dead_letter.snapshot(),
                 "events_in": self.stats.events_in,
             }
-            checkpoint_id = store.next_id()
-            store.write(checkpoint_id, tables, meta)
-            for sid, part in self._source_parts.items():
-                part.commit(sources[sid])
-            self.stats.checkpoints += 1
-            return checkpoint_id
         finally:
             self._resume()
+        for sink in self._sink_parts.values():
+            sink.sync()
+        self.dead_letter.sync()
+        checkpoint_id = store.next_id()
+        store.write(checkpoint_id, tables, meta)
+        for sid, part in self._source_parts.items():
+            part.commit(sources[sid])
+        self.stats.checkpoints += 1
+        return checkpoint_id
 
     def _restore_state(self, checkpoint: Checkpoint) -> None:
         for name, table in checkpoint.tables.items():

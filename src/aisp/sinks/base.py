@@ -74,10 +74,14 @@ class SinkPartition(abc.ABC):
     def write(self, batch: Batch) -> None: ...
 
     def snapshot(self) -> Any:
-        """Make everything written durable and return the position after it (JSON-able), for
-        a checkpoint; ``Sink.resume(position)`` reopens there. None: the sink cannot resume."""
+        """Flush, and return the position after everything written (JSON-able), for a
+        checkpoint; ``Sink.resume(position)`` reopens there. None: the sink cannot resume."""
         self.flush()
         return None
+
+    def sync(self) -> None:  # noqa: B027 - optional hook
+        """Make everything up to the last ``snapshot()`` durable (may run while ``write`` goes
+        on in another thread); the checkpoint's manifest is written after it returns."""
 
     def flush(self) -> None:  # noqa: B027 - optional hook
         """Make what was written durable."""

@@ -84,13 +84,18 @@ class DeadLetterWriter:
                 self._fh.flush()
 
     def snapshot(self) -> int | None:
-        """Flush and fsync; the file's length (for a checkpoint), or None without a file."""
+        """Flush; the file's length (for a checkpoint), or None without a file."""
         with self._lock:
             if self._fh is None:
                 return None
             self._fh.flush()
-            os.fsync(self._fh.fileno())
             return self._fh.tell()
+
+    def sync(self) -> None:
+        """fsync what the last ``snapshot`` covered (and anything after it)."""
+        fh = self._fh
+        if fh is not None:
+            os.fsync(fh.fileno())
 
     def close(self) -> None:
         with self._lock:

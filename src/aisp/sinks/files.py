@@ -53,8 +53,10 @@ class _JsonlWriter(SinkPartition):
 
     def snapshot(self) -> Any:
         self._fh.flush()
-        os.fsync(self._fh.fileno())
         return {"bytes": self._fh.tell()}
+
+    def sync(self) -> None:
+        os.fsync(self._fh.fileno())
 
     def write(self, batch: Batch) -> None:
         if batch.num_rows:
