@@ -1,12 +1,16 @@
 """Connectors addressed by URL, as the command line names them (``--input``, ``--output``).
 
-Today: plain paths and ``file://`` URLs (JSON lines), and ``null:`` for a counting sink.
+* a plain path or ``file://PATH``: JSON lines (``null:`` for a counting sink);
+* ``redis://HOST:PORT/STREAM``: a Redis stream of JSON events in a field. Input options:
+  ``group`` (default ``aisp``), ``consumer`` (``aisp-1``), ``field`` (``data``),
+  ``claim_idle_ms`` (30000), ``idle_stop_s`` (end the input after that long without an entry;
+  default: never). Output options: ``field`` (``data``), ``dedupe_ttl_s`` (604800).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-from urllib.parse import urlparse
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlparse
 
 from aisp.errors import ConfigError
 from aisp.ingest.base import Source
@@ -29,14 +33,53 @@ def _file_path(url: str) -> str | None:
     return None
 
 
+def _options(url: str, allowed: dict[str, type]) -> dict[str, object]:
+    """The query options of ``url``, typed; an unknown one is an error naming the known ones."""
+    out: dict[str, object] = {}
+    for key, values in parse_qs(urlparse(url).query, strict_parsing=False).items():
+        if key not in allowed:
+            raise ConfigError(f"{url!r}: unknown option {key!r}; options are {sorted(allowed)}")
+        try:
+            out[key] = allowed[key](values[-1])
+        except ValueError:
+            raise ConfigError(
+                f"{url!r}: option {key}={values[-1]!r} is not a {allowed[key].__name__}"
+            ) from None
+    return out
+
+
+def _redis_address(url: str) -> tuple[str, int, str]:
+    parsed = urlparse(url)
+    stream = parsed.path.lstrip("/")
+    if not stream:
+        raise ConfigError(f"{url!r}: name the stream, as redis://HOST:PORT/STREAM")
+    return parsed.hostname or "127.0.0.1", parsed.port or 6379, stream
+
+
 def source_for(pipeline: Pipeline, url: str) -> Source:
     """A source for ``url`` that decodes the pipeline's declared input schema."""
     schema = pipeline.input_schema
     if schema is None:
         raise ConfigError(f"pipeline {pipeline.name!r} declares no input schema; pass schema= to source()")
+    if urlparse(url).scheme == "redis":
+        from aisp.ingest.redis_streams import RedisStreamSource
+
+        host, port, stream = _redis_address(url)
+        opts = _options(
+            url, {"group": str, "consumer": str, "field": str, "claim_idle_ms": int, "idle_stop_s": float}
+        )
+        idle: Any = opts.pop("idle_stop_s", None)
+        return RedisStreamSource(
+            stream=stream,
+            schema=schema,
+            host=host,
+            port=port,
+            stop_when_idle_s=idle,
+            **opts,  # type: ignore[arg-type]
+        )
     path = _file_path(url)
     if path is None:
-        raise ConfigError(f"unsupported input URL {url!r}; supported: a file path or file://PATH")
+        raise ConfigError(f"unsupported input URL {url!r}; supported: a file path, file://PATH, redis://…")
     return JsonlFileSource(path=path, schema=schema)
 
 
@@ -44,7 +87,15 @@ def sink_from_url(url: str, pipeline: Pipeline) -> Sink:
     """A sink for ``url`` writing the pipeline's declared output columns."""
     if url in ("null:", "null://"):
         return NullSink()
+    if urlparse(url).scheme == "redis":
+        from aisp.sinks.redis_streams import RedisStreamSink
+
+        host, port, stream = _redis_address(url)
+        opts = _options(url, {"field": str, "dedupe_ttl_s": int})
+        return RedisStreamSink(stream=stream, host=host, port=port, columns=pipeline.output_columns, **opts)  # type: ignore[arg-type]
     path = _file_path(url)
     if path is None:
-        raise ConfigError(f"unsupported output URL {url!r}; supported: a file path, file://PATH or null:")
+        raise ConfigError(
+            f"unsupported output URL {url!r}; supported: a file path, file://PATH, redis://…, null:"
+        )
     return JsonlFileSink(path=path, columns=pipeline.output_columns)

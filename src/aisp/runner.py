@@ -147,6 +147,8 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
         ex.start()
         watcher = _VersionWatcher(ex, opts.repository_poll_s)
         checkpoints = _Checkpointer(ex, store, opts.checkpoint_interval_s)
+        if store is not None:
+            ex.on_drained = lambda: ex.checkpoint(store)
         if opts.live:
             from aisp.live import LiveView
 

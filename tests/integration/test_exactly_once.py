@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -86,3 +87,47 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(
     )
     kill_and_restart(cmd, kills=1, seed=2, corrupt_latest=chk)
     assert outputs(out) == expected
+
+
+def redis_client() -> object:
+    import redis
+
+    r = redis.Redis(host="127.0.0.1", port=6379)
+    try:
+        r.ping()
+    except redis.ConnectionError as exc:
+        pytest.fail(f"Redis is not reachable at 127.0.0.1:6379 ({exc}); start it (see DESIGN.md)")
+    return r
+
+
+def test_redis_streams_in_and_out_exactly_once_across_sigkills(
+    tmp_path: Path, reference: tuple[Path, list[dict[str, object]], int]
+) -> None:
+    import uuid
+
+    data, expected, _ = reference
+    r: Any = redis_client()
+    name = uuid.uuid4().hex[:8]
+    src, dst = f"aisp-test-in-{name}", f"aisp-test-out-{name}"
+    pipe = r.pipeline(transaction=False)
+    for line in data.read_bytes().splitlines():
+        pipe.xadd(src, {"data": line})
+    pipe.execute()
+    try:
+        cmd = [
+            sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--no-live",
+            "--input", f"redis://127.0.0.1:6379/{src}?group=g-{name}&idle_stop_s=1.5",
+            "--output", f"redis://127.0.0.1:6379/{dst}",
+            "--checkpoint-dir", str(tmp_path / "chk"), "--checkpoint-interval-s", "0.25", "--rate", "20000",
+        ]  # fmt: skip
+        assert kill_and_restart(cmd, kills=5, seed=3) >= 4
+        rows = [json.loads(fields[b"data"]) for _, fields in r.xrange(dst)]
+        assert len(rows) == len({row["id"] for row in rows}), "an output was written twice"
+        assert sorted(rows, key=lambda row: row["id"]) == expected
+        pending = r.xpending(src, f"g-{name}")
+        assert pending["pending"] == 0, "entries left unacknowledged"
+    finally:
+        r.delete(src, dst)
+        keys = list(r.scan_iter(f"aisp:dedupe:{dst}:*", count=10_000))
+        for i in range(0, len(keys), 1000):
+            r.delete(*keys[i : i + 1000])

@@ -171,6 +171,9 @@ class LocalExecutor:
         self._pause = False
         self._sources_waiting = 0
         self._sources_running = 0
+        self.on_drained: Callable[[], object] | None = None
+        """Called once when every task has ended, before sources and sinks close (a final
+        checkpoint: positions at the end of what was read, acks to brokers)."""
 
     # -- planning -----------------------------------------------------------------------------
     def _assign_tasks(self) -> dict[str, str]:
@@ -362,8 +365,7 @@ class LocalExecutor:
             with self._flight:
                 self._sources_running -= 1
                 self._flight.notify_all()
-            part.close()
-            self._finish(node.step_id)
+            self._finish(node.step_id)  # the partition stays open for a final checkpoint
 
     def _pump(self, node: Node, part: SourcePartition, st: StageStats) -> None:
         rate = self.options.rate_events_per_s
@@ -547,9 +549,15 @@ class LocalExecutor:
         done = not any(t.is_alive() for t in self._threads)
         if done and self.stats.ended_ns is None:
             self.stats.ended_ns = time.monotonic_ns()
-            for part in self._sink_parts.values():
-                part.close()
-            self.dead_letter.flush()
+            try:
+                if self.on_drained is not None and not self._errors:
+                    self.on_drained()
+            finally:
+                for source in self._source_parts.values():
+                    source.close()
+                for part in self._sink_parts.values():
+                    part.close()
+                self.dead_letter.flush()
         return done
 
     def run(self) -> RunStats:

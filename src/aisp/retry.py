@@ -1,0 +1,52 @@
+"""Time-bounded retries with exponential backoff and full jitter, for connectors.
+
+A broker that goes away for a while is waited for; one that stays away past the limit stops the
+pipeline with an error that says where and for how long, never a silent hang.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from aisp.errors import AispError
+
+__all__ = ["call_with_retry"]
+
+T = TypeVar("T")
+
+
+def call_with_retry(
+    fn: Callable[..., T],
+    *args: Any,
+    retry_on: tuple[type[BaseException], ...],
+    give_up_after_s: float,
+    what: str,
+    error: type[AispError] = AispError,
+    base_s: float = 0.05,
+    max_s: float = 2.0,
+) -> T:
+    """``fn(*args)``; on ``retry_on`` sleep uniform(0, min(max_s, base_s * 2**k)) and try again,
+    until ``give_up_after_s`` passed: then raise ``error`` naming ``what``.
+
+    >>> calls = []
+    >>> def flaky() -> str:
+    ...     calls.append(1)
+    ...     if len(calls) < 3:
+    ...         raise ConnectionError("down")
+    ...     return "up"
+    >>> call_with_retry(flaky, retry_on=(ConnectionError,), give_up_after_s=5, what="x", base_s=0.001)
+    'up'
+    """
+    deadline = time.monotonic() + give_up_after_s
+    delay = base_s
+    while True:
+        try:
+            return fn(*args)
+        except retry_on as exc:
+            if time.monotonic() >= deadline:
+                raise error(f"{what} unreachable for {give_up_after_s:g} s: {exc}") from exc
+            time.sleep(random.uniform(0, delay))
+            delay = min(delay * 2, max_s)
