@@ -4,7 +4,8 @@
 * ``redis://HOST:PORT/STREAM``: a Redis stream of JSON events in a field. Input options:
   ``group`` (default ``aisp``), ``consumer`` (``aisp-1``), ``field`` (``data``),
   ``claim_idle_ms`` (30000), ``idle_stop_s`` (end the input after that long without an entry;
-  default: never). Output options: ``field`` (``data``), ``dedupe_ttl_s`` (604800).
+  default: never), ``retry_s`` (how long a lost connection is retried before the run fails;
+  30). Output options: ``field`` (``data``), ``dedupe_ttl_s`` (604800), ``retry_s`` (30).
 """
 
 from __future__ import annotations
@@ -66,7 +67,15 @@ def source_for(pipeline: Pipeline, url: str) -> Source:
 
         host, port, stream = _redis_address(url)
         opts = _options(
-            url, {"group": str, "consumer": str, "field": str, "claim_idle_ms": int, "idle_stop_s": float}
+            url,
+            {
+                "group": str,
+                "consumer": str,
+                "field": str,
+                "claim_idle_ms": int,
+                "idle_stop_s": float,
+                "retry_s": float,
+            },
         )
         idle: Any = opts.pop("idle_stop_s", None)
         return RedisStreamSource(
@@ -91,7 +100,7 @@ def sink_from_url(url: str, pipeline: Pipeline) -> Sink:
         from aisp.sinks.redis_streams import RedisStreamSink
 
         host, port, stream = _redis_address(url)
-        opts = _options(url, {"field": str, "dedupe_ttl_s": int})
+        opts = _options(url, {"field": str, "dedupe_ttl_s": int, "retry_s": float})
         return RedisStreamSink(stream=stream, host=host, port=port, columns=pipeline.output_columns, **opts)  # type: ignore[arg-type]
     path = _file_path(url)
     if path is None:

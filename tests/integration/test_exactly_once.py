@@ -100,6 +100,21 @@ def redis_client() -> object:
     return r
 
 
+def fill_stream(r: Any, stream: str, lines: list[bytes]) -> None:
+    pipe = r.pipeline(transaction=False)
+    for line in lines:
+        pipe.xadd(stream, {"data": line})
+    pipe.execute()
+
+
+def drop_streams(r: Any, src: str, dst: str) -> None:
+    """Delete the test's streams and the output's idempotency keys."""
+    r.delete(src, dst)
+    keys = list(r.scan_iter(f"aisp:dedupe:{dst}:*", count=10_000))
+    for i in range(0, len(keys), 1000):
+        r.delete(*keys[i : i + 1000])
+
+
 def test_redis_streams_in_and_out_exactly_once_across_sigkills(
     tmp_path: Path, reference: tuple[Path, list[dict[str, object]], int]
 ) -> None:
@@ -109,10 +124,7 @@ def test_redis_streams_in_and_out_exactly_once_across_sigkills(
     r: Any = redis_client()
     name = uuid.uuid4().hex[:8]
     src, dst = f"aisp-test-in-{name}", f"aisp-test-out-{name}"
-    pipe = r.pipeline(transaction=False)
-    for line in data.read_bytes().splitlines():
-        pipe.xadd(src, {"data": line})
-    pipe.execute()
+    fill_stream(r, src, data.read_bytes().splitlines())
     try:
         cmd = [
             sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--no-live",
@@ -127,7 +139,45 @@ def test_redis_streams_in_and_out_exactly_once_across_sigkills(
         pending = r.xpending(src, f"g-{name}")
         assert pending["pending"] == 0, "entries left unacknowledged"
     finally:
-        r.delete(src, dst)
-        keys = list(r.scan_iter(f"aisp:dedupe:{dst}:*", count=10_000))
-        for i in range(0, len(keys), 1000):
-            r.delete(*keys[i : i + 1000])
+        drop_streams(r, src, dst)
+
+
+def test_redis_outage_mid_run_is_ridden_out_and_a_long_one_fails_clearly(
+    tmp_path: Path, reference: tuple[Path, list[dict[str, object]], int]
+) -> None:
+    import uuid
+
+    from aisp.faults import FaultProxy
+
+    data, expected, _ = reference
+    r: Any = redis_client()
+    name = uuid.uuid4().hex[:8]
+    src, dst = f"aisp-test-in-{name}", f"aisp-test-out-{name}"
+    fill_stream(r, src, data.read_bytes().splitlines())
+    try:
+        with FaultProxy(("127.0.0.1", 6379)) as proxy:
+            via = f"redis://127.0.0.1:{proxy.port}"
+            cmd = [
+                sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--no-live",
+                "--input", f"{via}/{src}?group=g-{name}&idle_stop_s=1.5",
+                "--output", f"{via}/{dst}", "--rate", "20000",
+                "--checkpoint-dir", str(tmp_path / "chk"), "--checkpoint-interval-s", "0.25",
+            ]  # fmt: skip
+            proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            time.sleep(2.0)
+            proxy.set(refuse=True)
+            proxy.reset_connections()
+            time.sleep(2.5)  # the broker is gone for a while, then back
+            proxy.clear()
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err.decode()
+            rows = [json.loads(fields[b"data"]) for _, fields in r.xrange(dst)]
+            assert sorted(rows, key=lambda row: row["id"]) == expected
+
+            proxy.set(refuse=True)  # a broker that stays away: a clear error, not a hang
+            proxy.reset_connections()
+            cmd[cmd.index("--input") + 1] += "&retry_s=1"
+            res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=60)
+            assert res.returncode != 0 and "unreachable for 1 s" in res.stderr
+    finally:
+        drop_streams(r, src, dst)
