@@ -6,6 +6,10 @@
   ``claim_idle_ms`` (30000), ``idle_stop_s`` (end the input after that long without an entry;
   default: never), ``retry_s`` (how long a lost connection is retried before the run fails;
   30). Output options: ``field`` (``data``), ``dedupe_ttl_s`` (604800), ``retry_s`` (30).
+* ``nats://HOST:PORT/STREAM``: a NATS JetStream stream of JSON events. Input options:
+  ``durable`` (the pull consumer, default ``aisp``), ``subject`` (a filter), ``idle_stop_s``,
+  ``retry_s``. Output options: ``subject`` (default ``STREAM.out``; the stream is created if
+  missing), ``duplicate_window_s`` (3600, for a stream it creates).
 """
 
 from __future__ import annotations
@@ -57,6 +61,14 @@ def _redis_address(url: str) -> tuple[str, int, str]:
     return parsed.hostname or "127.0.0.1", parsed.port or 6379, stream
 
 
+def _nats_address(url: str) -> tuple[str, str]:
+    parsed = urlparse(url)
+    stream = parsed.path.lstrip("/")
+    if not stream:
+        raise ConfigError(f"{url!r}: name the stream, as nats://HOST:PORT/STREAM")
+    return f"nats://{parsed.hostname or '127.0.0.1'}:{parsed.port or 4222}", stream
+
+
 def source_for(pipeline: Pipeline, url: str) -> Source:
     """A source for ``url`` that decodes the pipeline's declared input schema."""
     schema = pipeline.input_schema
@@ -86,9 +98,18 @@ def source_for(pipeline: Pipeline, url: str) -> Source:
             stop_when_idle_s=idle,
             **opts,  # type: ignore[arg-type]
         )
+    if urlparse(url).scheme == "nats":
+        from aisp.ingest.nats_jetstream import JetStreamSource
+
+        servers, stream = _nats_address(url)
+        opts = _options(url, {"durable": str, "subject": str, "idle_stop_s": float, "retry_s": float})
+        idle = opts.pop("idle_stop_s", None)
+        return JetStreamSource(stream=stream, schema=schema, servers=servers, stop_when_idle_s=idle, **opts)  # type: ignore[arg-type]
     path = _file_path(url)
     if path is None:
-        raise ConfigError(f"unsupported input URL {url!r}; supported: a file path, file://PATH, redis://…")
+        raise ConfigError(
+            f"unsupported input URL {url!r}; supported: a file path, file://PATH, redis://…, nats://…"
+        )
     return JsonlFileSource(path=path, schema=schema)
 
 
@@ -102,9 +123,15 @@ def sink_from_url(url: str, pipeline: Pipeline) -> Sink:
         host, port, stream = _redis_address(url)
         opts = _options(url, {"field": str, "dedupe_ttl_s": int, "retry_s": float})
         return RedisStreamSink(stream=stream, host=host, port=port, columns=pipeline.output_columns, **opts)  # type: ignore[arg-type]
+    if urlparse(url).scheme == "nats":
+        from aisp.sinks.nats_jetstream import JetStreamSink
+
+        servers, stream = _nats_address(url)
+        opts = _options(url, {"subject": str, "duplicate_window_s": float, "retry_s": float})
+        return JetStreamSink(stream=stream, servers=servers, columns=pipeline.output_columns, **opts)  # type: ignore[arg-type]
     path = _file_path(url)
     if path is None:
         raise ConfigError(
-            f"unsupported output URL {url!r}; supported: a file path, file://PATH, redis://…, null:"
+            f"unsupported output URL {url!r}; supported: a file path, file://PATH, redis://…, nats://…, null:"
         )
     return JsonlFileSink(path=path, columns=pipeline.output_columns)

@@ -149,6 +149,8 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
         checkpoints = _Checkpointer(ex, store, opts.checkpoint_interval_s)
         if store is not None:
             ex.on_drained = lambda: ex.checkpoint(store)
+        else:
+            ex.on_drained = ex.commit_sources
         if opts.live:
             from aisp.live import LiveView
 

@@ -28,7 +28,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from aisp.batch import INGEST_NS, Batch
-from aisp.errors import AispError
+from aisp.errors import AispError, SinkError
 from aisp.graph import Graph, Node, split_ref
 from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.stage import InferSpec, build_batcher
@@ -284,6 +284,8 @@ class LocalExecutor:
         t0 = time.perf_counter_ns()
         try:
             outs = self._ops[sid].process(batch)
+        except SinkError:
+            raise  # a sink that gave up (its broker stayed away): the pipeline stops with it
         except Exception as exc:  # noqa: BLE001 - rows go to the dead-letter sink, the pipeline goes on
             st.errors += 1
             self._dead_letter_rows(batch, sid, f"{type(exc).__name__}: {exc}")
@@ -479,6 +481,12 @@ class LocalExecutor:
             part.commit(sources[sid])
         self.stats.checkpoints += 1
         return checkpoint_id
+
+    def commit_sources(self) -> None:
+        """Tell every source that all it handed out is done (a drained run without checkpoints:
+        brokers get their acks, at-least-once)."""
+        for part in self._source_parts.values():
+            part.commit(part.snapshot())
 
     def _restore_state(self, checkpoint: Checkpoint) -> None:
         for name, table in checkpoint.tables.items():

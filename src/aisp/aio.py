@@ -1,0 +1,48 @@
+"""A private asyncio event loop in a daemon thread, for synchronous callers of asyncio clients.
+
+Connectors run in executor threads, but some broker clients (``nats-py``) are asyncio-only.
+``LoopThread.run(coro)`` runs a coroutine on the connector's own loop and waits for its result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+__all__ = ["LoopThread"]
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """One event loop, one thread; ``close()`` stops both."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        """Cancel what still runs on the loop (a client's background tasks), stop it, close it."""
+        if self.loop.is_closed():
+            return
+        try:
+            self.run(_cancel_others(), timeout_s=5)
+        except Exception:  # noqa: BLE001, S110 - stopping anyway
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        self.loop.close()
+
+
+async def _cancel_others() -> None:
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
