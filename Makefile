@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test check fmt lint types bench clean
+.PHONY: run test check fmt lint types bench chaos clean
 
 # uv installs in seconds; plain pip is the fallback when uv cannot be had.
 $(STAMP): pyproject.toml
@@ -38,3 +38,18 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# Kill and outage scenarios at full size (200k workload-F events, 6 SIGKILLs), through a file,
+# Redis Streams and NATS JetStream; reports in out/chaos/.
+CHAOS_EVENTS ?= 200000
+chaos: $(STAMP)
+	mkdir -p out/chaos
+	$(BIN)/python benchmarks/workload.py out/chaos/events.jsonl --events $(CHAOS_EVENTS) --bad-every 997
+	for via in file redis nats; do \
+	  $(BIN)/aisp chaos kill examples/fraud/pipeline.py --data out/chaos/events.jsonl --via $$via \
+	    --kills 6 --seed 1 --workdir out/chaos/kill-$$via --json out/chaos/kill-$$via.json || exit 1; \
+	done
+	for via in redis nats; do \
+	  $(BIN)/aisp chaos outage examples/fraud/pipeline.py --data out/chaos/events.jsonl --via $$via \
+	    --down-s 3 --workdir out/chaos/outage-$$via --json out/chaos/outage-$$via.json || exit 1; \
+	done

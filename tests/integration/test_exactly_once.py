@@ -115,128 +115,29 @@ def drop_streams(r: Any, src: str, dst: str) -> None:
         r.delete(*keys[i : i + 1000])
 
 
-def test_redis_streams_in_and_out_exactly_once_across_sigkills(
-    tmp_path: Path, reference: tuple[Path, list[dict[str, object]], int]
-) -> None:
-    import uuid
-
-    data, expected, _ = reference
-    r: Any = redis_client()
-    name = uuid.uuid4().hex[:8]
-    src, dst = f"aisp-test-in-{name}", f"aisp-test-out-{name}"
-    fill_stream(r, src, data.read_bytes().splitlines())
-    try:
-        cmd = [
-            sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--no-live",
-            "--input", f"redis://127.0.0.1:6379/{src}?group=g-{name}&idle_stop_s=1.5",
-            "--output", f"redis://127.0.0.1:6379/{dst}",
-            "--checkpoint-dir", str(tmp_path / "chk"), "--checkpoint-interval-s", "0.25", "--rate", "20000",
-        ]  # fmt: skip
-        assert kill_and_restart(cmd, kills=5, seed=3) >= 4
-        rows = [json.loads(fields[b"data"]) for _, fields in r.xrange(dst)]
-        assert len(rows) == len({row["id"] for row in rows}), "an output was written twice"
-        assert sorted(rows, key=lambda row: row["id"]) == expected
-        pending = r.xpending(src, f"g-{name}")
-        assert pending["pending"] == 0, "entries left unacknowledged"
-    finally:
-        drop_streams(r, src, dst)
-
-
-def test_redis_outage_mid_run_is_ridden_out_and_a_long_one_fails_clearly(
+def test_a_broker_that_stays_away_fails_the_run_clearly(
     tmp_path: Path, reference: tuple[Path, list[dict[str, object]], int]
 ) -> None:
     import uuid
 
     from aisp.faults import FaultProxy
 
-    data, expected, _ = reference
+    data, _, _ = reference
     r: Any = redis_client()
     name = uuid.uuid4().hex[:8]
     src, dst = f"aisp-test-in-{name}", f"aisp-test-out-{name}"
-    fill_stream(r, src, data.read_bytes().splitlines())
+    fill_stream(r, src, data.read_bytes().splitlines()[:1000])
     try:
         with FaultProxy(("127.0.0.1", 6379)) as proxy:
+            proxy.set(refuse=True)
             via = f"redis://127.0.0.1:{proxy.port}"
             cmd = [
                 sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--no-live",
-                "--input", f"{via}/{src}?group=g-{name}&idle_stop_s=1.5",
-                "--output", f"{via}/{dst}", "--rate", "20000",
-                "--checkpoint-dir", str(tmp_path / "chk"), "--checkpoint-interval-s", "0.25",
+                "--input", f"{via}/{src}?group=g-{name}&idle_stop_s=1&retry_s=1", "--output", f"{via}/{dst}",
             ]  # fmt: skip
-            proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            time.sleep(2.0)
-            proxy.set(refuse=True)
-            proxy.reset_connections()
-            time.sleep(2.5)  # the broker is gone for a while, then back
-            proxy.clear()
-            _, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, err.decode()
-            rows = [json.loads(fields[b"data"]) for _, fields in r.xrange(dst)]
-            assert sorted(rows, key=lambda row: row["id"]) == expected
-
-            proxy.set(refuse=True)  # a broker that stays away: a clear error, not a hang
-            proxy.reset_connections()
-            cmd[cmd.index("--input") + 1] += "&retry_s=1"
+            started = time.monotonic()
             res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=60)
             assert res.returncode != 0 and "unreachable for 1 s" in res.stderr
+            assert time.monotonic() - started < 30  # not a hang
     finally:
         drop_streams(r, src, dst)
-
-
-def test_jetstream_in_and_out_exactly_once_across_sigkills(
-    tmp_path: Path, reference: tuple[Path, list[dict[str, object]], int]
-) -> None:
-    import asyncio
-    import uuid
-
-    import nats
-    from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
-
-    data, expected, _ = reference
-    lines = data.read_bytes().splitlines()[:20_000]  # the outputs of a prefix do not depend on the rest
-    expected = [row for row in expected if int(row["id"]) < 20_000]  # type: ignore[call-overload]
-    name = uuid.uuid4().hex[:8].upper()
-    src, dst = f"AISPIN{name}", f"AISPOUT{name}"
-
-    async def admin(action: str) -> list[dict[str, object]]:
-        try:
-            nc = await nats.connect("nats://127.0.0.1:4222", connect_timeout=2, max_reconnect_attempts=0)
-        except Exception as exc:  # noqa: BLE001
-            pytest.fail(f"NATS is not reachable at 127.0.0.1:4222 ({exc}); start it (see DESIGN.md)")
-        js = nc.jetstream()
-        out: list[dict[str, object]] = []
-        if action == "fill":
-            await js.add_stream(StreamConfig(name=src, subjects=[f"{src}.>"]))
-            for i in range(0, len(lines), 1000):
-                await asyncio.gather(*(js.publish(f"{src}.ev", x) for x in lines[i : i + 1000]))
-        elif action == "read":
-            sub = await js.pull_subscribe("", stream=dst, config=ConsumerConfig(ack_policy=AckPolicy.NONE))
-            while True:
-                try:
-                    msgs = await sub.fetch(1000, timeout=1)
-                except nats.errors.TimeoutError:
-                    break
-                out += [json.loads(m.data) for m in msgs]
-        else:
-            for stream in (src, dst):
-                try:
-                    await js.delete_stream(stream)
-                except nats.js.errors.NotFoundError:
-                    pass
-        await nc.close()
-        return out
-
-    asyncio.run(admin("fill"))
-    try:
-        cmd = [
-            sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--no-live",
-            "--input", f"nats://127.0.0.1:4222/{src}?durable=d{name}&idle_stop_s=1.5",
-            "--output", f"nats://127.0.0.1:4222/{dst}",
-            "--checkpoint-dir", str(tmp_path / "chk"), "--checkpoint-interval-s", "0.25", "--rate", "8000",
-        ]  # fmt: skip
-        assert kill_and_restart(cmd, kills=5, seed=4) >= 4
-        rows = asyncio.run(admin("read"))
-        assert len(rows) == len({row["id"] for row in rows}), "an output was published twice"
-        assert sorted(rows, key=lambda row: row["id"]) == expected  # type: ignore[arg-type, return-value]
-    finally:
-        asyncio.run(admin("drop"))

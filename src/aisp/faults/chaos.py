@@ -1,0 +1,332 @@
+"""Chaos scenarios that prove recovery: kill a pipeline at random moments, take its broker away.
+
+Each scenario runs a pipeline file as ``aisp run`` in a subprocess (the way users run it) on a
+JSON-lines data file, once uninterrupted to a file (the reference) and once through the
+scenario, through a file or a broker (``via``: ``file``, ``redis``, ``nats``), with
+``--checkpoint-dir``. It then compares the two outputs by ``key`` and reports events lost,
+duplicated and with different values, the faults injected and the time each restart took to
+recover (from the restart to its first new checkpoint).
+
+* ``kill_scenario``: SIGKILL the run ``kills`` times at random moments, restart it each time.
+* ``outage_scenario``: a ``FaultProxy`` between the run and its broker refuses and resets every
+  connection for ``down_s`` seconds mid-run, then lets traffic through again.
+
+``aisp chaos kill|outage`` runs them from the command line; ``make chaos`` runs the full set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aisp.errors import ConfigError
+
+__all__ = ["ChaosReport", "kill_scenario", "outage_scenario"]
+
+
+@dataclass
+class ChaosReport:
+    """What a scenario did and what came out of it."""
+
+    scenario: str
+    via: str
+    expected: int
+    outputs: int
+    lost: int
+    duplicates: int
+    wrong_values: int
+    faults: int
+    recover_s: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.lost == 0 and self.duplicates == 0 and self.wrong_values == 0 and self.outputs > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "passed": self.passed}
+
+
+# -- where events come from and go to ----------------------------------------------------------
+class _Endpoints:
+    """Input and output of the chaos run, and reading the output back."""
+
+    def __init__(self, via: str, data: Path, work: Path, tag: str, port: int | None = None) -> None:
+        self.via, self.data, self.work, self.tag = via, data, work, tag
+        self.port = port
+
+    def address(self, default_port: int) -> str:
+        return f"127.0.0.1:{self.port or default_port}"
+
+    def urls(self) -> tuple[str, str]:
+        if self.via == "file":
+            return str(self.data), str(self.work / "out.jsonl")
+        if self.via == "redis":
+            base = f"redis://{self.address(6379)}"
+            return (
+                f"{base}/aisp-chaos-in-{self.tag}?group=chaos&idle_stop_s=2",
+                f"{base}/aisp-chaos-out-{self.tag}",
+            )
+        if self.via == "nats":
+            base = f"nats://{self.address(4222)}"
+            return f"{base}/CHAOSIN{self.tag}?durable=chaos&idle_stop_s=2", f"{base}/CHAOSOUT{self.tag}"
+        raise ConfigError(f"via must be file, redis or nats, got {self.via!r}")
+
+    def fill(self, lines: Sequence[bytes]) -> None:
+        if self.via == "redis":
+            r = _redis()
+            pipe = r.pipeline(transaction=False)
+            for line in lines:
+                pipe.xadd(f"aisp-chaos-in-{self.tag}", {"data": line})
+            pipe.execute()
+        elif self.via == "nats":
+            _nats(self._nats_fill(lines))
+
+    async def _nats_fill(self, lines: Sequence[bytes]) -> None:
+        import asyncio
+
+        import nats
+        from nats.js.api import StreamConfig
+
+        nc = await nats.connect("nats://127.0.0.1:4222", connect_timeout=2, max_reconnect_attempts=0)
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name=f"CHAOSIN{self.tag}", subjects=[f"CHAOSIN{self.tag}.>"]))
+        for i in range(0, len(lines), 1000):
+            await asyncio.gather(*(js.publish(f"CHAOSIN{self.tag}.ev", x) for x in lines[i : i + 1000]))
+        await nc.close()
+
+    def read(self) -> list[bytes]:
+        if self.via == "file":
+            return (self.work / "out.jsonl").read_bytes().splitlines()
+        if self.via == "redis":
+            return [f[b"data"] for _, f in _redis().xrange(f"aisp-chaos-out-{self.tag}")]
+        out: list[bytes] = _nats(self._nats_read())
+        return out
+
+    async def _nats_read(self) -> list[bytes]:
+        import nats
+        from nats.js.api import AckPolicy, ConsumerConfig
+
+        nc = await nats.connect("nats://127.0.0.1:4222", connect_timeout=2, max_reconnect_attempts=0)
+        js = nc.jetstream()
+        sub = await js.pull_subscribe(
+            "", stream=f"CHAOSOUT{self.tag}", config=ConsumerConfig(ack_policy=AckPolicy.NONE)
+        )
+        out: list[bytes] = []
+        while True:
+            try:
+                out += [m.data for m in await sub.fetch(1000, timeout=1)]
+            except nats.errors.TimeoutError:
+                break
+        await nc.close()
+        return out
+
+    def drop(self) -> None:
+        if self.via == "redis":
+            r = _redis()
+            r.delete(f"aisp-chaos-in-{self.tag}", f"aisp-chaos-out-{self.tag}")
+            keys = list(r.scan_iter(f"aisp:dedupe:aisp-chaos-out-{self.tag}:*", count=10_000))
+            for i in range(0, len(keys), 1000):
+                r.delete(*keys[i : i + 1000])
+        elif self.via == "nats":
+            _nats(self._nats_drop())
+
+    async def _nats_drop(self) -> None:
+        import nats
+
+        nc = await nats.connect("nats://127.0.0.1:4222", connect_timeout=2, max_reconnect_attempts=0)
+        js = nc.jetstream()
+        for stream in (f"CHAOSIN{self.tag}", f"CHAOSOUT{self.tag}"):
+            try:
+                await js.delete_stream(stream)
+            except nats.js.errors.NotFoundError:
+                pass
+        await nc.close()
+
+
+def _redis() -> Any:
+    import redis
+
+    r = redis.Redis(host="127.0.0.1", port=6379)
+    try:
+        r.ping()
+    except redis.ConnectionError as exc:
+        raise ConfigError(f"Redis is not reachable at 127.0.0.1:6379: {exc}") from exc
+    return r
+
+
+def _nats(coro: Any) -> Any:
+    import asyncio
+
+    try:
+        return asyncio.run(coro)
+    except OSError as exc:
+        raise ConfigError(f"NATS is not reachable at 127.0.0.1:4222: {exc}") from exc
+
+
+# -- running -----------------------------------------------------------------------------------
+def _env() -> dict[str, str]:
+    src = str(Path(__file__).resolve().parents[2])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+
+
+def _aisp_run(pipeline: str, source: str, output: str, *extra: str) -> list[str]:
+    cmd = [sys.executable, "-m", "aisp.cli", "run", pipeline, "--no-live", "--input", source]
+    return [*cmd, "--output", output, *extra]
+
+
+def _newest_checkpoint(directory: Path) -> str:
+    names = sorted(p.name for p in directory.glob("chk-*")) if directory.exists() else []
+    return names[-1] if names else ""
+
+
+def _compare(reference: list[bytes], outputs: list[bytes], key: str) -> tuple[int, int, int]:
+    """(lost, duplicates, wrong values) of ``outputs`` against ``reference``, rows keyed by ``key``."""
+    expected = {json.loads(x)[key]: json.loads(x) for x in reference}
+    rows = [json.loads(x) for x in outputs]
+    counts = Counter(r[key] for r in rows)
+    lost = sum(1 for k in expected if k not in counts)
+    duplicates = sum(n - 1 for n in counts.values() if n > 1)
+    wrong = sum(1 for r in rows if r[key] not in expected or r != expected[r[key]])
+    return lost, duplicates, wrong
+
+
+@contextmanager
+def _scenario(
+    pipeline: str | Path, data: str | Path, via: str, work: Path, port: int | None = None
+) -> Iterator[tuple[_Endpoints, list[bytes]]]:
+    """Reference output, then the chaos run's endpoints (filled), dropped at the end."""
+    work.mkdir(parents=True, exist_ok=True)
+    ref = work / "reference.jsonl"
+    res = subprocess.run(
+        _aisp_run(str(pipeline), str(data), str(ref)), env=_env(), capture_output=True, text=True, check=False
+    )
+    if res.returncode != 0:
+        raise ConfigError(f"the reference run failed: {res.stderr[-2000:]}")
+    ends = _Endpoints(via, Path(data), work, uuid.uuid4().hex[:8].upper(), port)
+    ends.fill(Path(data).read_bytes().splitlines() if via != "file" else [])
+    try:
+        yield ends, ref.read_bytes().splitlines()
+    finally:
+        ends.drop()
+
+
+def kill_scenario(
+    pipeline: str | Path,
+    data: str | Path,
+    *,
+    via: str = "file",
+    kills: int = 5,
+    seed: int = 0,
+    rate: float = 20_000,
+    checkpoint_interval_s: float = 0.5,
+    key: str = "id",
+    work: str | Path,
+    window_s: tuple[float, float] = (1.0, 3.0),
+) -> ChaosReport:
+    """SIGKILL ``aisp run`` ``kills`` times at random moments (``window_s`` after each start),
+    restart it each time, and compare the final output with an uninterrupted run."""
+    work = Path(work)
+    rng = random.Random(seed)
+    started = time.monotonic()
+    with _scenario(pipeline, data, via, work) as (ends, reference):
+        source, output = ends.urls()
+        chk = work / "checkpoints"
+        cmd = _aisp_run(str(pipeline), source, output, "--checkpoint-dir", str(chk))
+        cmd += ["--checkpoint-interval-s", str(checkpoint_interval_s), "--rate", str(rate)]
+        done, recover = 0, []
+        while True:
+            before = _newest_checkpoint(chk)
+            t0 = time.monotonic()
+            proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            if done:  # a restart: recovered at its first checkpoint (progress is saved again)
+                while (
+                    proc.poll() is None and _newest_checkpoint(chk) == before and time.monotonic() - t0 < 60
+                ):
+                    time.sleep(0.02)
+                recover.append(round(time.monotonic() - t0, 3))
+            if done < kills:
+                time.sleep(max(0.0, rng.uniform(*window_s) - (time.monotonic() - t0)))
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+                    done += 1
+                    continue
+            _, err = proc.communicate(timeout=600)
+            if proc.returncode != 0:
+                raise ConfigError(f"the chaos run failed: {err.decode()[-2000:]}")
+            break
+        outputs = ends.read()
+    lost, dups, wrong = _compare(reference, outputs, key)
+    return ChaosReport(
+        "kill",
+        via,
+        len(reference),
+        len(outputs),
+        lost,
+        dups,
+        wrong,
+        done,
+        recover,
+        time.monotonic() - started,
+    )
+
+
+def outage_scenario(
+    pipeline: str | Path,
+    data: str | Path,
+    *,
+    via: str = "redis",
+    down_s: float = 3.0,
+    after_s: float = 2.0,
+    rate: float = 20_000,
+    checkpoint_interval_s: float = 0.5,
+    key: str = "id",
+    work: str | Path,
+) -> ChaosReport:
+    """Take the broker away (refuse and reset every connection) for ``down_s`` seconds,
+    ``after_s`` into the run; the run must ride it out and end with exactly-once output."""
+    from aisp.faults.proxy import FaultProxy
+
+    if via not in ("redis", "nats"):
+        raise ConfigError(f"an outage needs a broker: via redis or nats, got {via!r}")
+    work = Path(work)
+    started = time.monotonic()
+    proxy = FaultProxy(("127.0.0.1", 6379 if via == "redis" else 4222)).start()
+    try:
+        with _scenario(pipeline, data, via, work, port=proxy.port) as (ends, reference):
+            source, output = ends.urls()
+            cmd = _aisp_run(str(pipeline), source, output, "--checkpoint-dir", str(work / "checkpoints"))
+            cmd += ["--checkpoint-interval-s", str(checkpoint_interval_s), "--rate", str(rate)]
+            proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            time.sleep(after_s)
+            proxy.set(refuse=True)
+            proxy.reset_connections()
+            time.sleep(down_s)
+            back = time.monotonic()
+            before = _newest_checkpoint(work / "checkpoints")
+            proxy.clear()
+            while proc.poll() is None and _newest_checkpoint(work / "checkpoints") == before:
+                time.sleep(0.02)
+            recover = [round(time.monotonic() - back, 3)]
+            _, err = proc.communicate(timeout=600)
+            if proc.returncode != 0:
+                raise ConfigError(f"the chaos run failed: {err.decode()[-2000:]}")
+            outputs = ends.read()
+    finally:
+        proxy.stop()
+    lost, dups, wrong = _compare(reference, outputs, key)
+    return ChaosReport(
+        "outage", via, len(reference), len(outputs), lost, dups, wrong, 1, recover, time.monotonic() - started
+    )
