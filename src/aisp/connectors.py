@@ -6,6 +6,9 @@
   ``claim_idle_ms`` (30000), ``idle_stop_s`` (end the input after that long without an entry;
   default: never), ``retry_s`` (how long a lost connection is retried before the run fails;
   30). Output options: ``field`` (``data``), ``dedupe_ttl_s`` (604800), ``retry_s`` (30).
+* ``kafka://HOST:PORT/TOPIC``: a Kafka topic of JSON events (``confluent-kafka``). Input options:
+  ``group`` (default ``aisp``), ``idle_stop_s``. Output option: ``partitions`` (1; the topic is
+  created if missing).
 * ``nats://HOST:PORT/STREAM``: a NATS JetStream stream of JSON events. Input options:
   ``durable`` (the pull consumer, default ``aisp``), ``subject`` (a filter), ``idle_stop_s``,
   ``retry_s``. Output options: ``subject`` (default ``STREAM.out``; the stream is created if
@@ -61,6 +64,14 @@ def _redis_address(url: str) -> tuple[str, int, str]:
     return parsed.hostname or "127.0.0.1", parsed.port or 6379, stream
 
 
+def _kafka_address(url: str) -> tuple[str, str]:
+    parsed = urlparse(url)
+    topic = parsed.path.lstrip("/")
+    if not topic:
+        raise ConfigError(f"{url!r}: name the topic, as kafka://HOST:PORT/TOPIC")
+    return f"{parsed.hostname or '127.0.0.1'}:{parsed.port or 9092}", topic
+
+
 def _nats_address(url: str) -> tuple[str, str]:
     parsed = urlparse(url)
     stream = parsed.path.lstrip("/")
@@ -98,6 +109,13 @@ def source_for(pipeline: Pipeline, url: str) -> Source:
             stop_when_idle_s=idle,
             **opts,  # type: ignore[arg-type]
         )
+    if urlparse(url).scheme == "kafka":
+        from aisp.ingest.kafka import KafkaSource
+
+        bootstrap, topic = _kafka_address(url)
+        opts = _options(url, {"group": str, "idle_stop_s": float})
+        idle = opts.pop("idle_stop_s", None)
+        return KafkaSource(topic=topic, schema=schema, bootstrap=bootstrap, stop_when_idle_s=idle, **opts)  # type: ignore[arg-type]
     if urlparse(url).scheme == "nats":
         from aisp.ingest.nats_jetstream import JetStreamSource
 
@@ -108,7 +126,7 @@ def source_for(pipeline: Pipeline, url: str) -> Source:
     path = _file_path(url)
     if path is None:
         raise ConfigError(
-            f"unsupported input URL {url!r}; supported: a file path, file://PATH, redis://…, nats://…"
+            f"unsupported input URL {url!r}; supported: a file path, file://PATH, redis://…, nats://…, kafka://…"
         )
     return JsonlFileSource(path=path, schema=schema)
 
@@ -123,6 +141,12 @@ def sink_from_url(url: str, pipeline: Pipeline) -> Sink:
         host, port, stream = _redis_address(url)
         opts = _options(url, {"field": str, "dedupe_ttl_s": int, "retry_s": float})
         return RedisStreamSink(stream=stream, host=host, port=port, columns=pipeline.output_columns, **opts)  # type: ignore[arg-type]
+    if urlparse(url).scheme == "kafka":
+        from aisp.sinks.kafka import KafkaSink
+
+        bootstrap, topic = _kafka_address(url)
+        opts = _options(url, {"partitions": int})
+        return KafkaSink(topic=topic, bootstrap=bootstrap, columns=pipeline.output_columns, **opts)  # type: ignore[arg-type]
     if urlparse(url).scheme == "nats":
         from aisp.sinks.nats_jetstream import JetStreamSink
 
@@ -132,6 +156,7 @@ def sink_from_url(url: str, pipeline: Pipeline) -> Sink:
     path = _file_path(url)
     if path is None:
         raise ConfigError(
-            f"unsupported output URL {url!r}; supported: a file path, file://PATH, redis://…, nats://…, null:"
+            f"unsupported output URL {url!r}; supported: a file path, file://PATH,"
+            " redis://…, nats://…, kafka://…, null:"
         )
     return JsonlFileSink(path=path, columns=pipeline.output_columns)
