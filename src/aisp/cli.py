@@ -310,7 +310,7 @@ def serve(
 
 chaos_app = typer.Typer(no_args_is_help=True, help="Fault injection that proves recovery.")
 app.add_typer(chaos_app, name="chaos")
-Via = Annotated[str, typer.Option(help="Where events come from and go to: file, redis or nats.")]
+Via = Annotated[str, typer.Option(help="Where events come from and go to: file, redis, nats or kafka.")]
 
 
 def _report(report: Any, json_out: str | None) -> None:
@@ -352,13 +352,18 @@ def chaos_kill(
     rate: Annotated[float, typer.Option(help="Pace the input (events/s) so kills land mid-run.")] = 20_000,
     workdir: Annotated[str, typer.Option(help="Scratch directory (outputs, checkpoints).")] = "chaos-work",
     json_out: Annotated[str | None, typer.Option("--json", help="Write the report here.")] = None,
+    bootstrap: Annotated[
+        str, typer.Option(help="Kafka bootstrap HOST:PORT for --via kafka (default: start a Tansu broker).")
+    ] = "",
 ) -> None:
     """SIGKILL `aisp run --checkpoint-dir` at random moments, restart it each time, and check the
     output against an uninterrupted run: nothing lost, nothing twice, same values."""
     from aisp.faults.chaos import kill_scenario
 
     try:
-        report = kill_scenario(pipeline, data, via=via, kills=kills, seed=seed, rate=rate, work=workdir)
+        report = kill_scenario(
+            pipeline, data, via=via, kills=kills, seed=seed, rate=rate, work=workdir, bootstrap=bootstrap
+        )
     except AispError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc

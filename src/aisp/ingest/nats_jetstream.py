@@ -113,12 +113,14 @@ class _JetStreamPartition(SourcePartition):
             return []
 
     def next_batch(self, max_rows: int) -> Batch | None:
+        import nats
+
         deadline = time.monotonic() + self._cfg.retry_s
         while True:
             try:
                 msgs = self._aio.run(self._fetch(max_rows), timeout_s=self._cfg.retry_s)
                 break
-            except (ConnectionError, OSError, TimeoutError) as exc:
+            except (ConnectionError, OSError, TimeoutError, nats.errors.Error) as exc:
                 if time.monotonic() >= deadline:
                     raise SourceError(
                         f"JetStream at {self._cfg.servers} unreachable for {self._cfg.retry_s:g} s: {exc}"

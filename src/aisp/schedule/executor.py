@@ -260,7 +260,11 @@ class LocalExecutor:
 
         def emit(batch: Batch) -> None:
             st.rows_out += batch.num_rows
-            self._emit(sid, "out", batch)
+            try:
+                self._emit(sid, "out", batch)
+            except SinkError as exc:  # from a sink chained after the model: the pipeline stops
+                self._errors.append(exc)
+                self._stop.set()
 
         def on_batch(rows: int, queue_wait_ns: int, compute_ns: int) -> None:
             st.batches += 1

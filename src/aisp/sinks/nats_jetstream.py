@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from aisp.aio import LoopThread
 from aisp.batch import Batch
 from aisp.errors import SinkError
+from aisp.retry import call_with_retry
 from aisp.sinks.base import RowEncoder, Sink, SinkPartition
 
 __all__ = ["JetStreamSink"]
@@ -33,6 +34,8 @@ class JetStreamSink(Sink):
     columns: Sequence[str] | None = None
     duplicate_window_s: float = 3600.0
     retry_s: float = 30.0
+    ack_timeout_s: float = 2.0
+    """How long one publish waits for its stream ack before it is retried."""
 
     def open(self) -> SinkPartition:
         return _JetStreamWriter(self)
@@ -77,7 +80,7 @@ class _JetStreamWriter(SinkPartition):
         acks = await asyncio.gather(
             *(
                 self._js.publish(
-                    subject, line, headers={"Nats-Msg-Id": f"{subject}:{i}"}, timeout=self._cfg.retry_s
+                    subject, line, headers={"Nats-Msg-Id": f"{subject}:{i}"}, timeout=self._cfg.ack_timeout_s
                 )
                 for i, line in zip(ids, lines, strict=False)
             )
@@ -85,15 +88,20 @@ class _JetStreamWriter(SinkPartition):
         return sum(1 for a in acks if a.duplicate)
 
     def write(self, batch: Batch) -> None:
+        """Publish the rows; a failed publish is retried (the same ``Nats-Msg-Id``, so never
+        stored twice) with backoff and full jitter until ``retry_s`` has passed."""
         if not batch.num_rows:
             return
         lines = self._encoder.encode(batch).split(b"\n")[: batch.num_rows]
-        try:
-            self.duplicates += self._aio.run(
-                self._publish(batch.ids.tolist(), lines), timeout_s=self._cfg.retry_s + 5
-            )
-        except Exception as exc:
-            raise SinkError(f"publishing to JetStream {self._subject!r} failed: {exc}") from exc
+        ids = batch.ids.tolist()
+        cfg = self._cfg
+        self.duplicates += call_with_retry(
+            lambda: self._aio.run(self._publish(ids, lines), timeout_s=cfg.ack_timeout_s + 5),
+            retry_on=(Exception,),
+            give_up_after_s=cfg.retry_s,
+            what=f"JetStream at {cfg.servers} (publishing to {self._subject!r})",
+            error=SinkError,
+        )
 
     def close(self) -> None:
         try:
