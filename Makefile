@@ -39,17 +39,19 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
-# Kill and outage scenarios at full size (200k workload-F events, 6 SIGKILLs), through a file,
-# Redis Streams and NATS JetStream; reports in out/chaos/.
+# Kill, outage and broker-restart scenarios at full size (200k workload-F events, 6 SIGKILLs),
+# through a file, Redis Streams, NATS JetStream and Kafka (Tansu); reports in out/chaos/.
 CHAOS_EVENTS ?= 200000
 chaos: $(STAMP)
 	mkdir -p out/chaos
 	$(BIN)/python benchmarks/workload.py out/chaos/events.jsonl --events $(CHAOS_EVENTS) --bad-every 997
-	for via in file redis nats; do \
+	for via in file redis nats kafka; do \
 	  $(BIN)/aisp chaos kill examples/fraud/pipeline.py --data out/chaos/events.jsonl --via $$via \
 	    --kills 6 --seed 1 --workdir out/chaos/kill-$$via --json out/chaos/kill-$$via.json || exit 1; \
 	done
 	for via in redis nats; do \
 	  $(BIN)/aisp chaos outage examples/fraud/pipeline.py --data out/chaos/events.jsonl --via $$via \
 	    --down-s 3 --workdir out/chaos/outage-$$via --json out/chaos/outage-$$via.json || exit 1; \
+	  $(BIN)/aisp chaos restart examples/fraud/pipeline.py --data out/chaos/events.jsonl --via $$via \
+	    --down-s 2 --workdir out/chaos/restart-$$via --json out/chaos/restart-$$via.json || exit 1; \
 	done

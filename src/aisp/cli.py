@@ -392,6 +392,28 @@ def chaos_outage(
     _report(report, json_out)
 
 
+@chaos_app.command("restart")
+def chaos_restart(
+    pipeline: Annotated[str, typer.Argument(help="Pipeline file.")],
+    data: Annotated[str, typer.Option("--data", help="JSON-lines events to run.")],
+    via: Annotated[str, typer.Option(help="The broker to restart: nats or redis.")] = "nats",
+    down_s: Annotated[float, typer.Option(help="How long the broker stays down.")] = 2.0,
+    rate: Annotated[float, typer.Option(help="Pace the input (events/s).")] = 20_000,
+    workdir: Annotated[str, typer.Option(help="Scratch directory (outputs, checkpoints).")] = "chaos-work",
+    json_out: Annotated[str | None, typer.Option("--json", help="Write the report here.")] = None,
+) -> None:
+    """SIGKILL the broker (a private one on a free port, data on disk) mid-run and start it again;
+    check that the run resumes by itself and ends with exactly-once output."""
+    from aisp.faults.chaos import restart_scenario
+
+    try:
+        report = restart_scenario(pipeline, data, via=via, down_s=down_s, rate=rate, work=workdir)
+    except AispError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    _report(report, json_out)
+
+
 @app.command()
 def topology(
     pipeline: Annotated[str, typer.Argument(help="Python file defining build() or `pipeline`.")],

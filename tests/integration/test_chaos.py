@@ -47,3 +47,13 @@ def test_the_command_line_reports_and_exits_0_when_it_holds(data: Path, tmp_path
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert '"passed": true' in out.read_text() and "pass" in res.stdout
+
+
+@pytest.mark.parametrize("via", ["nats", "redis"])
+def test_a_broker_killed_and_restarted_mid_run_is_resumed_by_itself(
+    data: Path, tmp_path: Path, via: str
+) -> None:
+    from aisp.faults.chaos import restart_scenario
+
+    report = restart_scenario(PIPELINE, data, via=via, down_s=1.5, after_s=1.5, rate=8000, work=tmp_path)
+    assert report.passed, report

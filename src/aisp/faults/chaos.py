@@ -11,6 +11,8 @@ recover (from the restart to its first new checkpoint).
 * ``kill_scenario``: SIGKILL the run ``kills`` times at random moments, restart it each time.
 * ``outage_scenario``: a ``FaultProxy`` between the run and its broker refuses and resets every
   connection for ``down_s`` seconds mid-run, then lets traffic through again.
+* ``restart_scenario``: the broker process itself (a private one, keeping its data on disk) is
+  SIGKILLed mid-run and started again ``down_s`` seconds later.
 
 ``aisp chaos kill|outage`` runs them from the command line; ``make chaos`` runs the full set.
 """
@@ -34,7 +36,14 @@ from typing import Any
 
 from aisp.errors import ConfigError
 
-__all__ = ["ChaosReport", "kill_scenario", "outage_scenario"]
+__all__ = [
+    "ChaosReport",
+    "kill_scenario",
+    "outage_scenario",
+    "private_broker",
+    "restart_scenario",
+    "tansu_broker",
+]
 
 
 @dataclass
@@ -68,7 +77,8 @@ class _Endpoints:
         self, via: str, data: Path, work: Path, tag: str, port: int | None = None, kafka: str = ""
     ) -> None:
         self.via, self.data, self.work, self.tag = via, data, work, tag
-        self.port = port
+        self.port = port  # where the pipeline connects (a proxy, a private broker)
+        self.broker_port: int | None = None  # where the scenario itself talks to the broker
         self.kafka = kafka  # bootstrap address
 
     def address(self, default_port: int) -> str:
@@ -95,7 +105,7 @@ class _Endpoints:
         if self.via == "kafka":
             _kafka_fill(self.kafka, f"chaos-in-{self.tag}", lines)
         elif self.via == "redis":
-            r = _redis()
+            r = _redis(self.broker_port or 6379)
             pipe = r.pipeline(transaction=False)
             for line in lines:
                 pipe.xadd(f"aisp-chaos-in-{self.tag}", {"data": line})
@@ -109,7 +119,9 @@ class _Endpoints:
         import nats
         from nats.js.api import StreamConfig
 
-        nc = await nats.connect("nats://127.0.0.1:4222", connect_timeout=2, max_reconnect_attempts=0)
+        nc = await nats.connect(
+            f"nats://127.0.0.1:{self.broker_port or 4222}", connect_timeout=2, max_reconnect_attempts=0
+        )
         js = nc.jetstream()
         await js.add_stream(StreamConfig(name=f"CHAOSIN{self.tag}", subjects=[f"CHAOSIN{self.tag}.>"]))
         for i in range(0, len(lines), 1000):
@@ -122,7 +134,9 @@ class _Endpoints:
         if self.via == "file":
             return (self.work / "out.jsonl").read_bytes().splitlines()
         if self.via == "redis":
-            return [f[b"data"] for _, f in _redis().xrange(f"aisp-chaos-out-{self.tag}")]
+            return [
+                f[b"data"] for _, f in _redis(self.broker_port or 6379).xrange(f"aisp-chaos-out-{self.tag}")
+            ]
         out: list[bytes] = _nats(self._nats_read())
         return out
 
@@ -130,7 +144,9 @@ class _Endpoints:
         import nats
         from nats.js.api import AckPolicy, ConsumerConfig
 
-        nc = await nats.connect("nats://127.0.0.1:4222", connect_timeout=2, max_reconnect_attempts=0)
+        nc = await nats.connect(
+            f"nats://127.0.0.1:{self.broker_port or 4222}", connect_timeout=2, max_reconnect_attempts=0
+        )
         js = nc.jetstream()
         sub = await js.pull_subscribe(
             "", stream=f"CHAOSOUT{self.tag}", config=ConsumerConfig(ack_policy=AckPolicy.NONE)
@@ -146,7 +162,7 @@ class _Endpoints:
 
     def drop(self) -> None:
         if self.via == "redis":
-            r = _redis()
+            r = _redis(self.broker_port or 6379)
             r.delete(f"aisp-chaos-in-{self.tag}", f"aisp-chaos-out-{self.tag}")
             keys = list(r.scan_iter(f"aisp:dedupe:aisp-chaos-out-{self.tag}:*", count=10_000))
             for i in range(0, len(keys), 1000):
@@ -157,7 +173,9 @@ class _Endpoints:
     async def _nats_drop(self) -> None:
         import nats
 
-        nc = await nats.connect("nats://127.0.0.1:4222", connect_timeout=2, max_reconnect_attempts=0)
+        nc = await nats.connect(
+            f"nats://127.0.0.1:{self.broker_port or 4222}", connect_timeout=2, max_reconnect_attempts=0
+        )
         js = nc.jetstream()
         for stream in (f"CHAOSIN{self.tag}", f"CHAOSOUT{self.tag}"):
             try:
@@ -238,14 +256,14 @@ def tansu_broker() -> Iterator[str]:
         proc.wait()
 
 
-def _redis() -> Any:
+def _redis(port: int) -> Any:
     import redis
 
-    r = redis.Redis(host="127.0.0.1", port=6379)
+    r = redis.Redis(host="127.0.0.1", port=port)
     try:
         r.ping()
     except redis.ConnectionError as exc:
-        raise ConfigError(f"Redis is not reachable at 127.0.0.1:6379: {exc}") from exc
+        raise ConfigError(f"Redis is not reachable at 127.0.0.1:{port}: {exc}") from exc
     return r
 
 
@@ -255,7 +273,7 @@ def _nats(coro: Any) -> Any:
     try:
         return asyncio.run(coro)
     except OSError as exc:
-        raise ConfigError(f"NATS is not reachable at 127.0.0.1:4222: {exc}") from exc
+        raise ConfigError(f"NATS is not reachable: {exc}") from exc
 
 
 # -- running -----------------------------------------------------------------------------------
@@ -287,7 +305,13 @@ def _compare(reference: list[bytes], outputs: list[bytes], key: str) -> tuple[in
 
 @contextmanager
 def _scenario(
-    pipeline: str | Path, data: str | Path, via: str, work: Path, port: int | None = None, kafka: str = ""
+    pipeline: str | Path,
+    data: str | Path,
+    via: str,
+    work: Path,
+    port: int | None = None,
+    kafka: str = "",
+    broker_port: int | None = None,
 ) -> Iterator[tuple[_Endpoints, list[bytes]]]:
     """Reference output, then the chaos run's endpoints (filled), dropped at the end."""
     for stale in ("checkpoints", "out.jsonl"):  # a reused work directory starts afresh
@@ -295,7 +319,10 @@ def _scenario(
             missing_ok=True
         )
     if via == "kafka" and not kafka:
-        with tansu_broker() as bootstrap, _scenario(pipeline, data, via, work, port, bootstrap) as inner:
+        with (
+            tansu_broker() as bootstrap,
+            _scenario(pipeline, data, via, work, port, bootstrap, broker_port) as inner,
+        ):
             yield inner
         return
     work.mkdir(parents=True, exist_ok=True)
@@ -306,6 +333,7 @@ def _scenario(
     if res.returncode != 0:
         raise ConfigError(f"the reference run failed: {res.stderr[-2000:]}")
     ends = _Endpoints(via, Path(data), work, uuid.uuid4().hex[:8].upper(), port, kafka)
+    ends.broker_port = broker_port
     ends.fill(Path(data).read_bytes().splitlines() if via != "file" else [])
     try:
         yield ends, ref.read_bytes().splitlines()
@@ -421,4 +449,107 @@ def outage_scenario(
     lost, dups, wrong = _compare(reference, outputs, key)
     return ChaosReport(
         "outage", via, len(reference), len(outputs), lost, dups, wrong, 1, recover, time.monotonic() - started
+    )
+
+
+@contextmanager
+def private_broker(via: str, store: Path) -> Iterator[tuple[int, Any]]:
+    """A broker of this machine's own on a free port, keeping its data in ``store`` (so it
+    survives a restart): ``nats-server -js -sd`` or ``redis-server --appendonly yes``. Yields
+    (port, restart) where ``restart(down_s)`` SIGKILLs it and starts it again after ``down_s``."""
+    import signal
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    store.mkdir(parents=True, exist_ok=True)
+    if via == "nats":
+        binary = shutil.which("nats-server") or "/usr/sbin/nats-server"
+        cmd = [binary, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)]
+    elif via == "redis":
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        cmd = [binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(store), "--save", "",
+               "--appendonly", "yes", "--appendfsync", "always"]  # fmt: skip
+    else:
+        raise ConfigError(f"a broker restart needs via nats or redis, got {via!r}")
+    if not Path(binary).exists():
+        raise ConfigError(f"no {binary} on this machine to run a private broker")
+
+    def start() -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                return proc
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise ConfigError(f"{binary} did not start on port {port}") from None
+                time.sleep(0.05)
+
+    procs = [start()]
+
+    def restart(down_s: float) -> None:
+        procs[-1].send_signal(signal.SIGKILL)
+        procs[-1].wait()
+        time.sleep(down_s)
+        procs.append(start())
+
+    try:
+        yield port, restart
+    finally:
+        procs[-1].kill()
+        procs[-1].wait()
+
+
+def restart_scenario(
+    pipeline: str | Path,
+    data: str | Path,
+    *,
+    via: str = "nats",
+    down_s: float = 2.0,
+    after_s: float = 2.0,
+    rate: float = 20_000,
+    checkpoint_interval_s: float = 0.5,
+    key: str = "id",
+    work: str | Path,
+) -> ChaosReport:
+    """SIGKILL the broker itself ``after_s`` into the run and start it again ``down_s`` later
+    (a private broker that keeps its data on disk); the run must resume by itself and end with
+    exactly-once output."""
+    work = Path(work)
+    started = time.monotonic()
+    with (
+        private_broker(via, work / "broker") as (port, restart),
+        _scenario(pipeline, data, via, work, port=port, broker_port=port) as (ends, reference),
+    ):
+        source, output = ends.urls()
+        chk = work / "checkpoints"
+        cmd = _aisp_run(str(pipeline), source, output, "--checkpoint-dir", str(chk))
+        cmd += ["--checkpoint-interval-s", str(checkpoint_interval_s), "--rate", str(rate)]
+        proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(after_s)
+        restart(down_s)
+        back = time.monotonic()
+        before = _newest_checkpoint(chk)
+        while proc.poll() is None and _newest_checkpoint(chk) == before:
+            time.sleep(0.02)
+        recover = [round(time.monotonic() - back, 3)]
+        _, err = proc.communicate(timeout=600)
+        if proc.returncode != 0:
+            raise ConfigError(f"the chaos run failed: {err.decode()[-2000:]}")
+        outputs = ends.read()
+    lost, dups, wrong = _compare(reference, outputs, key)
+    return ChaosReport(
+        "restart",
+        via,
+        len(reference),
+        len(outputs),
+        lost,
+        dups,
+        wrong,
+        1,
+        recover,
+        time.monotonic() - started,
     )

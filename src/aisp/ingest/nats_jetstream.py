@@ -64,6 +64,8 @@ class _JetStreamPartition(SourcePartition):
         self._last: int | None = int(resume_from["seq"]) if resume_from else None
         self._unacked: dict[int, Any] = {}  # stream seq -> message, the newest of each batch
         self._idle_since = time.monotonic()
+        self._sub: Any = None
+        self._delivered = 0
         try:
             self._aio.run(self._connect(), timeout_s=cfg.retry_s + 5)
         except Exception as exc:
@@ -72,24 +74,31 @@ class _JetStreamPartition(SourcePartition):
 
     async def _connect(self) -> None:
         import nats
-        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
         cfg = self._cfg
         self._nc = await nats.connect(
             cfg.servers, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.2
         )
-        js = self._nc.jetstream()
-        await js.stream_info(cfg.stream)  # fails clearly if the stream does not exist
+        self._js = self._nc.jetstream()
+        await self._js.stream_info(cfg.stream)  # fails clearly if the stream does not exist
+        await self._subscribe(None if self._last is None else self._last + 1)
+
+    async def _subscribe(self, start: int | None) -> None:
+        """(Re)create the durable consumer to deliver from stream sequence ``start`` (None: after
+        its ack floor): what an earlier run, or a delivery lost in a disconnect, was handed but
+        never acknowledged comes again at once and in order, not after the ack wait."""
+        import nats
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        cfg, js = self._cfg, self._js
         config = ConsumerConfig(
             durable_name=cfg.durable,
             ack_policy=AckPolicy.ALL,
             filter_subject=cfg.subject,
             max_ack_pending=cfg.max_ack_pending,  # acks wait for checkpoints: allow many
         )
-        # Start right after the checkpointed message, or else after the consumer's ack floor:
-        # what an earlier run was handed but never acknowledged comes again at once, not after
-        # the ack wait. The consumer is recreated to start there.
-        start = None if self._last is None else self._last + 1
+        if self._sub is not None:
+            await self._sub.unsubscribe()
         try:
             info = await js.consumer_info(cfg.stream, cfg.durable)
             if start is None:
@@ -103,6 +112,7 @@ class _JetStreamPartition(SourcePartition):
         self._sub = await js.pull_subscribe(
             cfg.subject or "", durable=cfg.durable, stream=cfg.stream, config=config
         )
+        self._delivered = 0  # consumer sequence of the last message received
 
     async def _fetch(self, n: int) -> list[Any]:
         import nats
@@ -126,6 +136,19 @@ class _JetStreamPartition(SourcePartition):
                         f"JetStream at {self._cfg.servers} unreachable for {self._cfg.retry_s:g} s: {exc}"
                     ) from exc
                 time.sleep(0.2)
+        delivered = [m.metadata.sequence.consumer for m in msgs]
+        if delivered != list(range(self._delivered + 1, self._delivered + 1 + len(msgs))):
+            # a delivery was lost (a disconnect mid-fetch): deliver again from the last message
+            # handed out, in order, instead of acking past the hole
+            start = None if self._last is None else self._last + 1
+            self._aio.run(self._subscribe(start), timeout_s=self._cfg.retry_s)
+            return Batch.from_columns(self._decoder.decode([]).columns)
+        if msgs:
+            self._delivered = delivered[-1]
+        if self._last is not None:  # redelivered after the ack wait: already handed out
+            msgs = [m for m in msgs if m.metadata.sequence.stream > self._last]
+        if not msgs and not self._nc.is_connected:
+            self._idle_since = time.monotonic()  # a broker away is not the end of the input
         if not msgs:
             idle = self._cfg.stop_when_idle_s
             if idle is not None and time.monotonic() - self._idle_since >= idle:
