@@ -38,9 +38,11 @@ from aisp.errors import ConfigError
 
 __all__ = [
     "ChaosReport",
+    "fill_topic",
     "kill_scenario",
     "outage_scenario",
     "private_broker",
+    "read_topic",
     "restart_scenario",
     "tansu_broker",
 ]
@@ -103,7 +105,7 @@ class _Endpoints:
 
     def fill(self, lines: Sequence[bytes]) -> None:
         if self.via == "kafka":
-            _kafka_fill(self.kafka, f"chaos-in-{self.tag}", lines)
+            fill_topic(self.kafka, f"chaos-in-{self.tag}", lines)
         elif self.via == "redis":
             r = _redis(self.broker_port or 6379)
             pipe = r.pipeline(transaction=False)
@@ -130,7 +132,7 @@ class _Endpoints:
 
     def read(self) -> list[bytes]:
         if self.via == "kafka":
-            return _kafka_read(self.kafka, f"chaos-out-{self.tag}")
+            return read_topic(self.kafka, f"chaos-out-{self.tag}")
         if self.via == "file":
             return (self.work / "out.jsonl").read_bytes().splitlines()
         if self.via == "redis":
@@ -185,7 +187,7 @@ class _Endpoints:
         await nc.close()
 
 
-def _kafka_fill(bootstrap: str, topic: str, lines: Sequence[bytes]) -> None:
+def fill_topic(bootstrap: str, topic: str, lines: Sequence[bytes]) -> None:
     """Create ``topic`` (one partition: the replay order is the input order) and fill it."""
     from confluent_kafka import Producer
     from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
@@ -205,7 +207,7 @@ def _kafka_fill(bootstrap: str, topic: str, lines: Sequence[bytes]) -> None:
         raise ConfigError(f"could not fill kafka topic {topic!r} at {bootstrap}")
 
 
-def _kafka_read(bootstrap: str, topic: str) -> list[bytes]:
+def read_topic(bootstrap: str, topic: str) -> list[bytes]:
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"chaos-read-{uuid.uuid4().hex}"})
@@ -421,35 +423,58 @@ def outage_scenario(
 
     if via not in ("redis", "nats"):
         raise ConfigError(f"an outage needs a broker: via redis or nats, got {via!r}")
-    work = Path(work)
-    started = time.monotonic()
+
+    def outage() -> None:
+        proxy.set(refuse=True)
+        proxy.reset_connections()
+        time.sleep(down_s)
+        proxy.clear()
+
     proxy = FaultProxy(("127.0.0.1", 6379 if via == "redis" else 4222)).start()
     try:
-        with _scenario(pipeline, data, via, work, port=proxy.port) as (ends, reference):
-            source, output = ends.urls()
-            cmd = _aisp_run(str(pipeline), source, output, "--checkpoint-dir", str(work / "checkpoints"))
-            cmd += ["--checkpoint-interval-s", str(checkpoint_interval_s), "--rate", str(rate)]
-            proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            time.sleep(after_s)
-            proxy.set(refuse=True)
-            proxy.reset_connections()
-            time.sleep(down_s)
-            back = time.monotonic()
-            before = _newest_checkpoint(work / "checkpoints")
-            proxy.clear()
-            while proc.poll() is None and _newest_checkpoint(work / "checkpoints") == before:
-                time.sleep(0.02)
-            recover = [round(time.monotonic() - back, 3)]
-            _, err = proc.communicate(timeout=600)
-            if proc.returncode != 0:
-                raise ConfigError(f"the chaos run failed: {err.decode()[-2000:]}")
-            outputs = ends.read()
+        with _scenario(pipeline, data, via, Path(work), port=proxy.port) as (ends, reference):
+            return _one_fault(
+                "outage", ends, reference, pipeline, outage,
+                after_s=after_s, rate=rate, checkpoint_interval_s=checkpoint_interval_s, key=key,
+            )  # fmt: skip
     finally:
         proxy.stop()
+
+
+def _one_fault(
+    name: str,
+    ends: _Endpoints,
+    reference: list[bytes],
+    pipeline: str | Path,
+    fault: Any,
+    *,
+    after_s: float,
+    rate: float,
+    checkpoint_interval_s: float,
+    key: str,
+) -> ChaosReport:
+    """Run the pipeline with checkpoints, call ``fault()`` ``after_s`` into the run, time the
+    recovery (to the first checkpoint after the fault) and compare the output."""
+    started = time.monotonic()
+    source, output = ends.urls()
+    chk = ends.work / "checkpoints"
+    cmd = _aisp_run(str(pipeline), source, output, "--checkpoint-dir", str(chk))
+    cmd += ["--checkpoint-interval-s", str(checkpoint_interval_s), "--rate", str(rate)]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(after_s)
+    fault()
+    back = time.monotonic()
+    before = _newest_checkpoint(chk)
+    while proc.poll() is None and _newest_checkpoint(chk) == before:
+        time.sleep(0.02)
+    recover = [round(time.monotonic() - back, 3)]
+    _, err = proc.communicate(timeout=600)
+    if proc.returncode != 0:
+        raise ConfigError(f"the chaos run failed: {err.decode()[-2000:]}")
+    outputs = ends.read()
     lost, dups, wrong = _compare(reference, outputs, key)
-    return ChaosReport(
-        "outage", via, len(reference), len(outputs), lost, dups, wrong, 1, recover, time.monotonic() - started
-    )
+    seconds = time.monotonic() - started
+    return ChaosReport(name, ends.via, len(reference), len(outputs), lost, dups, wrong, 1, recover, seconds)
 
 
 @contextmanager
@@ -519,37 +544,11 @@ def restart_scenario(
     (a private broker that keeps its data on disk); the run must resume by itself and end with
     exactly-once output."""
     work = Path(work)
-    started = time.monotonic()
     with (
         private_broker(via, work / "broker") as (port, restart),
         _scenario(pipeline, data, via, work, port=port, broker_port=port) as (ends, reference),
     ):
-        source, output = ends.urls()
-        chk = work / "checkpoints"
-        cmd = _aisp_run(str(pipeline), source, output, "--checkpoint-dir", str(chk))
-        cmd += ["--checkpoint-interval-s", str(checkpoint_interval_s), "--rate", str(rate)]
-        proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        time.sleep(after_s)
-        restart(down_s)
-        back = time.monotonic()
-        before = _newest_checkpoint(chk)
-        while proc.poll() is None and _newest_checkpoint(chk) == before:
-            time.sleep(0.02)
-        recover = [round(time.monotonic() - back, 3)]
-        _, err = proc.communicate(timeout=600)
-        if proc.returncode != 0:
-            raise ConfigError(f"the chaos run failed: {err.decode()[-2000:]}")
-        outputs = ends.read()
-    lost, dups, wrong = _compare(reference, outputs, key)
-    return ChaosReport(
-        "restart",
-        via,
-        len(reference),
-        len(outputs),
-        lost,
-        dups,
-        wrong,
-        1,
-        recover,
-        time.monotonic() - started,
-    )
+        return _one_fault(
+            "restart", ends, reference, pipeline, lambda: restart(down_s),
+            after_s=after_s, rate=rate, checkpoint_interval_s=checkpoint_interval_s, key=key,
+        )  # fmt: skip
