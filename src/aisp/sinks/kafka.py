@@ -53,8 +53,10 @@ class KafkaSink(Sink):
         return f"kafka://{self.bootstrap}/{self.topic}"
 
 
-def _count_records(bootstrap: str, topic: str, partition: int, start: int, idle_s: float = 0.5) -> int:
-    """Records in ``topic``/``partition`` from offset ``start`` to the end (by reading them)."""
+def _count_records(bootstrap: str, topic: str, partition: int, start: int, idle_s: float = 2.0) -> int:
+    """Records in ``topic``/``partition`` from offset ``start`` to the end, by reading them until
+    nothing comes for ``idle_s`` (Tansu's high watermarks are per record batch, so they cannot
+    be used; a short idle time undercounts on a loaded machine)."""
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": "aisp-count", "enable.auto.commit": False})
