@@ -50,7 +50,10 @@ def run(
     pipeline: Annotated[str, typer.Argument(help="Python file defining build() or `pipeline`.")],
     input: Annotated[str | None, typer.Option("--input", "-i", help="JSONL input file.")] = None,  # noqa: A002
     output: Annotated[str | None, typer.Option("--output", "-o", help="JSONL output file.")] = None,
-    dead_letter: Annotated[str | None, typer.Option("--dead-letter", help="JSONL dead-letter file.")] = None,
+    dead_letter: Annotated[
+        str | None,
+        typer.Option("--dead-letter", help="Dead letters: a JSONL file, redis://… or nats://… stream."),
+    ] = None,
     rate: Annotated[float, typer.Option(help="Pace the source at N events/s, open loop (0: max).")] = 0.0,
     events: Annotated[int | None, typer.Option(help="Events for a generator source.")] = None,
     batch_rows: Annotated[int, typer.Option(help="Rows per source batch.")] = 512,

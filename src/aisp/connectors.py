@@ -24,12 +24,13 @@ from aisp.errors import ConfigError
 from aisp.ingest.base import Source
 from aisp.ingest.jsonl import JsonlFileSource
 from aisp.sinks.base import Sink
+from aisp.sinks.deadletter import DeadLetterSink
 from aisp.sinks.files import JsonlFileSink, NullSink
 
 if TYPE_CHECKING:
     from aisp.pipeline import Pipeline
 
-__all__ = ["sink_from_url", "source_for"]
+__all__ = ["dead_letter_sink", "sink_from_url", "source_for"]
 
 
 def _file_path(url: str) -> str | None:
@@ -160,3 +161,29 @@ def sink_from_url(url: str, pipeline: Pipeline) -> Sink:
             " redis://…, nats://…, kafka://…, null:"
         )
     return JsonlFileSink(path=path, columns=pipeline.output_columns)
+
+
+def dead_letter_sink(url: str | None) -> DeadLetterSink:
+    """Where ``--dead-letter`` sends dead letters: a file path, or ``redis://HOST:PORT/STREAM`` /
+    ``nats://HOST:PORT/STREAM`` (each record once, by its idempotency key)."""
+    if url is None:
+        return DeadLetterSink()
+    scheme = urlparse(url).scheme
+    stream: Any
+    if scheme == "redis":
+        from aisp.sinks.redis_streams import RedisStreamSink
+
+        host, port, name = _redis_address(url)
+        field: Any = _options(url, {"field": str}).get("field", "data")
+        stream = RedisStreamSink(stream=name, host=host, port=port, field=field)
+        return DeadLetterSink(stream=stream)
+    if scheme == "nats":
+        from aisp.sinks.nats_jetstream import JetStreamSink
+
+        servers, name = _nats_address(url)
+        subject: Any = _options(url, {"subject": str}).get("subject")
+        return DeadLetterSink(stream=JetStreamSink(stream=name, servers=servers, subject=subject))
+    path = _file_path(url)
+    if path is None:
+        raise ConfigError(f"unsupported dead-letter URL {url!r}; supported: a file path, redis://…, nats://…")
+    return DeadLetterSink(path=path)

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from aisp.connectors import dead_letter_sink
 from aisp.errors import ConfigError
 from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.versions import ServedModel
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
-from aisp.sinks.deadletter import DeadLetterSink
 from aisp.state.checkpoint import CheckpointStore
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
         raise ConfigError(
             f"checkpoint {latest.path} is of pipeline {latest.meta.get('pipeline')!r}, not {graph.name!r}"
         )
-    writer = DeadLetterSink(path=opts.dead_letter).open(
+    writer = dead_letter_sink(opts.dead_letter).open(
         latest.meta.get("dead_letter_bytes") if latest is not None else None
     )
     ex = LocalExecutor(

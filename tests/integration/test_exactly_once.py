@@ -141,3 +141,27 @@ def test_a_broker_that_stays_away_fails_the_run_clearly(
             assert time.monotonic() - started < 30  # not a hang
     finally:
         drop_streams(r, src, dst)
+
+
+def test_dead_letters_to_a_redis_stream_once_each_across_sigkills(
+    tmp_path: Path, reference: tuple[Path, list[dict[str, object]], int]
+) -> None:
+    import uuid
+
+    data, expected, dead = reference
+    r: Any = redis_client()
+    stream = f"aisp-test-dl-{uuid.uuid4().hex[:8]}"
+    out = tmp_path / "out.jsonl"
+    cmd = aisp_run(data, out, "--checkpoint-dir", str(tmp_path / "chk"), "--checkpoint-interval-s", "0.25")
+    cmd[cmd.index("--dead-letter") + 1] = f"redis://127.0.0.1:6379/{stream}"
+    try:
+        assert kill_and_restart([*cmd, "--rate", "20000"], kills=3, seed=9) >= 2
+        records = [json.loads(f[b"data"]) for _, f in r.xrange(stream)]
+        assert len(records) == dead == len({rec["line"] for rec in records})  # each bad line once
+        assert all(rec["step"] == "events" and rec["reason"] for rec in records)
+        assert outputs(out) == expected
+    finally:
+        drop_streams(r, stream, stream)
+        keys = list(r.scan_iter(f"aisp:dedupe:{stream}:*", count=10_000))
+        if keys:
+            r.delete(*keys)

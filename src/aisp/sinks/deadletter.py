@@ -25,9 +25,16 @@ __all__ = ["DeadLetterSink", "DeadLetterWriter"]
 
 @dataclass(frozen=True, kw_only=True)
 class DeadLetterSink:
-    """Where dead letters go: a JSONL file, or ``None`` to only count them."""
+    """Where dead letters go: a JSONL file (``path``), a broker stream (``stream``: a sink whose
+    writer has ``write_lines(keys, lines)``, e.g. ``RedisStreamSink`` or ``JetStreamSink``), or
+    nowhere (only counted).
+
+    On a broker each record carries an idempotency key (its step and the id, line, stream id or
+    offset of the event), so a restored pipeline's replay does not dead-letter an event twice.
+    """
 
     path: str | None = None
+    stream: Any = None
     keep_last: int = 1000
 
     def open(self, resume_bytes: int | None = None) -> DeadLetterWriter:
@@ -47,6 +54,7 @@ class DeadLetterWriter:
             self._fh = Path(cfg.path).open("r+b")  # noqa: SIM115
             self._fh.truncate(resume_bytes)
             self._fh.seek(resume_bytes)
+        self._out = cfg.stream.open() if cfg.stream is not None else None
         self._encoder = msgspec.json.Encoder()
         self.count = 0
         self.by_step: dict[str, int] = {}
@@ -66,6 +74,8 @@ class DeadLetterWriter:
             self.recent = (self.recent + recs)[-self._keep :]
             if self._fh is not None:
                 self._fh.write(data)
+            if self._out is not None:
+                self._out.write_lines([_key(r) for r in recs], data.split(b"\n")[: len(recs)])
 
     def rows(self, batch: Batch, step: str, reason: str) -> None:
         """Dead-letter every row of ``batch`` with ``step`` and ``reason``."""
@@ -102,3 +112,18 @@ class DeadLetterWriter:
             if self._fh is not None:
                 self._fh.close()
                 self._fh = None
+            if self._out is not None:
+                self._out.close()
+                self._out = None
+
+
+_KEY_FIELDS = ("id", "line", "stream_id", "stream_seq", "partition", "offset")
+
+
+def _key(record: dict[str, Any]) -> str:
+    """A dead letter's idempotency key: its step and what identifies its event.
+
+    >>> _key({"step": "events", "line": 7, "reason": "x"})
+    'dl:events:7'
+    """
+    return ":".join(["dl", str(record.get("step")), *(str(record[k]) for k in _KEY_FIELDS if k in record)])

@@ -75,7 +75,7 @@ class _JetStreamWriter(SinkPartition):
                 )
             )
 
-    async def _publish(self, ids: list[int], lines: list[bytes]) -> int:
+    async def _publish(self, ids: Sequence[object], lines: Sequence[bytes]) -> int:
         subject = self._subject
         acks = await asyncio.gather(
             *(
@@ -90,10 +90,12 @@ class _JetStreamWriter(SinkPartition):
     def write(self, batch: Batch) -> None:
         """Publish the rows; a failed publish is retried (the same ``Nats-Msg-Id``, so never
         stored twice) with backoff and full jitter until ``retry_s`` has passed."""
-        if not batch.num_rows:
-            return
-        lines = self._encoder.encode(batch).split(b"\n")[: batch.num_rows]
-        ids = batch.ids.tolist()
+        if batch.num_rows:
+            lines = self._encoder.encode(batch).split(b"\n")[: batch.num_rows]
+            self.write_lines(batch.ids.tolist(), lines)
+
+    def write_lines(self, ids: Sequence[object], lines: Sequence[bytes]) -> None:
+        """Publish ``lines`` (JSON) with ``Nats-Msg-Id`` ``{subject}:{id}``."""
         cfg = self._cfg
         self.duplicates += call_with_retry(
             lambda: self._aio.run(self._publish(ids, lines), timeout_s=cfg.ack_timeout_s + 5),

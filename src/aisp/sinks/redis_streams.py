@@ -70,15 +70,16 @@ class _RedisStreamWriter(SinkPartition):
         self.skipped = 0
 
     def write(self, batch: Batch) -> None:
-        if not batch.num_rows:
-            return
-        lines = self._encoder.encode(batch).split(b"\n")
-        ids = batch.ids.tolist()
+        if batch.num_rows:
+            self.write_lines(batch.ids.tolist(), self._encoder.encode(batch).split(b"\n"))
+
+    def write_lines(self, keys: Sequence[object], lines: Sequence[bytes]) -> None:
+        """Add ``lines`` (JSON), each once per idempotency key in ``keys``."""
         cfg = self._cfg
-        for start in range(0, len(ids), cfg.chunk_rows):
+        for start in range(0, len(keys), cfg.chunk_rows):
             args: list[Any] = [cfg.field, cfg.dedupe_ttl_s]
-            for i in range(start, min(start + cfg.chunk_rows, len(ids))):
-                args += [ids[i], lines[i]]
+            for i in range(start, min(start + cfg.chunk_rows, len(keys))):
+                args += [keys[i], lines[i]]
             added = int(self._call(self._script, [cfg.stream, self._prefix], args))
             self.added += added
             self.skipped += (len(args) - 2) // 2 - added
