@@ -55,3 +55,8 @@ chaos: $(STAMP)
 	  $(BIN)/aisp chaos restart examples/fraud/pipeline.py --data out/chaos/events.jsonl --via $$via \
 	    --down-s 2 --workdir out/chaos/restart-$$via --json out/chaos/restart-$$via.json || exit 1; \
 	done
+	for fault in slow failing; do \
+	  $(BIN)/aisp chaos model examples/fraud/pipeline.py --data out/chaos/events.jsonl \
+	    --repository examples/fraud/repository --fault $$fault --workdir out/chaos/model-$$fault \
+	    --json out/chaos/model-$$fault.json || exit 1; \
+	done

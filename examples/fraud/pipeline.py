@@ -5,7 +5,8 @@ batching -> ``{"id", "user", "score", "alert", "n", "mean_amount"}``.
 
 Run it: ``aisp run examples/fraud/pipeline.py --input IN.jsonl --output OUT.jsonl``; without
 ``--input`` it scores generated events. ``--model-repository examples/fraud/repository`` serves
-the model from a Triton-style repository and swaps to a newer version when one is copied in.
+the model from a Triton-style repository and swaps to a newer version when one is copied in;
+``--param model_url=HOST:PORT`` calls it on an OIP v2 gRPC server instead (``aisp serve``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import msgspec
 import numpy as np
 
 from aisp import Batch, BatcherConfig, NullSink, OnnxRuntime, Pipeline, ServedModel, WorkloadFSource
+from aisp.infer.remote import RemoteRuntime
 
 HERE = Path(__file__).resolve().parent
 MODEL = HERE / "model.onnx"
@@ -63,14 +65,19 @@ def build(
     seed: int = 0,
     model: str | Path = MODEL,
     model_repository: str | Path | None = None,
+    model_url: str | None = None,
 ) -> Pipeline:
     """Workload F.
 
     With ``model_repository`` the model is ``fraud`` from that Triton-style repository (swapped
     to a newer version when one appears) and rows also carry ``model`` and ``model_version``.
     """
-    runtime: OnnxRuntime | ServedModel
-    if model_repository is not None:
+    runtime: OnnxRuntime | ServedModel | RemoteRuntime
+    if model_url is not None:  # the model on an OIP v2 gRPC server (`aisp serve`, Triton, ...)
+        runtime = RemoteRuntime(model_url, "fraud")
+        batcher = BatcherConfig(max_batch_size=512, max_queue_delay_ms=1.0)
+        columns = OUTPUT_COLUMNS
+    elif model_repository is not None:
         runtime = ServedModel(model_repository, "fraud")
         batcher = runtime.config.batcher
         columns = [*OUTPUT_COLUMNS, "model", "model_version"]

@@ -74,12 +74,15 @@ def run(
         ),
     ] = None,
     checkpoint_interval_s: Annotated[float, typer.Option(help="Seconds between checkpoints.")] = 1.0,
+    param: Annotated[
+        list[str] | None, typer.Option("--param", help="KEY=VALUE passed to the file's build() (repeatable).")
+    ] = None,
 ) -> None:
     """Run PIPELINE to the end of its input (Ctrl-C / SIGTERM drain cleanly)."""
     from aisp.runner import RunOptions
     from aisp.runner import run as run_pipeline
 
-    params: dict[str, Any] = {}
+    params: dict[str, Any] = _params(param)
     if events is not None:
         params["events"] = events
     if model_repository is not None:
@@ -115,6 +118,17 @@ def run(
         f"p99.9 {lat['p999']} ms, max {lat['max']} ms; peak RSS {summary.peak_rss_mb:.0f} MB"
         + (" (stopped early, drained)" if summary.stopped_early else "")
     )
+
+
+def _params(pairs: list[str] | None) -> dict[str, Any]:
+    """``--param KEY=VALUE`` pairs for ``build()`` (values stay strings)."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise typer.BadParameter(f"--param takes KEY=VALUE, got {pair!r}")
+        out[key] = value
+    return out
 
 
 def _bind(p: Pipeline, input: str | None, output: str | None) -> None:  # noqa: A002
@@ -208,6 +222,10 @@ def serve(
     decode_process: Annotated[
         bool, typer.Option(help="Decode a pipeline's incoming JSON in a worker process (another core).")
     ] = True,
+    param: Annotated[
+        list[str] | None,
+        typer.Option("--param", help="KEY=VALUE passed to a pipeline's build() (repeatable)."),
+    ] = None,
 ) -> None:
     """Serve a PIPELINE (events in, results out, over HTTP NDJSON and a gRPC stream) or a model
     REPOSITORY over Open Inference Protocol v2 (HTTP and gRPC).
@@ -234,7 +252,9 @@ def serve(
         tokens = Tokens.load(config)
         limits = _limits(config)
         if _is_pipeline_file(target):
-            params = {} if model_repository is None else {"model_repository": model_repository}
+            params = _params(param)
+            if model_repository is not None:
+                params["model_repository"] = model_repository
             service = PipelineService(
                 load_pipeline(target, **params),
                 capacity_rows=admission_rows,
@@ -333,7 +353,8 @@ def _report(report: Any, json_out: str | None) -> None:
         table.add_column(column)
     recover = ", ".join(f"{x:.2f}" for x in report.recover_s) or "-"
     table.add_row(
-        *map(str, (report.expected, report.outputs, report.lost, report.duplicates, report.wrong_values)),
+        *map(str, (report.expected, report.outputs, report.dead_lettered, report.lost)),
+        *map(str, (report.duplicates, report.wrong_values)),
         str(report.faults),
         recover,
         "[green]pass[/green]" if report.passed else "[red]FAIL[/red]",
@@ -411,6 +432,32 @@ def chaos_restart(
 
     try:
         report = restart_scenario(pipeline, data, via=via, down_s=down_s, rate=rate, work=workdir)
+    except AispError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    _report(report, json_out)
+
+
+@chaos_app.command("model")
+def chaos_model(
+    pipeline: Annotated[str, typer.Argument(help="Pipeline file whose build() takes model_url.")],
+    data: Annotated[str, typer.Option("--data", help="JSON-lines events to run.")],
+    repository: Annotated[str, typer.Option(help="Model repository to serve with `aisp serve`.")],
+    fault: Annotated[str, typer.Option(help="slow (added latency) or failing (refused).")] = "slow",
+    delay_ms: Annotated[float, typer.Option(help="Latency added by a slow model.")] = 200.0,
+    down_s: Annotated[float, typer.Option(help="How long the fault lasts.")] = 3.0,
+    rate: Annotated[float, typer.Option(help="Pace the input (events/s).")] = 20_000,
+    workdir: Annotated[str, typer.Option(help="Scratch directory (outputs, checkpoints).")] = "chaos-work",
+    json_out: Annotated[str | None, typer.Option("--json", help="Write the report here.")] = None,
+) -> None:
+    """Make the pipeline's remote model slow or failing for a while (through a fault proxy in
+    front of `aisp serve`); every event must come out once or be dead-lettered with its cause."""
+    from aisp.faults.chaos import model_scenario
+
+    try:
+        report = model_scenario(
+            pipeline, data, repository, fault=fault, delay_ms=delay_ms, down_s=down_s, rate=rate, work=workdir
+        )
     except AispError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc

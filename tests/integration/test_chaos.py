@@ -57,3 +57,16 @@ def test_a_broker_killed_and_restarted_mid_run_is_resumed_by_itself(
 
     report = restart_scenario(PIPELINE, data, via=via, down_s=1.5, after_s=1.5, rate=8000, work=tmp_path)
     assert report.passed, report
+
+
+@pytest.mark.parametrize("fault", ["slow", "failing"])
+def test_a_slow_or_failing_remote_model_loses_nothing(data: Path, tmp_path: Path, fault: str) -> None:
+    from aisp.faults.chaos import model_scenario
+
+    repo = ROOT / "examples" / "fraud" / "repository"
+    report = model_scenario(
+        PIPELINE, data, repo, fault=fault, delay_ms=150, down_s=2.0, after_s=1.5, rate=8000, work=tmp_path
+    )
+    assert report.passed, report
+    assert report.outputs + report.dead_lettered == report.expected
+    assert (report.dead_lettered > 0) == (fault == "failing")  # slow: all scored; failing: dead-lettered

@@ -11,6 +11,8 @@ recover (from the restart to its first new checkpoint).
 * ``kill_scenario``: SIGKILL the run ``kills`` times at random moments, restart it each time.
 * ``outage_scenario``: a ``FaultProxy`` between the run and its broker refuses and resets every
   connection for ``down_s`` seconds mid-run, then lets traffic through again.
+* ``model_scenario``: the model, served by ``aisp serve`` and called over gRPC through a
+  ``FaultProxy``, turns slow or fails for a while; events come out once or are dead-lettered.
 * ``restart_scenario``: the broker process itself (a private one, keeping its data on disk) is
   SIGKILLed mid-run and started again ``down_s`` seconds later.
 
@@ -40,6 +42,7 @@ __all__ = [
     "ChaosReport",
     "fill_topic",
     "kill_scenario",
+    "model_scenario",
     "outage_scenario",
     "private_broker",
     "read_topic",
@@ -62,6 +65,8 @@ class ChaosReport:
     faults: int
     recover_s: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    dead_lettered: int = 0
+    """Events the pipeline dead-lettered (with their cause) instead of writing: accounted for."""
 
     @property
     def passed(self) -> bool:
@@ -285,6 +290,7 @@ def _env() -> dict[str, str]:
 
 
 def _aisp_run(pipeline: str, source: str, output: str, *extra: str) -> list[str]:
+    """``aisp run`` as a command line (``extra``: more options)."""
     cmd = [sys.executable, "-m", "aisp.cli", "run", pipeline, "--no-live", "--input", source]
     return [*cmd, "--output", output, *extra]
 
@@ -452,13 +458,17 @@ def _one_fault(
     rate: float,
     checkpoint_interval_s: float,
     key: str,
+    extra: Sequence[str] = (),
 ) -> ChaosReport:
     """Run the pipeline with checkpoints, call ``fault()`` ``after_s`` into the run, time the
-    recovery (to the first checkpoint after the fault) and compare the output."""
+    recovery (to the first checkpoint after the fault) and compare the output; events that were
+    dead-lettered (``dead-letters.jsonl``, by ``id``) count as accounted for, not lost."""
     started = time.monotonic()
     source, output = ends.urls()
     chk = ends.work / "checkpoints"
-    cmd = _aisp_run(str(pipeline), source, output, "--checkpoint-dir", str(chk))
+    dead = ends.work / "dead-letters.jsonl"
+    cmd = _aisp_run(str(pipeline), source, output, "--checkpoint-dir", str(chk), "--dead-letter", str(dead))
+    cmd += list(extra)
     cmd += ["--checkpoint-interval-s", str(checkpoint_interval_s), "--rate", str(rate)]
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(after_s)
@@ -472,9 +482,13 @@ def _one_fault(
     if proc.returncode != 0:
         raise ConfigError(f"the chaos run failed: {err.decode()[-2000:]}")
     outputs = ends.read()
-    lost, dups, wrong = _compare(reference, outputs, key)
+    dead_ids = {json.loads(x)["row"][key] for x in dead.read_bytes().splitlines() if b'"row"' in x}
+    kept = [x for x in reference if json.loads(x)[key] not in dead_ids]
+    lost, dups, wrong = _compare(kept, outputs, key)
     seconds = time.monotonic() - started
-    return ChaosReport(name, ends.via, len(reference), len(outputs), lost, dups, wrong, 1, recover, seconds)
+    report = ChaosReport(name, ends.via, len(reference), len(outputs), lost, dups, wrong, 1, recover, seconds)
+    report.dead_lettered = len(reference) - len(kept)
+    return report
 
 
 @contextmanager
@@ -552,3 +566,69 @@ def restart_scenario(
             "restart", ends, reference, pipeline, lambda: restart(down_s),
             after_s=after_s, rate=rate, checkpoint_interval_s=checkpoint_interval_s, key=key,
         )  # fmt: skip
+
+
+def model_scenario(
+    pipeline: str | Path,
+    data: str | Path,
+    repository: str | Path,
+    *,
+    fault: str = "slow",
+    delay_ms: float = 200.0,
+    down_s: float = 3.0,
+    after_s: float = 2.0,
+    rate: float = 20_000,
+    checkpoint_interval_s: float = 0.5,
+    key: str = "id",
+    work: str | Path,
+) -> ChaosReport:
+    """The pipeline calls its model on ``aisp serve REPOSITORY`` over gRPC (``--param
+    model_url=...``) through a fault proxy; ``after_s`` into the run the model becomes slow
+    (``delay_ms`` on every exchange) or fails (connections refused) for ``down_s`` seconds.
+    Every event must come out once or be dead-lettered with the cause; nothing is lost."""
+    from aisp.faults.proxy import FaultProxy
+
+    if fault not in ("slow", "failing"):
+        raise ConfigError(f"fault must be slow or failing, got {fault!r}")
+    work = Path(work)
+    serve = [
+        sys.executable,
+        "-m",
+        "aisp.cli",
+        "serve",
+        str(repository),
+        "--http-port",
+        "-1",
+        "--grpc-port",
+        "0",
+    ]
+    server = subprocess.Popen(serve, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        if not line.startswith("grpc "):
+            raise ConfigError("aisp serve did not start")
+        host, _, port = line.split()[1].rpartition(":")
+        proxy = FaultProxy((host, int(port))).start()
+
+        def model_fault() -> None:
+            if fault == "slow":
+                proxy.set(delay_ms=delay_ms)
+            else:
+                proxy.set(refuse=True)
+                proxy.reset_connections()
+            time.sleep(down_s)
+            proxy.clear()
+
+        try:
+            with _scenario(pipeline, data, "file", work) as (ends, reference):
+                return _one_fault(
+                    f"model-{fault}", ends, reference, pipeline, model_fault,
+                    after_s=after_s, rate=rate, checkpoint_interval_s=checkpoint_interval_s, key=key,
+                    extra=["--param", f"model_url=127.0.0.1:{proxy.port}"],
+                )  # fmt: skip
+        finally:
+            proxy.stop()
+    finally:
+        server.terminate()
+        server.communicate(timeout=30)  # also closes its stdout pipe
