@@ -77,6 +77,9 @@ def run(
     param: Annotated[
         list[str] | None, typer.Option("--param", help="KEY=VALUE passed to the file's build() (repeatable).")
     ] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve Prometheus /metrics on 127.0.0.1:PORT during the run (0: free).")
+    ] = None,
 ) -> None:
     """Run PIPELINE to the end of its input (Ctrl-C / SIGTERM drain cleanly)."""
     from aisp.runner import RunOptions
@@ -103,6 +106,7 @@ def run(
                 repository_poll_s=repository_poll_s,
                 checkpoint_dir=checkpoint_dir,
                 checkpoint_interval_s=checkpoint_interval_s,
+                metrics_port=metrics_port,
             ),
         )
     except AispError as exc:

@@ -6,6 +6,7 @@ import gc
 import logging
 import resource
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -50,6 +51,9 @@ class RunOptions:
     """Take checkpoints here, and restore from the newest verified one at start."""
     checkpoint_interval_s: float = 1.0
     checkpoint_keep: int = 3
+    metrics_port: int | None = None
+    """Serve Prometheus ``/metrics`` on 127.0.0.1 at this port while the run lasts (0: a free
+    port, announced on stderr as ``metrics http://127.0.0.1:PORT/metrics``)."""
 
 
 @dataclass
@@ -142,9 +146,15 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
         ),
     )
     restore = _install_signals(ex) if opts.handle_signals else None
+    metrics_server: Any = None
     gc_restore = _tune_gc() if opts.tune_gc else None
     try:
         ex.start()
+        if opts.metrics_port is not None:
+            from aisp.observe.metrics import serve_metrics
+
+            metrics_server, port = serve_metrics(ex, opts.metrics_port)
+            print(f"metrics http://127.0.0.1:{port}/metrics", file=sys.stderr, flush=True)
         watcher = _VersionWatcher(ex, opts.repository_poll_s)
         checkpoints = _Checkpointer(ex, store, opts.checkpoint_interval_s)
         if store is not None:
@@ -166,6 +176,8 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
                     opts.on_progress(ex)
                 checkpoints.poll()
     finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
         if restore is not None:
             restore()
         if gc_restore is not None:

@@ -98,6 +98,31 @@ class LatencyHistogram:
             self._pending[self._npending : self._npending + n] = values_ns
             self._npending += n
 
+    def record_one(self, value_ns: int) -> None:
+        """Add one value (a per-batch duration)."""
+        with self._lock:
+            if self._npending == self._PENDING:
+                self._fold()
+            self._pending[self._npending] = value_ns
+            self._npending += 1
+
+    def cumulative(self, bounds_ns: list[float]) -> list[int]:
+        """Counts of values <= each bound (ascending), by bucket midpoints: Prometheus buckets.
+
+        >>> h = LatencyHistogram()
+        >>> h.record(np.array([1_000, 5_000, 9_000_000]))
+        >>> h.cumulative([2_000.0, 10_000.0, 1e9])
+        [1, 2, 3]
+        """
+        with self._lock:
+            self._fold()
+            counts = self._counts.copy()
+        nz = np.flatnonzero(counts)
+        values, weights = self._value(nz), counts[nz]
+        cum = np.cumsum(weights)
+        pos = np.searchsorted(values, np.asarray(bounds_ns, dtype=np.float64), side="right")
+        return [int(cum[p - 1]) if p else 0 for p in pos.tolist()]
+
     def merge(self, other: LatencyHistogram) -> None:
         snap = other.snapshot()
         with self._lock:

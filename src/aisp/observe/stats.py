@@ -24,6 +24,19 @@ class StageStats:
     errors: int = 0
     busy_ns: int = 0
     queue_rows: Callable[[], int] = field(default=lambda: 0, repr=False)
+    phases: dict[str, LatencyHistogram] = field(default_factory=dict, repr=False)
+    """Per-batch durations (ns) by phase: queue, batch, serialize, compute."""
+    batch_rows: LatencyHistogram = field(default_factory=LatencyHistogram, repr=False)
+    """Rows per batch."""
+
+    PHASES = ("queue", "batch", "serialize", "compute")
+
+    def phase(self, name: str, ns: int) -> None:
+        """Record one batch's time in phase ``name``."""
+        hist = self.phases.get(name)
+        if hist is None:
+            hist = self.phases.setdefault(name, LatencyHistogram())
+        hist.record_one(ns)
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -9,6 +9,7 @@ empty channel, so no batch size can deadlock a pipeline.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 from aisp.batch import Batch
@@ -31,7 +32,8 @@ class Channel:
         if capacity_rows < 1:
             raise ConfigError(f"capacity_rows must be >= 1, got {capacity_rows}")
         self.capacity_rows = capacity_rows
-        self._items: deque[Batch] = deque()
+        self._items: deque[tuple[Batch, int]] = deque()  # with the time it was put
+        self.last_wait_ns = 0  # how long the batch the consumer got last waited here
         self._rows = 0
         self._open_producers = producers
         self._cond = threading.Condition()
@@ -45,13 +47,11 @@ class Channel:
         n = batch.num_rows
         with self._cond:
             if self._rows and self._rows + n > self.capacity_rows:
-                import time
-
                 t0 = time.monotonic_ns()
                 while self._rows and self._rows + n > self.capacity_rows:
                     self._cond.wait()
                 self.blocked_ns += time.monotonic_ns() - t0
-            self._items.append(batch)
+            self._items.append((batch, time.monotonic_ns()))
             self._rows += n
             self._cond.notify_all()
 
@@ -62,7 +62,8 @@ class Channel:
                 if self._open_producers <= 0:
                     return None
                 self._cond.wait()
-            batch = self._items.popleft()
+            batch, put_ns = self._items.popleft()
+            self.last_wait_ns = time.monotonic_ns() - put_ns
             self._rows -= batch.num_rows
             self._cond.notify_all()
             return batch

@@ -269,6 +269,9 @@ class LocalExecutor:
         def on_batch(rows: int, queue_wait_ns: int, compute_ns: int) -> None:
             st.batches += 1
             st.busy_ns += compute_ns
+            st.phase("batch", queue_wait_ns)
+            st.phase("compute", compute_ns)
+            st.batch_rows.record_one(rows)
 
         batcher = build_batcher(
             spec,
@@ -297,8 +300,10 @@ class LocalExecutor:
         finally:
             st.busy_ns += time.perf_counter_ns() - t0
         kind = self._nodes[sid].kind
-        if kind != "infer":
+        if kind != "infer":  # a model's phases come from its batcher
             st.batches += 1
+            st.phase("serialize" if kind == "sink" else "compute", time.perf_counter_ns() - t0)
+            st.batch_rows.record_one(batch.num_rows)
         if kind == "sink":
             self._landed(-batch.num_rows)
         elif kind != "infer":
@@ -384,9 +389,13 @@ class LocalExecutor:
                     continue
                 t0 = time.perf_counter_ns()
                 held = part.next_batch(self.options.source_batch_rows)
-                st.busy_ns += time.perf_counter_ns() - t0
+                read_ns = time.perf_counter_ns() - t0
+                st.busy_ns += read_ns
                 if held is None:
                     return
+                if held.num_rows:  # reading and decoding
+                    st.phase("serialize", read_ns)
+                    st.batch_rows.record_one(held.num_rows)
                 if not held.num_rows:
                     continue
             if rate <= 0:
@@ -410,7 +419,9 @@ class LocalExecutor:
     def _chain_task(self, sid: str) -> None:
         ch = self._channels[sid]
         try:
+            st = self.stats.stages[sid]
             while (batch := ch.get()) is not None:
+                st.phase("queue", ch.last_wait_ns)
                 self._push(sid, batch)
         except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by run() after the drain
             self._errors.append(exc)

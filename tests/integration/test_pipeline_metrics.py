@@ -1,0 +1,59 @@
+"""`aisp run --metrics-port`: Prometheus metrics of a running pipeline, per stage and phase."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[2]
+PIPELINE = ROOT / "examples" / "fraud" / "pipeline.py"
+STAGES = {"events", "by_user", "user_stats", "features", "score", "emit", "out"}
+
+
+def test_metrics_of_a_running_pipeline_parse_and_cover_every_stage(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--events", "200000", "--rate", "20000"]
+    cmd += ["--output", str(tmp_path / "out.jsonl"), "--no-live", "--metrics-port", "0"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    try:
+        line = proc.stderr.readline()
+        assert line.startswith("metrics http://127.0.0.1:"), line
+        url = line.split()[1]
+        time.sleep(2.0)
+        text = httpx.get(url, timeout=5).text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    latency = families["aisp_stage_latency_seconds"]
+    phases: dict[str, set[str]] = {}
+    for sample in latency.samples:
+        if sample.name.endswith("_count"):
+            phases.setdefault(sample.labels["stage"], set()).add(sample.labels["phase"])
+    assert set(phases) == STAGES
+    assert all(p == {"queue", "batch", "serialize", "compute"} for p in phases.values())
+
+    def value(family: str, suffix: str = "", **labels: str) -> float:
+        return next(
+            s.value
+            for s in families[family].samples
+            if s.name == family + suffix and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    assert value("aisp_stage_latency_seconds", "_count", stage="score", phase="compute") > 0
+    assert value("aisp_stage_latency_seconds", "_count", stage="score", phase="batch") > 0
+    assert value("aisp_stage_latency_seconds", "_count", stage="out", phase="serialize") > 0
+    assert value("aisp_stage_latency_seconds", "_count", stage="events", phase="serialize") > 0
+    assert value("aisp_e2e_latency_seconds", "_count") > 1000
+    assert value("aisp_stage_rows", "_total", stage="score", direction="in") > 1000
+    assert {s.labels["stage"] for s in families["aisp_stage_queue_rows"].samples} == STAGES
+    assert value("aisp_batch_size_rows", "_count", stage="score") > 0
+    assert value("aisp_events", "_total", direction="in") >= value("aisp_events", "_total", direction="out")
