@@ -275,6 +275,10 @@ def serve(
         for service in pipelines.values():
             service.start()
         metrics = ServerMetrics(models)
+        for service in pipelines.values():  # the pipeline's stages on the same /metrics
+            from aisp.observe.metrics import PipelineCollector
+
+            metrics.registry.register(PipelineCollector(service.executor))
     except AispError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc

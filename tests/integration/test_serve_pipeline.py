@@ -88,6 +88,9 @@ def test_bad_lines_are_answered_in_place_and_fire_and_forget_acks(
     assert [json.loads(x)["step"] for x in deadline.content.splitlines()] == ["score"] * 5  # expired there
     listing = httpx.get(f"http://{served[0]['http']}/v1/pipelines").json()
     assert listing[0]["name"] == "fraud" and listing[0]["events_in"] >= 103
+    metrics = httpx.get(f"http://{served[0]['http']}/metrics").text
+    assert 'aisp_stage_latency_seconds_count{phase="compute",stage="score"}' in metrics
+    assert "aisp_e2e_latency_seconds_count" in metrics
 
 
 def test_grpc_stream_answers_each_message_in_order(
