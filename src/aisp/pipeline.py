@@ -29,6 +29,7 @@ from aisp.infer.batcher import BatcherConfig
 from aisp.infer.runtime import Runtime
 from aisp.infer.stage import InferSpec
 from aisp.ingest.base import Source
+from aisp.observe.drift import DriftConfig
 from aisp.runner import RunOptions, RunSummary, run
 from aisp.sinks.base import Sink
 from aisp.transform.operators import (
@@ -225,10 +226,18 @@ class Stream:
         outputs: Mapping[str, str],
         batcher: BatcherConfig | None = None,
         latency_budget_ms: float = 10.0,
+        drift: DriftConfig | None = None,
     ) -> Stream:
-        """Model call with dynamic batching: model input name -> column, model output name -> column."""
+        """Model call with dynamic batching: model input name -> column, model output name -> column.
+
+        ``drift`` watches the input features (PSI and KS per feature against a reference) and
+        alerts when they shift (``aisp.observe.drift``)."""
         spec = InferSpec(
-            runtime=runtime, inputs=dict(inputs), outputs=dict(outputs), batcher=batcher or BatcherConfig()
+            runtime=runtime,
+            inputs=dict(inputs),
+            outputs=dict(outputs),
+            batcher=batcher or BatcherConfig(),
+            drift=drift,
         )
         return self._add(step_id, "infer", spec, latency_budget_ms)
 

@@ -35,6 +35,7 @@ from aisp.infer.batcher import (
     Prepare,
 )
 from aisp.infer.runtime import Runtime, TensorSpec
+from aisp.observe.drift import DriftConfig
 
 __all__ = ["InferSpec", "build_batcher", "build_io"]
 
@@ -51,6 +52,7 @@ class InferSpec:
         batcher: the batching policy.
         tag_model: add ``model`` and ``model_version`` columns: the name and version of the
             model that computed each row (they differ across a hot swap).
+        drift: watch the input features for drift (``DriftConfig``).
 
     Raises:
         ConfigError: an input is unmapped, or a name is not one the model has.
@@ -61,6 +63,8 @@ class InferSpec:
     outputs: Mapping[str, str]
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
     tag_model: bool = True
+    drift: DriftConfig | None = None
+    """Monitor the input features for drift (PSI, KS) and alert (see ``aisp.observe.drift``)."""
 
     def __post_init__(self) -> None:
         model = self.runtime.name

@@ -13,6 +13,8 @@ Families (seconds and rows in the names; labels bounded by the pipeline's steps)
 * ``aisp_batch_size_rows{stage}``: rows per batch.
 * ``aisp_stage_errors_total{stage}``, ``aisp_dead_letters_total{stage}``,
   ``aisp_events_total{direction}``, ``aisp_checkpoints_total``.
+* ``aisp_drift_psi{stage, feature}``, ``aisp_drift_ks{stage, feature}``,
+  ``aisp_drift_alerts_total{stage, feature}`` for infer steps with drift monitoring.
 
 Histograms are exported from the executor's own log-linear histograms (about 1% resolution)
 into fixed Prometheus buckets, so recording stays one vectorised call per batch.
@@ -20,6 +22,7 @@ into fixed Prometheus buckets, so recording stays one vectorised call per batch.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +96,23 @@ class PipelineCollector:
         events.add_metric(["out"], stats.events_out)
         yield events
         yield CounterMetricFamily("aisp_checkpoints", "Checkpoints written", value=stats.checkpoints)
+        monitors = self._ex.drift_monitors
+        if monitors:
+            labels = ["stage", "feature"]
+            psi = GaugeMetricFamily(
+                "aisp_drift_psi", "PSI of the last window vs the reference", labels=labels
+            )
+            ks = GaugeMetricFamily(
+                "aisp_drift_ks", "KS statistic of the last window vs the reference", labels=labels
+            )
+            alerts = CounterMetricFamily("aisp_drift_alerts", "Drift alerts raised", labels=labels)
+            for m in monitors:
+                raised = Counter(a["feature"] for a in m.alerts)
+                for j, feature in enumerate(m.features):
+                    psi.add_metric([m.stage, feature], float(m.psi[j]))
+                    ks.add_metric([m.stage, feature], float(m.ks[j]))
+                    alerts.add_metric([m.stage, feature], raised.get(feature, 0))
+            yield from (psi, ks, alerts)
 
 
 def serve_metrics(executor: LocalExecutor, port: int, host: str = "127.0.0.1") -> tuple[Any, int]:

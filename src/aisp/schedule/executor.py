@@ -34,6 +34,7 @@ from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.stage import InferSpec, build_batcher
 from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
 from aisp.ingest.process import ProcessSource
+from aisp.observe.drift import DriftConfig, DriftMonitor
 from aisp.observe.stats import RunStats, StageStats
 from aisp.schedule.channel import Channel
 from aisp.schedule.pacing import Pacer
@@ -120,12 +121,28 @@ class _SinkOp:
 
 
 class _InferOp:
-    def __init__(self, batcher: DynamicBatcher) -> None:
+    def __init__(self, batcher: DynamicBatcher, step_id: str, spec: InferSpec) -> None:
         self.batcher = batcher
+        self._step, self._spec = step_id, spec
+        self.drift: DriftMonitor | None = None
 
     def process(self, batch: Batch) -> Emit:
+        if self._spec.drift is not None and batch.num_rows:
+            self._watch(batch, self._spec.drift)
         self.batcher.submit(batch)
         return []
+
+    def _watch(self, batch: Batch, config: DriftConfig) -> None:
+        parts, names = [], []
+        for column in self._spec.inputs.values():
+            arr = batch.numpy(column)
+            arr = arr.reshape(arr.shape[0], -1)
+            parts.append(arr)
+            names += [column] if arr.shape[1] == 1 else [f"{column}[{i}]" for i in range(arr.shape[1])]
+        matrix = parts[0] if len(parts) == 1 else np.hstack(parts)
+        if self.drift is None:
+            self.drift = DriftMonitor(self._step, config, matrix.shape[1], names)
+        self.drift.observe(matrix)
 
     def flush(self) -> Emit:
         self.batcher.close()
@@ -249,7 +266,7 @@ class LocalExecutor:
                 self._sink_parts[sid] = part
                 self._ops[sid] = _SinkOp(part, self.stats)
             elif node.kind == "infer":
-                self._ops[sid] = _InferOp(self._make_batcher(node, st))
+                self._ops[sid] = _InferOp(self._make_batcher(node, st), sid, node.spec)
             else:
                 ctx = OperatorContext(sid, self._operator_dead_letters, self._key_indexes)
                 self._ops[sid] = node.spec.build(ctx)
@@ -496,6 +513,11 @@ class LocalExecutor:
             part.commit(sources[sid])
         self.stats.checkpoints += 1
         return checkpoint_id
+
+    @property
+    def drift_monitors(self) -> list[DriftMonitor]:
+        """The drift monitors of infer steps (those that have seen data)."""
+        return [op.drift for op in self._ops.values() if isinstance(op, _InferOp) and op.drift is not None]
 
     def commit_sources(self) -> None:
         """Tell every source that all it handed out is done (a drained run without checkpoints:

@@ -1,0 +1,69 @@
+"""Drift monitoring: PSI and KS per feature, alerts after consecutive windows, none without a shift."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aisp import Batch, CollectSink, Pipeline, PythonRuntime, WorkloadFSource, run
+from aisp.errors import ConfigError
+from aisp.observe.drift import DriftConfig, DriftMonitor, ks_statistic, psi
+
+
+def test_psi_and_ks_grow_with_the_shift() -> None:
+    rng = np.random.default_rng(0)
+    ref = rng.normal(size=(5000, 1))
+    monitor = DriftMonitor("m", DriftConfig(window_rows=5000, reference=ref), 1, ["x"])
+    values = []
+    for shift in (0.0, 0.3, 1.0):
+        monitor.observe(rng.normal(loc=shift, size=(5000, 1)))
+        values.append((float(monitor.psi[0]), float(monitor.ks[0])))
+    assert values[0][0] < 0.02 and values[0][1] < 0.04
+    assert values[0] < values[1] < values[2]
+    assert values[2][0] > 0.5 and values[2][1] > 0.3
+    assert float(ks_statistic(np.sort(ref, axis=0), ref + 10)[0]) == 1.0
+    assert float(psi(np.array([[0.5, 0.5]]), np.array([[0.9, 0.1]]))[0]) > 0.5
+
+
+def test_an_alert_needs_consecutive_windows_and_is_raised_once() -> None:
+    rng = np.random.default_rng(1)
+    alerts: list[dict[str, Any]] = []
+    cfg = DriftConfig(window_rows=1000, consecutive=3, alert=alerts.append)
+    monitor = DriftMonitor("score", cfg, 2, ["a", "b"])
+    monitor.observe(rng.normal(size=(1000, 2)))  # the reference
+    for _ in range(2):
+        monitor.observe(np.column_stack([rng.normal(size=1000), rng.normal(loc=2.0, size=1000)]))
+    assert alerts == []  # two windows over: not yet
+    for _ in range(3):
+        monitor.observe(np.column_stack([rng.normal(size=1000), rng.normal(loc=2.0, size=1000)]))
+    assert [(a["stage"], a["feature"]) for a in alerts] == [("score", "b")]  # once, only the shifted one
+    assert alerts[0]["windows"] == 3 and alerts[0]["psi"] > 0.2
+    with pytest.raises(ConfigError, match="window_rows"):
+        DriftConfig(window_rows=10)
+
+
+def test_a_pipeline_alerts_on_the_features_that_shift_mid_stream() -> None:
+    alerts: list[dict[str, Any]] = []
+
+    def features(b: Batch) -> Batch:
+        f = b.numpy("f").copy()
+        late = b.numpy("id") >= 40_000
+        f[late, 3] += 2.0  # feature 3 shifts half-way
+        return b.with_columns({"x": f.astype(np.float32)})
+
+    model = PythonRuntime(
+        lambda i: {"y": i["x"].sum(axis=1)}, name="sum", input_names=["x"], output_names=["y"]
+    )
+    p = Pipeline("drifting")
+    p.source("events", WorkloadFSource(events=80_000, seed=4)).map_batch("features", features).infer(
+        "score",
+        model,
+        inputs={"x": "x"},
+        outputs={"y": "y"},
+        drift=DriftConfig(window_rows=5000, alert=alerts.append),
+    ).sink("out", CollectSink(columns=["id"]))
+    run(p)
+    assert {a["feature"] for a in alerts} == {"x[3]"}
+    assert alerts[0]["stage"] == "score"
