@@ -74,6 +74,10 @@ def run(
         ),
     ] = None,
     checkpoint_interval_s: Annotated[float, typer.Option(help="Seconds between checkpoints.")] = 1.0,
+    state_store: Annotated[
+        bool,
+        typer.Option(help="Keep keyed state in an LMDB store in --checkpoint-dir, written incrementally."),
+    ] = False,
     param: Annotated[
         list[str] | None, typer.Option("--param", help="KEY=VALUE passed to the file's build() (repeatable).")
     ] = None,
@@ -106,6 +110,7 @@ def run(
                 repository_poll_s=repository_poll_s,
                 checkpoint_dir=checkpoint_dir,
                 checkpoint_interval_s=checkpoint_interval_s,
+                state_store=state_store,
                 metrics_port=metrics_port,
             ),
         )

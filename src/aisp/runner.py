@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,9 @@ class RunOptions:
     """Take checkpoints here, and restore from the newest verified one at start."""
     checkpoint_interval_s: float = 1.0
     checkpoint_keep: int = 3
+    state_store: bool = False
+    """With ``checkpoint_dir``: keep keyed state in an LMDB store there (``state/``), written
+    incrementally at checkpoints (only keys that changed), instead of whole in each checkpoint."""
     metrics_port: int | None = None
     """Serve Prometheus ``/metrics`` on 127.0.0.1 at this port while the run lasts (0: a free
     port, announced on stderr as ``metrics http://127.0.0.1:PORT/metrics``)."""
@@ -133,8 +137,16 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
     writer = dead_letter_sink(opts.dead_letter).open(
         latest.meta.get("dead_letter_bytes") if latest is not None else None
     )
+    state_store = None
+    if opts.state_store:
+        if opts.checkpoint_dir is None:
+            raise ConfigError("a state store needs --checkpoint-dir (it lives there)")
+        from aisp.state.store import LmdbStateStore
+
+        state_store = LmdbStateStore(Path(opts.checkpoint_dir) / "state")
     ex = LocalExecutor(
         graph,
+        state_store=state_store,
         restore=latest,
         dead_letter=writer,
         options=ExecutorOptions(
@@ -178,6 +190,8 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
     finally:
         if metrics_server is not None:
             metrics_server.shutdown()
+        if state_store is not None:
+            state_store.close()
         if restore is not None:
             restore()
         if gc_restore is not None:

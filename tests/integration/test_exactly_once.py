@@ -64,20 +64,23 @@ def kill_and_restart(cmd: list[str], kills: int, seed: int, corrupt_latest: Path
         return done
 
 
+@pytest.mark.parametrize("store", [False, True], ids=["state-in-checkpoints", "state-store"])
 def test_sigkill_at_random_moments_gives_exactly_once_outputs(
-    tmp_path: Path, reference: tuple[Path, list[dict[str, object]], int]
+    tmp_path: Path, reference: tuple[Path, list[dict[str, object]], int], store: bool
 ) -> None:
     data, expected, dead = reference
     out = tmp_path / "out.jsonl"
     cmd = aisp_run(data, out, "--checkpoint-dir", str(tmp_path / "chk"), "--checkpoint-interval-s", "0.25")
+    cmd += ["--state-store"] if store else []
     cmd += ["--rate", "20000"]  # 3 s of input: most kills land mid-run
     assert kill_and_restart(cmd, kills=5, seed=1) >= 4
     assert outputs(out) == expected  # one line per valid input id, with the same state-dependent values
     assert len(out.with_suffix(".dl").read_text().splitlines()) == dead
 
 
+@pytest.mark.parametrize("store", [False, True], ids=["state-in-checkpoints", "state-store"])
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(
-    tmp_path: Path, reference: tuple[Path, list[dict[str, object]], int]
+    tmp_path: Path, reference: tuple[Path, list[dict[str, object]], int], store: bool
 ) -> None:
     data, expected, _ = reference
     out = tmp_path / "out.jsonl"
@@ -85,6 +88,7 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(
     cmd = aisp_run(
         data, out, "--checkpoint-dir", str(chk), "--checkpoint-interval-s", "0.25", "--rate", "30000"
     )
+    cmd += ["--state-store"] if store else []
     kill_and_restart(cmd, kills=1, seed=2, corrupt_latest=chk)
     assert outputs(out) == expected
 

@@ -66,3 +66,32 @@ def test_key_index_restores_codes_in_order() -> None:
     assert restored.encode(pa.array(["u7", "u1", "u3", "u9"])).tolist() == [2, 1, 0, 3]
     with pytest.raises(ValueError, match="empty key index"):
         restored.restore(pa.array(["x"]))
+
+
+def test_state_store_reads_each_key_as_of_a_version(tmp_path: Path) -> None:
+    from aisp.state.store import LmdbStateStore, decode_rows, encode_rows
+
+    store = LmdbStateStore(tmp_path / "state")
+    try:
+        names, values, descr = encode_rows(
+            b"op\x1f", ["u1", "u2"], {"n": np.array([1, 1]), "s": np.array([0.5, 2.0])}
+        )
+        store.write(1, names, values)
+        names, values, _ = encode_rows(b"op\x1f", ["u1"], {"n": np.array([2]), "s": np.array([1.5])})
+        store.write(2, names, values)
+        names, values, _ = encode_rows(b"op\x1f", ["u3"], {"n": np.array([1]), "s": np.array([9.0])})
+        store.write(3, names, values)
+
+        def state(version: int) -> dict[str, tuple[int, float]]:
+            keys, cols = decode_rows(b"op\x1f", list(store.read(version, b"op\x1f")), descr)
+            return {k: (int(n), float(s)) for k, n, s in zip(keys, cols["n"], cols["s"], strict=True)}
+
+        assert state(1) == {"u1": (1, 0.5), "u2": (1, 2.0)}
+        assert state(2) == {"u1": (2, 1.5), "u2": (1, 2.0)}
+        assert state(3) == {"u1": (2, 1.5), "u2": (1, 2.0), "u3": (1, 9.0)}
+        assert store.prune(before=2) == 1  # u1's version 1 is superseded at 2
+        assert state(3) == {"u1": (2, 1.5), "u2": (1, 2.0), "u3": (1, 9.0)}
+        assert store.discard_after(2) == 1  # a restart from checkpoint 2 abandons version 3
+        assert state(9) == {"u1": (2, 1.5), "u2": (1, 2.0)}
+    finally:
+        store.close()

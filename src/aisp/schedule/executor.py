@@ -43,7 +43,8 @@ from aisp.sinks.deadletter import DeadLetterWriter
 from aisp.sinks.process import ProcessSink
 from aisp.state.checkpoint import Checkpoint, CheckpointStore
 from aisp.state.keyed import KeyIndex
-from aisp.transform.operators import Checkpointable, Emit, Operator, OperatorContext
+from aisp.state.store import LmdbStateStore, decode_rows, encode_rows
+from aisp.transform.operators import Checkpointable, Emit, IncrementalState, Operator, OperatorContext
 
 __all__ = ["ExecutorOptions", "Lineage", "LocalExecutor"]
 
@@ -160,6 +161,7 @@ class LocalExecutor:
         options: ExecutorOptions | None = None,
         lineage: Lineage | None = None,
         restore: Checkpoint | None = None,
+        state_store: LmdbStateStore | None = None,
     ) -> None:
         graph.validate()
         self.lineage = lineage
@@ -181,6 +183,9 @@ class LocalExecutor:
         self._source_parts: dict[str, SourcePartition] = {}
         self.batchers: dict[str, DynamicBatcher] = {}
         self._restore = restore
+        self.state_store = state_store
+        """Keyed state goes here at checkpoints (only what changed), instead of into the
+        checkpoint's files."""
         # checkpoints: rows in flight (read, not yet written, dropped or dead-lettered), and a
         # pause that sources obey between batches
         self._in_flight = 0
@@ -488,10 +493,17 @@ class LocalExecutor:
             if not self._quiesce(timeout_s):
                 return None
             tables: dict[str, pa.Table] = {}
-            for space, index in self._key_indexes.items():
-                tables[f"keys.{space}"] = pa.table({"key": pa.array(index.keys())})
+            changed: dict[str, tuple[list[Any], dict[str, Any]]] = {}
+            if self.state_store is not None:  # only the keys that changed, written below
+                for sid, op in self._ops.items():
+                    if isinstance(op, IncrementalState):
+                        codes, columns = op.take_dirty()
+                        changed[sid] = (op.index.keys_at(codes), columns)
+            else:
+                for space, index in self._key_indexes.items():
+                    tables[f"keys.{space}"] = pa.table({"key": pa.array(index.keys())})
             for sid, op in self._ops.items():
-                if isinstance(op, Checkpointable):
+                if isinstance(op, Checkpointable) and sid not in changed:
                     tables[f"op.{sid}"] = pa.table(op.snapshot())
             sources = {sid: part.snapshot() for sid, part in self._source_parts.items()}
             meta = {
@@ -508,7 +520,11 @@ class LocalExecutor:
             sink.sync()
         self.dead_letter.sync()
         checkpoint_id = store.next_id()
+        if self.state_store is not None:
+            meta["state_store"] = self._write_state(checkpoint_id, changed)
         store.write(checkpoint_id, tables, meta)
+        if self.state_store is not None and checkpoint_id % 10 == 0:  # drop what no kept one needs
+            self.state_store.prune(before=store.ids()[0])
         for sid, part in self._source_parts.items():
             part.commit(sources[sid])
         self.stats.checkpoints += 1
@@ -525,7 +541,43 @@ class LocalExecutor:
         for part in self._source_parts.values():
             part.commit(part.snapshot())
 
+    def _write_state(
+        self, version: int, changed: dict[str, tuple[list[Any], dict[str, Any]]]
+    ) -> dict[str, Any]:
+        """Write the changed keys' state at ``version`` (before the manifest); what restore needs."""
+        assert self.state_store is not None
+        names: list[bytes] = []
+        values: list[bytes] = []
+        layout: dict[str, Any] = {}
+        for sid, (keys, columns) in changed.items():
+            n, v, descr = encode_rows(f"{sid}\x1f".encode(), keys, columns)
+            names += n
+            values += v
+            layout[sid] = descr
+        self.state_store.write(version, names, values)
+        return {"version": version, "ops": layout}
+
+    def _restore_from_store(self, checkpoint: Checkpoint) -> None:
+        assert self.state_store is not None
+        layout = checkpoint.meta["state_store"]
+        for sid, descr in layout["ops"].items():
+            op = self._ops.get(sid)
+            if not isinstance(op, IncrementalState):
+                raise AispError(
+                    f"checkpoint {checkpoint.id} has keyed state for step {sid!r}, which this pipeline lacks"
+                )
+            prefix = f"{sid}\x1f".encode()
+            entries = list(self.state_store.read(layout["version"], prefix))
+            if not entries:
+                continue
+            keys, columns = decode_rows(prefix, entries, descr)
+            op.restore_rows(op.index.encode(pa.array(keys)), columns)
+
     def _restore_state(self, checkpoint: Checkpoint) -> None:
+        if "state_store" in checkpoint.meta:
+            if self.state_store is None:
+                raise AispError(f"checkpoint {checkpoint.id} keeps its keyed state in a state store; open it")
+            self._restore_from_store(checkpoint)
         for name, table in checkpoint.tables.items():
             kind, _, target = name.partition(".")
             if kind == "keys":
@@ -558,6 +610,8 @@ class LocalExecutor:
     def start(self) -> None:
         """Open sources (forking source processes while this is the only thread), then start."""
         self._build()
+        if self.state_store is not None:  # what came after the restored checkpoint never happened
+            self.state_store.discard_after(self._restore.id if self._restore is not None else 0)
         if self._restore is not None:
             self._restore_state(self._restore)
         try:

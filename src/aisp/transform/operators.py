@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_TIERS",
     "Emit",
     "Filter",
+    "IncrementalState",
     "KeyBy",
     "MapBatch",
     "MapRows",
@@ -60,6 +61,20 @@ class Checkpointable(Protocol):
     def snapshot(self) -> dict[str, npt.NDArray[Any]]: ...
 
     def restore(self, columns: Mapping[str, npt.NDArray[Any]]) -> None: ...
+
+
+@runtime_checkable
+class IncrementalState(Protocol):
+    """Keyed operator state that can be checkpointed by the keys that changed (the state store)."""
+
+    space: str
+
+    @property
+    def index(self) -> KeyIndex: ...
+
+    def take_dirty(self) -> tuple[npt.NDArray[np.int64], dict[str, npt.NDArray[Any]]]: ...
+
+    def restore_rows(self, codes: npt.NDArray[np.int64], columns: Mapping[str, npt.NDArray[Any]]) -> None: ...
 
 
 @dataclass

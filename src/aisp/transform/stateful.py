@@ -70,15 +70,19 @@ class Stateful:
     state: Sequence[tuple[str, str, float]] = ()
 
     def build(self, ctx: OperatorContext) -> Operator:
-        return _StatefulOp(self.fn, ctx.key_index(self.space), self.state)
+        return _StatefulOp(self.fn, ctx.key_index(self.space), self.state, self.space)
 
 
 class _StatefulOp:
-    def __init__(self, fn: StateFn, index: KeyIndex, decls: Sequence[tuple[str, str, float]]) -> None:
+    def __init__(
+        self, fn: StateFn, index: KeyIndex, decls: Sequence[tuple[str, str, float]], space: str = ""
+    ) -> None:
         self._fn, self._index = fn, index
+        self.space = space
         self._state = KeyedState()
         for name, dtype, default in decls:
             self._state.declare(name, dtype, default)
+        self._dirty = np.zeros(1024, dtype=bool)  # keys changed since the last take_dirty()
 
     @property
     def state(self) -> KeyedState:
@@ -86,8 +90,29 @@ class _StatefulOp:
 
     def process(self, batch: Batch) -> Emit:
         codes = batch.numpy(KEY)
-        self._state.ensure(len(self._index))
+        n = len(self._index)
+        self._state.ensure(n)
+        if n > self._dirty.shape[0]:
+            self._dirty = np.concatenate([self._dirty, np.zeros(max(n, self._dirty.shape[0]), dtype=bool)])
+        self._dirty[codes] = True
         return [(DEFAULT_PORT, self._fn(batch, StateView(self._state, codes)))]
+
+    @property
+    def index(self) -> KeyIndex:
+        return self._index
+
+    def take_dirty(self) -> tuple[npt.NDArray[np.int64], dict[str, npt.NDArray[Any]]]:
+        """The codes whose state changed since the last call, and their state; resets the marks."""
+        codes = np.flatnonzero(self._dirty[: len(self._index)])
+        self._dirty[:] = False
+        return codes, {name: self._state.column(name)[codes].copy() for name in self._state.names}
+
+    def restore_rows(self, codes: npt.NDArray[np.int64], columns: Mapping[str, npt.NDArray[Any]]) -> None:
+        """Put ``columns`` back at ``codes`` (a restore from the state store)."""
+        if codes.size:
+            self._state.ensure(int(codes.max()) + 1)
+            for name, values in columns.items():
+                self._state.column(name)[codes] = values
 
     def flush(self) -> Emit:
         return []
@@ -118,7 +143,7 @@ class RunningStats:
 
     def build(self, ctx: OperatorContext) -> Operator:
         decls = [("__count", "int64", 0), ("__sum", "float64", 0.0)]
-        return _StatefulOp(self._update, ctx.key_index(self.space), decls)
+        return _StatefulOp(self._update, ctx.key_index(self.space), decls, self.space)
 
     def _update(self, batch: Batch, state: StateView) -> Batch:
         values = batch.numpy(self.column).astype(np.float64, copy=False)
