@@ -38,7 +38,7 @@ def run(data: Path, out: Path, summary: Path, *extra: str) -> dict[str, object]:
     return dict(json.loads(summary.read_text()))
 
 
-def restore_seconds(chk: Path, out: Path) -> tuple[float, int]:
+def restore_seconds(chk: Path, out: Path, state_store: bool) -> tuple[float, int]:
     from aisp.cli import load_pipeline
     from aisp.schedule.executor import LocalExecutor
     from aisp.sinks.deadletter import DeadLetterSink
@@ -51,7 +51,12 @@ def restore_seconds(chk: Path, out: Path) -> tuple[float, int]:
     t0 = time.perf_counter()
     latest = CheckpointStore(chk).latest()
     assert latest is not None
-    ex = LocalExecutor(graph, dead_letter=DeadLetterSink().open(), restore=latest)
+    store = None
+    if state_store:
+        from aisp.state.store import LmdbStateStore
+
+        store = LmdbStateStore(chk / "state")
+    ex = LocalExecutor(graph, dead_letter=DeadLetterSink().open(), restore=latest, state_store=store)
     ex._build()
     ex._restore_state(latest)
     seconds = time.perf_counter() - t0
@@ -64,6 +69,7 @@ def main() -> int:
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--state-store", action="store_true", help="checkpoint keyed state into the LMDB store")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -75,12 +81,13 @@ def main() -> int:
             plain.append(float(s["events_per_s"]))  # type: ignore[arg-type]
             chk = tmp / f"chk{i}"
             s = run(data, tmp / "b.jsonl", tmp / "b.json", "--checkpoint-dir", str(chk),
-                    "--checkpoint-interval-s", str(args.interval))  # fmt: skip
+                    "--checkpoint-interval-s", str(args.interval),
+                    *(["--state-store"] if args.state_store else []))  # fmt: skip
             checked.append(float(s["events_per_s"]))  # type: ignore[arg-type]
             print(f"run {i}: plain {plain[-1]:,.0f} ev/s, checkpointed {checked[-1]:,.0f} ev/s"
                   f" ({s['checkpoints']} checkpoints)", flush=True)  # fmt: skip
         size = sum(f.stat().st_size for f in sorted(chk.glob("chk-*"))[-1].iterdir())
-        seconds, keys = restore_seconds(chk, tmp / "b.jsonl")
+        seconds, keys = restore_seconds(chk, tmp / "b.jsonl", args.state_store)
     p, c = statistics.median(plain), statistics.median(checked)
     print(f"median: plain {p:,.0f} ev/s, checkpointed {c:,.0f} ev/s: {100 * (1 - c / p):.1f}% lower")
     print(f"restore: {keys:,} keys, checkpoint of {size / 1e6:.1f} MB, in {seconds:.3f} s")
