@@ -7,8 +7,8 @@
   default: never), ``retry_s`` (how long a lost connection is retried before the run fails;
   30). Output options: ``field`` (``data``), ``dedupe_ttl_s`` (604800), ``retry_s`` (30).
 * ``kafka://HOST:PORT/TOPIC``: a Kafka topic of JSON events (``confluent-kafka``). Input options:
-  ``group`` (default ``aisp``), ``idle_stop_s``. Output option: ``partitions`` (1; the topic is
-  created if missing).
+  ``group`` (default ``aisp``), ``idle_stop_s``, ``retry_s``. Output options: ``partitions`` (1;
+  the topic is created if missing), ``retry_s``.
 * ``nats://HOST:PORT/STREAM``: a NATS JetStream stream of JSON events. Input options:
   ``durable`` (the pull consumer, default ``aisp``), ``subject`` (a filter), ``idle_stop_s``,
   ``retry_s``. Output options: ``subject`` (default ``STREAM.out``; the stream is created if
@@ -114,7 +114,7 @@ def source_for(pipeline: Pipeline, url: str) -> Source:
         from aisp.ingest.kafka import KafkaSource
 
         bootstrap, topic = _kafka_address(url)
-        opts = _options(url, {"group": str, "idle_stop_s": float})
+        opts = _options(url, {"group": str, "idle_stop_s": float, "retry_s": float})
         idle = opts.pop("idle_stop_s", None)
         return KafkaSource(topic=topic, schema=schema, bootstrap=bootstrap, stop_when_idle_s=idle, **opts)  # type: ignore[arg-type]
     if urlparse(url).scheme == "nats":
@@ -146,7 +146,7 @@ def sink_from_url(url: str, pipeline: Pipeline) -> Sink:
         from aisp.sinks.kafka import KafkaSink
 
         bootstrap, topic = _kafka_address(url)
-        opts = _options(url, {"partitions": int})
+        opts = _options(url, {"partitions": int, "retry_s": float})
         return KafkaSink(topic=topic, bootstrap=bootstrap, columns=pipeline.output_columns, **opts)  # type: ignore[arg-type]
     if urlparse(url).scheme == "nats":
         from aisp.sinks.nats_jetstream import JetStreamSink

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,3 +45,18 @@ def test_kafka_in_and_out_exactly_once_across_sigkills(broker: str, tmp_path: Pa
     rows = [json.loads(x) for x in read_topic(broker, dst)]
     assert len(rows) == len({r["id"] for r in rows}), "an output was produced twice"
     assert sorted(rows, key=lambda r: r["id"]) == expected
+
+
+def test_a_kafka_broker_that_goes_away_fails_the_run_clearly(tmp_path: Path) -> None:
+    data = tmp_path / "events.jsonl"
+    write_events(data, 2000, seed=3)
+    with tansu_broker() as bootstrap:
+        fill_topic(bootstrap, "in", data.read_bytes().splitlines())
+        cmd = [
+            sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--no-live",
+            "--input", f"kafka://{bootstrap}/in?group=g&retry_s=2", "--output", str(tmp_path / "out.jsonl"),
+        ]  # fmt: skip
+        proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(4.0)  # reading; then the broker is gone for good
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "unreachable for 2 s" in err

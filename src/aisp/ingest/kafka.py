@@ -12,7 +12,9 @@ offset if the checkpoint has it, else at the group's committed offset, else at t
 The position is the next offset per partition after the records handed to the pipeline;
 ``commit(position)`` commits those offsets to the group once the checkpoint holding them is
 durable. Keyed state lives in this process, so one pipeline process per group is the supported
-layout. Compatibility is tested against the Tansu broker (Kafka protocol), see the README.
+layout. While every broker is unreachable the source waits (librdkafka reconnects) and does not
+count the time as idle input; after ``retry_s`` it fails with a clear error. Compatibility is
+tested against the Tansu broker (Kafka protocol), see the README.
 """
 
 from __future__ import annotations
@@ -78,7 +80,9 @@ class _KafkaPartition(SourcePartition):
         self._assigned = False
         self._idle_since = time.monotonic()
         self._failing_since: float | None = None
+        self._down_since: float | None = None  # all brokers unreachable since then
         settings = {
+            "error_cb": self._on_error,
             "bootstrap.servers": cfg.bootstrap,
             "group.id": cfg.group,
             "enable.auto.commit": False,
@@ -91,6 +95,15 @@ class _KafkaPartition(SourcePartition):
         }
         self._consumer = Consumer(settings)
         self._consumer.subscribe([cfg.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
+
+    def _on_error(self, err: Any) -> None:
+        from confluent_kafka import KafkaError
+
+        if err.code() == KafkaError._ALL_BROKERS_DOWN:
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+        elif err.code() != KafkaError._TRANSPORT:
+            self._down_since = None
 
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
         for tp in partitions:
@@ -106,6 +119,15 @@ class _KafkaPartition(SourcePartition):
 
     def next_batch(self, max_rows: int) -> Batch | None:
         msgs = self._consumer.consume(num_messages=max_rows, timeout=self._cfg.poll_timeout_s)
+        if msgs:
+            self._down_since = None
+        elif self._down_since is not None:  # the brokers are away: not the end of the input
+            if time.monotonic() - self._down_since >= self._cfg.retry_s:
+                raise SourceError(
+                    f"kafka at {self._cfg.bootstrap} unreachable for {self._cfg.retry_s:g} s"
+                    " (all brokers down)"
+                )
+            self._idle_since = time.monotonic()
         records = []
         for m in msgs:
             err = m.error()

@@ -41,6 +41,8 @@ class KafkaSink(Sink):
     partitions: int = 1
     """Partitions of the topic (created with this many if missing)."""
     flush_timeout_s: float = 30.0
+    retry_s: float = 30.0
+    """How long a record may wait for an unreachable broker before the sink fails."""
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def open(self) -> SinkPartition:
@@ -98,7 +100,13 @@ class _KafkaWriter(SinkPartition):
                 self._skip[p] = found  # produced after the checkpoint: the replay makes them again
         self._errors: list[str] = []
         self._producer = Producer(
-            {"bootstrap.servers": cfg.bootstrap, "enable.idempotence": True, "linger.ms": 5, **cfg.options}
+            {
+                "bootstrap.servers": cfg.bootstrap,
+                "enable.idempotence": True,
+                "linger.ms": 5,
+                "message.timeout.ms": int(cfg.retry_s * 1000),  # then a clear error, not a hang
+                **cfg.options,
+            }
         )
         self._encoder = RowEncoder(cfg.columns)
         self.skipped = 0
