@@ -57,3 +57,6 @@ def test_metrics_of_a_running_pipeline_parse_and_cover_every_stage(tmp_path: Pat
     assert {s.labels["stage"] for s in families["aisp_stage_queue_rows"].samples} == STAGES
     assert value("aisp_batch_size_rows", "_count", stage="score") > 0
     assert value("aisp_events", "_total", direction="in") >= value("aisp_events", "_total", direction="out")
+    attainment = value("aisp_slo_attainment_ratio", stage="pipeline")
+    assert 0.0 <= attainment <= 1.0
+    assert {"process_cpu_seconds", "process_resident_memory_bytes", "aisp_gc_pause_seconds"} <= set(families)

@@ -13,6 +13,11 @@ Families (seconds and rows in the names; labels bounded by the pipeline's steps)
 * ``aisp_batch_size_rows{stage}``: rows per batch.
 * ``aisp_stage_errors_total{stage}``, ``aisp_dead_letters_total{stage}``,
   ``aisp_events_total{direction}``, ``aisp_checkpoints_total``.
+* ``aisp_slo_attainment_ratio{stage, target_seconds}``: the share of events within the
+  pipeline's latency bound (the sum of its stages' budgets along the critical path;
+  ``stage="pipeline"``), and per stage the share of batches computed within its budget.
+* ``process_*`` (CPU seconds, resident memory, open files) and ``python_gc_*`` collections,
+  with ``aisp_gc_pause_seconds``: how long each garbage collection stopped the process.
 * ``aisp_drift_psi{stage, feature}``, ``aisp_drift_ks{stage, feature}``,
   ``aisp_drift_alerts_total{stage, feature}`` for infer steps with drift monitoring.
 
@@ -22,12 +27,16 @@ into fixed Prometheus buckets, so recording stays one vectorised call per batch.
 
 from __future__ import annotations
 
+import gc
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.process_collector import ProcessCollector
 
 from aisp.observe.latency import LatencyHistogram
 from aisp.observe.stats import StageStats
@@ -35,7 +44,7 @@ from aisp.observe.stats import StageStats
 if TYPE_CHECKING:
     from aisp.schedule.executor import LocalExecutor
 
-__all__ = ["PipelineCollector", "serve_metrics"]
+__all__ = ["GcPauses", "PipelineCollector", "gc_pauses", "serve_metrics"]
 
 LATENCY_BUCKETS_S = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -96,6 +105,23 @@ class PipelineCollector:
         events.add_metric(["out"], stats.events_out)
         yield events
         yield CounterMetricFamily("aisp_checkpoints", "Checkpoints written", value=stats.checkpoints)
+        slo = GaugeMetricFamily(
+            "aisp_slo_attainment_ratio",
+            "Share of events (pipeline) or batches (stage compute) within the latency budget",
+            labels=["stage", "target_seconds"],
+        )
+        target_ms = self._ex.graph.latency_bound_ms()
+        if target_ms > 0 and stats.e2e.count:
+            within = stats.e2e.cumulative([target_ms * 1e6])[0]
+            slo.add_metric(["pipeline", repr(target_ms / 1000)], within / stats.e2e.count)
+        for st in stages:
+            budget = self._ex.graph.node(st.step_id).latency_budget_ms
+            hist = st.phases.get("compute")
+            if budget > 0 and hist is not None and hist.count:
+                slo.add_metric(
+                    [st.step_id, repr(budget / 1000)], hist.cumulative([budget * 1e6])[0] / hist.count
+                )
+        yield slo
         monitors = self._ex.drift_monitors
         if monitors:
             labels = ["stage", "feature"]
@@ -115,10 +141,45 @@ class PipelineCollector:
             yield from (psi, ks, alerts)
 
 
+class GcPauses:
+    """``aisp_gc_pause_seconds``: the duration of every garbage collection (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.pauses = LatencyHistogram()
+        self._started = 0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter_ns()
+        elif self._started:
+            self.pauses.record_one(time.perf_counter_ns() - self._started)
+
+    def collect(self) -> Iterator[Any]:
+        family = HistogramMetricFamily("aisp_gc_pause_seconds", "Garbage collection pauses")
+        pairs, total = _buckets(self.pauses, LATENCY_BUCKETS_S, 1e9)
+        family.add_metric([], pairs, total)
+        yield family
+
+
+_GC_PAUSES: GcPauses | None = None
+
+
+def gc_pauses() -> GcPauses:
+    """The process's one ``GcPauses`` (installed into ``gc.callbacks`` on first use)."""
+    global _GC_PAUSES  # noqa: PLW0603 - one hook per process
+    if _GC_PAUSES is None:
+        _GC_PAUSES = GcPauses()
+        gc.callbacks.append(_GC_PAUSES)
+    return _GC_PAUSES
+
+
 def serve_metrics(executor: LocalExecutor, port: int, host: str = "127.0.0.1") -> tuple[Any, int]:
     """Serve ``/metrics`` for ``executor`` on ``host:port`` (0: a free port) in a daemon thread;
-    returns (server, port)."""
+    returns (server, port). Process and GC metrics come with it."""
     registry = CollectorRegistry()
     registry.register(PipelineCollector(executor))
+    ProcessCollector(registry=registry)
+    GCCollector(registry=registry)
+    registry.register(gc_pauses())
     server, _thread = start_http_server(port, addr=host, registry=registry)
     return server, int(server.server_address[1])
