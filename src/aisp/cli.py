@@ -416,13 +416,16 @@ def chaos_outage(
     rate: Annotated[float, typer.Option(help="Pace the input (events/s).")] = 20_000,
     workdir: Annotated[str, typer.Option(help="Scratch directory (outputs, checkpoints).")] = "chaos-work",
     json_out: Annotated[str | None, typer.Option("--json", help="Write the report here.")] = None,
+    mode: Annotated[
+        str, typer.Option(help="refuse, blackhole, slow (delay + jitter) or narrow (bandwidth).")
+    ] = "refuse",
 ) -> None:
     """Cut the run off its broker for a while through a fault proxy, and check that it resumes
     by itself and ends with exactly-once output."""
     from aisp.faults.chaos import outage_scenario
 
     try:
-        report = outage_scenario(pipeline, data, via=via, down_s=down_s, rate=rate, work=workdir)
+        report = outage_scenario(pipeline, data, via=via, down_s=down_s, rate=rate, work=workdir, mode=mode)
     except AispError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc

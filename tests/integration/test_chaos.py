@@ -34,9 +34,15 @@ def test_sigkills_through_a_broker_lose_nothing_and_write_nothing_twice(
     assert report.passed and len(report.recover_s) >= report.faults - 1
 
 
-def test_a_broker_outage_is_ridden_out_with_exactly_once_output(data: Path, tmp_path: Path) -> None:
-    report = outage_scenario(PIPELINE, data, via="redis", down_s=2.5, after_s=1.5, rate=8000, work=tmp_path)
+@pytest.mark.parametrize(("via", "mode"), [("redis", "refuse"), ("nats", "blackhole"), ("redis", "slow")])
+def test_a_broker_outage_is_ridden_out_with_exactly_once_output(
+    data: Path, tmp_path: Path, via: str, mode: str
+) -> None:
+    report = outage_scenario(
+        PIPELINE, data, via=via, down_s=2.5, after_s=1.5, rate=8000, work=tmp_path, mode=mode
+    )
     assert report.passed, report
+    assert report.scenario == f"outage-{mode}"
     assert report.recover_s[0] < 30
 
 

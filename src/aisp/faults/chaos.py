@@ -422,25 +422,39 @@ def outage_scenario(
     checkpoint_interval_s: float = 0.5,
     key: str = "id",
     work: str | Path,
+    mode: str = "refuse",
 ) -> ChaosReport:
-    """Take the broker away (refuse and reset every connection) for ``down_s`` seconds,
-    ``after_s`` into the run; the run must ride it out and end with exactly-once output."""
+    """Degrade the path to the broker for ``down_s`` seconds, ``after_s`` into the run; the run
+    must ride it out and end with exactly-once output. ``mode``: ``refuse`` (refuse and reset
+    every connection), ``blackhole`` (accept and swallow everything), ``slow`` (50 ms delay with
+    50 ms jitter per chunk each way) or ``narrow`` (64 KB/s each way)."""
     from aisp.faults.proxy import FaultProxy
 
     if via not in ("redis", "nats"):
         raise ConfigError(f"an outage needs a broker: via redis or nats, got {via!r}")
+    faults: dict[str, dict[str, Any]] = {
+        "refuse": {"refuse": True},
+        "blackhole": {"blackhole": True},
+        "slow": {"delay_ms": 50.0, "jitter_ms": 50.0},
+        "narrow": {"bandwidth_bytes_per_s": 65536.0},
+    }
+    if mode not in faults:
+        raise ConfigError(f"mode must be one of {sorted(faults)}, got {mode!r}")
 
     def outage() -> None:
-        proxy.set(refuse=True)
-        proxy.reset_connections()
+        proxy.set(**faults[mode])
+        if mode in ("refuse", "blackhole"):
+            proxy.reset_connections()
         time.sleep(down_s)
         proxy.clear()
+        if mode == "blackhole":  # connections opened into the hole are dead: start afresh
+            proxy.reset_connections()
 
     proxy = FaultProxy(("127.0.0.1", 6379 if via == "redis" else 4222)).start()
     try:
         with _scenario(pipeline, data, via, Path(work), port=proxy.port) as (ends, reference):
             return _one_fault(
-                "outage", ends, reference, pipeline, outage,
+                f"outage-{mode}", ends, reference, pipeline, outage,
                 after_s=after_s, rate=rate, checkpoint_interval_s=checkpoint_interval_s, key=key,
             )  # fmt: skip
     finally:
