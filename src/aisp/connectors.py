@@ -17,8 +17,12 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
+
+import msgspec
 
 from aisp.errors import ConfigError
 from aisp.ingest.base import Source
@@ -30,7 +34,7 @@ from aisp.sinks.files import JsonlFileSink, NullSink
 if TYPE_CHECKING:
     from aisp.pipeline import Pipeline
 
-__all__ = ["dead_letter_sink", "sink_from_url", "source_for"]
+__all__ = ["alert_to", "dead_letter_sink", "sink_from_url", "source_for"]
 
 
 def _file_path(url: str) -> str | None:
@@ -187,3 +191,20 @@ def dead_letter_sink(url: str | None) -> DeadLetterSink:
     if path is None:
         raise ConfigError(f"unsupported dead-letter URL {url!r}; supported: a file path, redis://…, nats://…")
     return DeadLetterSink(path=path)
+
+
+def alert_to(url: str) -> Callable[[dict[str, Any]], None]:
+    """An alert function that adds each alert (a JSON object) to a ``redis://`` or ``nats://``
+    stream, once per (stage, feature, time)."""
+    stream = dead_letter_sink(url).stream
+    if stream is None:
+        raise ConfigError(f"alerts go to redis://… or nats://… streams, got {url!r}")
+    writer = stream.open()
+    lock = threading.Lock()
+
+    def send(alert: dict[str, Any]) -> None:
+        key = f"alert:{alert.get('stage')}:{alert.get('feature')}:{alert.get('unix_time')}"
+        with lock:
+            writer.write_lines([key], [msgspec.json.encode(alert)])
+
+    return send

@@ -57,6 +57,8 @@ def test_metrics_of_a_running_pipeline_parse_and_cover_every_stage(tmp_path: Pat
     assert {s.labels["stage"] for s in families["aisp_stage_queue_rows"].samples} == STAGES
     assert value("aisp_batch_size_rows", "_count", stage="score") > 0
     assert value("aisp_events", "_total", direction="in") >= value("aisp_events", "_total", direction="out")
+    assert value("aisp_model_rows", "_total", stage="score", outcome="scored") > 1000
+    assert value("aisp_model_rows", "_total", stage="score", outcome="shed") == 0
     attainment = value("aisp_slo_attainment_ratio", stage="pipeline")
     assert 0.0 <= attainment <= 1.0
     assert {"process_cpu_seconds", "process_resident_memory_bytes", "aisp_gc_pause_seconds"} <= set(families)

@@ -67,3 +67,30 @@ def test_a_pipeline_alerts_on_the_features_that_shift_mid_stream() -> None:
     run(p)
     assert {a["feature"] for a in alerts} == {"x[3]"}
     assert alerts[0]["stage"] == "score"
+
+
+def test_alerts_can_go_to_a_redis_stream() -> None:
+    import json
+    import uuid
+
+    import redis
+
+    from aisp.connectors import alert_to
+
+    stream = f"aisp-test-alerts-{uuid.uuid4().hex[:8]}"
+    r = redis.Redis()
+    try:
+        send = alert_to(f"redis://127.0.0.1:6379/{stream}")
+        alert = {
+            "type": "drift",
+            "stage": "score",
+            "feature": "x[3]",
+            "psi": 0.4,
+            "ks": 0.2,
+            "unix_time": 1.0,
+        }
+        send(alert)
+        send(alert)  # the same alert again: added once
+        assert [json.loads(f[b"data"]) for _, f in r.xrange(stream)] == [alert]
+    finally:
+        r.delete(stream, *r.scan_iter(f"aisp:dedupe:{stream}:*"))

@@ -46,8 +46,9 @@ class DriftConfig:
         consecutive: windows in a row over a threshold before an alert.
         reference: a reference sample (rows x features); default: the first window.
         feature_names: names of the features (default ``{input}[i]``).
-        alert: where alerts go: ``log``, an ``http(s)://`` webhook URL (JSON POST), or a
-            callable taking the alert dict.
+        alert: where alerts go: ``log``, an ``http(s)://`` webhook URL (JSON POST), a
+            ``redis://HOST:PORT/STREAM`` or ``nats://HOST:PORT/STREAM`` stream (resolved by the
+            executor), or a callable taking the alert dict.
     """
 
     window_rows: int = 5000

@@ -11,6 +11,8 @@ Families (seconds and rows in the names; labels bounded by the pipeline's steps)
 * ``aisp_stage_rows_total{stage, direction}``: rows in and out.
 * ``aisp_stage_queue_rows{stage}``: rows waiting for the stage now.
 * ``aisp_batch_size_rows{stage}``: rows per batch.
+* ``aisp_model_rows_total{stage, outcome}``: a model step's rows by fate: scored, timeout
+  (deadline or queue timeout), error (the call failed after its retries), shed (overload).
 * ``aisp_stage_errors_total{stage}``, ``aisp_dead_letters_total{stage}``,
   ``aisp_events_total{direction}``, ``aisp_checkpoints_total``.
 * ``aisp_slo_attainment_ratio{stage, target_seconds}``: the share of events within the
@@ -105,6 +107,19 @@ class PipelineCollector:
         events.add_metric(["out"], stats.events_out)
         yield events
         yield CounterMetricFamily("aisp_checkpoints", "Checkpoints written", value=stats.checkpoints)
+        fates = CounterMetricFamily(
+            "aisp_model_rows", "Rows a model step took, by fate", labels=["stage", "outcome"]
+        )
+        for sid, batcher in self._ex.batchers.items():
+            b = batcher.stats
+            for outcome, n in (
+                ("scored", b.rows),
+                ("timeout", b.timeouts),
+                ("error", b.errors),
+                ("shed", b.shed),
+            ):
+                fates.add_metric([sid, outcome], n)
+        yield fates
         slo = GaugeMetricFamily(
             "aisp_slo_attainment_ratio",
             "Share of events (pipeline) or batches (stage compute) within the latency budget",

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -142,6 +142,10 @@ class _InferOp:
             names += [column] if arr.shape[1] == 1 else [f"{column}[{i}]" for i in range(arr.shape[1])]
         matrix = parts[0] if len(parts) == 1 else np.hstack(parts)
         if self.drift is None:
+            if isinstance(config.alert, str) and config.alert.startswith(("redis://", "nats://")):
+                from aisp.connectors import alert_to
+
+                config = replace(config, alert=alert_to(config.alert))
             self.drift = DriftMonitor(self._step, config, matrix.shape[1], names)
         self.drift.observe(matrix)
 
