@@ -11,7 +11,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["LoopThread"]
+__all__ = ["LoopThread", "connect_nats"]
 
 T = TypeVar("T")
 
@@ -26,6 +26,15 @@ class LoopThread:
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def start(self, coro: Coroutine[Any, Any, T], timeout_s: float, error: type[Exception], what: str) -> T:
+        """``run(coro)`` for a connector's set-up: on failure the loop is closed and ``error``
+        raised, naming ``what``."""
+        try:
+            return self.run(coro, timeout_s)
+        except Exception as exc:
+            self.close()
+            raise error(f"{what}: {exc}") from exc
 
     def close(self) -> None:
         """Cancel what still runs on the loop (a client's background tasks), stop it, close it."""
@@ -46,3 +55,11 @@ async def _cancel_others() -> None:
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def connect_nats(servers: str) -> Any:
+    """A NATS connection as the connectors use it: reconnecting for ever, quickly (the
+    connectors bound how long they wait, with their own ``retry_s``)."""
+    import nats
+
+    return await nats.connect(servers, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.2)

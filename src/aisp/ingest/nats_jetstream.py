@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import msgspec
 import numpy as np
 
-from aisp.aio import LoopThread
+from aisp.aio import LoopThread, connect_nats
 from aisp.batch import Batch
 from aisp.errors import SourceError
 from aisp.ingest.base import Source, SourceContext, SourcePartition
@@ -66,19 +66,12 @@ class _JetStreamPartition(SourcePartition):
         self._idle_since = time.monotonic()
         self._sub: Any = None
         self._delivered = 0
-        try:
-            self._aio.run(self._connect(), timeout_s=cfg.retry_s + 5)
-        except Exception as exc:
-            self._aio.close()
-            raise SourceError(f"JetStream stream {cfg.stream!r} at {cfg.servers}: {exc}") from exc
+        what = f"JetStream stream {cfg.stream!r} at {cfg.servers}"
+        self._aio.start(self._connect(), cfg.retry_s + 5, SourceError, what)
 
     async def _connect(self) -> None:
-        import nats
-
         cfg = self._cfg
-        self._nc = await nats.connect(
-            cfg.servers, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.2
-        )
+        self._nc = await connect_nats(cfg.servers)
         self._js = self._nc.jetstream()
         await self._js.stream_info(cfg.stream)  # fails clearly if the stream does not exist
         await self._subscribe(None if self._last is None else self._last + 1)

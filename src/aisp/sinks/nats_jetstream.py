@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from aisp.aio import LoopThread
+from aisp.aio import LoopThread, connect_nats
 from aisp.batch import Batch
 from aisp.errors import SinkError
 from aisp.retry import call_with_retry
@@ -51,20 +51,16 @@ class _JetStreamWriter(SinkPartition):
         self._encoder = RowEncoder(cfg.columns)
         self._aio = LoopThread("aisp-nats-sink")
         self.duplicates = 0
-        try:
-            self._aio.run(self._connect(), timeout_s=cfg.retry_s + 5)
-        except Exception as exc:
-            self._aio.close()
-            raise SinkError(f"JetStream stream {cfg.stream!r} at {cfg.servers}: {exc}") from exc
+        self._aio.start(
+            self._connect(), cfg.retry_s + 5, SinkError, f"JetStream stream {cfg.stream!r} at {cfg.servers}"
+        )
 
     async def _connect(self) -> None:
         import nats
         from nats.js.api import StreamConfig
 
         cfg = self._cfg
-        self._nc = await nats.connect(
-            cfg.servers, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.2
-        )
+        self._nc = await connect_nats(cfg.servers)
         self._js = self._nc.jetstream()
         try:
             await self._js.stream_info(cfg.stream)
