@@ -195,7 +195,7 @@ def dead_letter_sink(url: str | None) -> DeadLetterSink:
 
 def alert_to(url: str) -> Callable[[dict[str, Any]], None]:
     """An alert function that adds each alert (a JSON object) to a ``redis://`` or ``nats://``
-    stream, once per (stage, feature, time)."""
+    stream, once per (stage, feature, window)."""
     stream = dead_letter_sink(url).stream
     if stream is None:
         raise ConfigError(f"alerts go to redis://… or nats://… streams, got {url!r}")
@@ -203,7 +203,7 @@ def alert_to(url: str) -> Callable[[dict[str, Any]], None]:
     lock = threading.Lock()
 
     def send(alert: dict[str, Any]) -> None:
-        key = f"alert:{alert.get('stage')}:{alert.get('feature')}:{alert.get('unix_time')}"
+        key = f"alert:{alert.get('stage')}:{alert.get('feature')}:{alert.get('window')}"
         with lock:
             writer.write_lines([key], [msgspec.json.encode(alert)])
 

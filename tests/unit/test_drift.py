@@ -87,7 +87,8 @@ def test_alerts_can_go_to_a_redis_stream() -> None:
             "feature": "x[3]",
             "psi": 0.4,
             "ks": 0.2,
-            "unix_time": 1.0,
+            "window": 4,
+            "time_unix_ms": 1,
         }
         send(alert)
         send(alert)  # the same alert again: added once

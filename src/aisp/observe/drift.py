@@ -7,8 +7,9 @@ compared with the reference (the first window, or ``DriftConfig.reference``), ve
 features: PSI over the reference's deciles (``sum((p - q) * ln(p / q))``, proportions floored at
 1e-4) and KS (the largest gap between the two empirical CDFs, on a sample of the reference).
 A feature whose PSI or KS is over its threshold for ``consecutive`` windows in a row raises one
-alert (a dict: stage, feature, psi, ks, windows, unix time), sent to ``on_alert`` (a log line by
-default, see ``alert_sink``); it is raised again only after the feature has come back under.
+alert (a dict: stage, feature, psi, ks, windows over, window number, Unix ms), sent to
+``on_alert`` (a log line by default, see ``alert_sink``); it is raised again only after the
+feature has come back under.
 The latest values are exported as metrics (``aisp_drift_psi``, ``aisp_drift_ks``).
 """
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from aisp.errors import ConfigError
+from aisp.observe.clock import wall_ms
 
 __all__ = ["DriftConfig", "DriftMonitor", "alert_sink", "ks_statistic", "psi"]
 
@@ -198,7 +199,8 @@ class DriftMonitor:
                 "psi": round(float(self.psi[j]), 4),
                 "ks": round(float(self.ks[j]), 4),
                 "windows": int(self._over[j]),
-                "unix_time": time.time(),
+                "window": self.windows,
+                "time_unix_ms": wall_ms(),
             }
             self.alerts.append(alert)
             self._alert(alert)

@@ -28,6 +28,7 @@ from aisp.infer.config import BatcherConfig
 from aisp.infer.repository import ModelRepository
 from aisp.infer.runtime import Runtime
 from aisp.infer.versions import ServedModel
+from aisp.observe.clock import wall_ms
 
 __all__ = ["NP_TO_OIP", "OIP_TO_NP", "InferResult", "ModelServer", "ModelStats", "RequestFailed"]
 
@@ -98,7 +99,7 @@ class ModelStats:
         self._batches: dict[int, list[int]] = {}  # size -> count, input ns, infer ns, output ns
         self.inference_count = 0
         self.execution_count = 0
-        self.last_inference_ms = 0
+        self.last_inference_ns = 0  # monotonic; reported as Unix ms
         self._input_ns = 0
         self._output_ns = 0
 
@@ -107,7 +108,7 @@ class ModelStats:
             entry = self._phases["success" if ok else "fail"]
             entry[0] += 1
             entry[1] += ns
-            self.last_inference_ms = int(time.time() * 1000)
+            self.last_inference_ns = time.monotonic_ns()
 
     def batch(self, rows: int, wait_ns: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         with self._lock:
@@ -134,7 +135,7 @@ class ModelStats:
             return {
                 "name": self.name,
                 "version": self.version,
-                "last_inference": self.last_inference_ms,
+                "last_inference": wall_ms(self.last_inference_ns) if self.last_inference_ns else 0,
                 "inference_count": self.inference_count,
                 "execution_count": self.execution_count,
                 "inference_stats": {p: {"count": c, "ns": ns} for p, (c, ns) in self._phases.items()},

@@ -17,7 +17,6 @@ import hashlib
 import logging
 import os
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ import msgspec
 import pyarrow as pa
 
 from aisp.errors import AispError
+from aisp.observe.clock import wall_ms
 
 __all__ = ["Checkpoint", "CheckpointStore"]
 
@@ -96,7 +96,7 @@ class CheckpointStore:
             with path.open("rb+") as fh:
                 os.fsync(fh.fileno())
             files[name] = {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
-        manifest = {"id": checkpoint_id, "created_unix": time.time(), "files": files, "meta": meta}
+        manifest = {"id": checkpoint_id, "created_unix_ms": wall_ms(), "files": files, "meta": meta}
         with (tmp / MANIFEST).open("wb") as fh:
             fh.write(msgspec.json.encode(manifest))
             fh.flush()
