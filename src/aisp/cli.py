@@ -279,7 +279,8 @@ def serve(
             models.start()
         for service in pipelines.values():
             service.start()
-        metrics = ServerMetrics(models)
+        # served models' batch sizes get their own name beside a pipeline's per-stage family
+        metrics = ServerMetrics(models, batch_metric="aisp_model_batch_size_rows" if pipelines else None)
         for service in pipelines.values():  # the pipeline's stages on the same /metrics
             from aisp.observe.metrics import PipelineCollector
 
@@ -288,6 +289,7 @@ def serve(
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
     grpc_server = None
+    limiter = Limiter(limits) if limits is not None and limits.enabled else None
     if grpc_port >= 0:
         grpc_server = GrpcServer(
             models,
@@ -296,7 +298,7 @@ def serve(
             tokens=tokens,
             tls=_tls_pair(tls_cert, tls_key),
             metrics=metrics,
-            limiter=Limiter(limits) if limits is not None and limits.enabled else None,
+            limiter=limiter,
             pipelines=pipelines,
             admission_wait_ms=admission_wait_ms,
         )
@@ -316,7 +318,7 @@ def serve(
                 admission_wait_ms=admission_wait_ms,
                 tokens=tokens,
                 metrics=metrics,
-                limits=limits,
+                limiter=limiter,  # one set of buckets for HTTP and gRPC
             )
             server_config = uvicorn.Config(
                 asgi,
@@ -353,25 +355,20 @@ def _report(report: Any, json_out: str | None) -> None:
     from rich.table import Table
 
     table = Table(title=f"chaos: {report.scenario} via {report.via}")
-    for column in (
-        "expected",
-        "outputs",
-        "lost",
-        "duplicates",
-        "wrong values",
-        "faults",
-        "recover s",
-        "result",
-    ):
+    cells = {
+        "expected": report.expected,
+        "outputs": report.outputs,
+        "dead-lettered": report.dead_lettered,
+        "lost": report.lost,
+        "duplicates": report.duplicates,
+        "wrong values": report.wrong_values,
+        "faults": report.faults,
+        "recover s": ", ".join(f"{x:.2f}" for x in report.recover_s) or "-",
+        "result": "[green]pass[/green]" if report.passed else "[red]FAIL[/red]",
+    }
+    for column in cells:
         table.add_column(column)
-    recover = ", ".join(f"{x:.2f}" for x in report.recover_s) or "-"
-    table.add_row(
-        *map(str, (report.expected, report.outputs, report.dead_lettered, report.lost)),
-        *map(str, (report.duplicates, report.wrong_values)),
-        str(report.faults),
-        recover,
-        "[green]pass[/green]" if report.passed else "[red]FAIL[/red]",
-    )
+    table.add_row(*map(str, cells.values()))
     Console().print(table)
     if json_out:
         Path(json_out).write_text(json.dumps(report.to_dict(), indent=1))

@@ -214,12 +214,18 @@ class DynamicBatcher:
             ):
                 return False
             self._in_flight += 1
+            if self._tuner is not None:  # offered load, as if submitted
+                self._tuner.arrived(rows)
+        self._run_claimed(batch, 0)
+        return True
+
+    def _run_claimed(self, batch: Batch, wait_ns: int) -> None:
+        """Call the model on ``batch`` (its ``_in_flight`` slot taken), then give the slot back."""
         try:
-            self._call(batch, 0)
+            self._call(batch, wait_ns)
         finally:
             with self._lock:
                 self._in_flight -= 1
-        return True
 
     def _apply(self, setting: Setting) -> None:
         self._queue.retune(
@@ -261,11 +267,7 @@ class DynamicBatcher:
             for rows, reason in expired:
                 self._guard(self._dead, rows, reason)
             if batch is not None:
-                try:
-                    self._call(batch, wait_ns)
-                finally:
-                    with self._lock:
-                        self._in_flight -= 1
+                self._run_claimed(batch, wait_ns)
 
     def _next_work(self) -> tuple[list[tuple[Batch, str]], Batch | None, int] | None:
         """Under the lock: wait until rows expire or a batch is ready; None once closed and empty."""

@@ -69,6 +69,7 @@ class BatchQueue:
 
     def __init__(self, config: BatcherConfig, cost: CostModel | None = None) -> None:
         self.config = config
+        self._base = config  # what retune() starts from, so it never loses a preferred size
         self.cost = cost or CostModel()
         self.queued_rows = 0
         self.last_wait_ns = 0
@@ -83,11 +84,11 @@ class BatchQueue:
 
     def retune(self, *, max_batch_size: int, max_queue_delay_ms: float, eager: bool) -> None:
         """Change the flush limits in place (adaptive batching); queued rows stay queued."""
-        cfg = self.config
+        base = self._base
         self.config = replace(
-            cfg,
-            max_batch_size=min(max_batch_size, cfg.capacity_rows),
-            preferred_batch_sizes=tuple(s for s in cfg.preferred_batch_sizes if s <= max_batch_size),
+            base,
+            max_batch_size=max_batch_size,
+            preferred_batch_sizes=tuple(s for s in base.preferred_batch_sizes if s <= max_batch_size),
             max_queue_delay_ms=max_queue_delay_ms,
             eager=eager,
         )

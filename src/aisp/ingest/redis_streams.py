@@ -191,7 +191,6 @@ class _RedisStreamPartition(SourcePartition):
         """Acknowledge this consumer's pending entries up to the checkpointed id."""
         if not position:
             return
-        last = _id_key(position["last_id"])
         cfg = self._cfg
         start: Any = "-"
         while True:
@@ -204,7 +203,7 @@ class _RedisStreamPartition(SourcePartition):
                 10_000,
                 cfg.consumer,
             )
-            ids = [r["message_id"] for r in rows if _id_key(r["message_id"]) <= last]
+            ids = [r["message_id"] for r in rows]  # the range ends at the checkpointed id
             if ids:
                 self._call(self._r.xack, cfg.stream, cfg.group, *ids)
             if len(rows) < 10_000:

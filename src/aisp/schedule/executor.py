@@ -134,14 +134,15 @@ class _InferOp:
         return []
 
     def _watch(self, batch: Batch, config: DriftConfig) -> None:
-        parts, names = [], []
-        for column in self._spec.inputs.values():
-            arr = batch.numpy(column)
-            arr = arr.reshape(arr.shape[0], -1)
-            parts.append(arr)
-            names += [column] if arr.shape[1] == 1 else [f"{column}[{i}]" for i in range(arr.shape[1])]
+        columns = list(self._spec.inputs.values())
+        parts = [batch.numpy(c).reshape(batch.num_rows, -1) for c in columns]
         matrix = parts[0] if len(parts) == 1 else np.hstack(parts)
         if self.drift is None:
+            names = [
+                name
+                for c, arr in zip(columns, parts, strict=True)
+                for name in ([c] if arr.shape[1] == 1 else [f"{c}[{i}]" for i in range(arr.shape[1])])
+            ]
             if isinstance(config.alert, str) and config.alert.startswith(("redis://", "nats://")):
                 from aisp.connectors import alert_to
 

@@ -216,7 +216,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         priority = int(request.parameters["priority"].int64_param) if "priority" in request.parameters else 0
         remaining = context.time_remaining() if context is not None else None
         metadata = dict(context.invocation_metadata() or ()) if context is not None else {}
-        tier = _tier(metadata.get(TIER_KEY))
+        tier = parse_tier(metadata.get(TIER_KEY))
         if self.limiter is not None:
             rows = int(next(iter(inputs.values())).shape[0]) if inputs else 1
             level = tier if tier is not None else self.models.tier_of(request.model_name, priority)
@@ -242,11 +242,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         return response
 
 
-def _tier(name: str | None) -> int | None:
+def parse_tier(name: str | None, source: str = TIER_KEY) -> int | None:
+    """The level of tier ``name`` (None: not given); an unknown name is a ``BadRequest`` naming
+    where it came from (``source``: a header or metadata key)."""
     if name is None:
         return None
     if name not in DEFAULT_TIERS:
-        raise BadRequest(f"{TIER_KEY} must be one of {sorted(DEFAULT_TIERS)}, got {name!r}")
+        raise BadRequest(f"{source} must be one of {sorted(DEFAULT_TIERS)}, got {name!r}")
     return DEFAULT_TIERS[name]
 
 
@@ -303,7 +305,7 @@ class PipelineStreams:
         if mode not in ("results", "fire"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"mode must be 'results' or 'fire', got {mode!r}")
         try:
-            tier = _tier(metadata.get(TIER_KEY))
+            tier = parse_tier(metadata.get(TIER_KEY))
         except BadRequest as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         remaining = context.time_remaining()

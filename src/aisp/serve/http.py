@@ -32,11 +32,10 @@ from starlette.routing import Route
 from aisp.errors import AispError, ModelError
 from aisp.schedule.ratelimit import Limiter, RateLimits
 from aisp.serve.auth import Scope, Tokens, api_key
-from aisp.serve.grpc import BadRequest
+from aisp.serve.grpc import BadRequest, parse_tier
 from aisp.serve.metrics import CONTENT_TYPE, ServerMetrics
 from aisp.serve.models import NP_TO_OIP, OIP_TO_NP, ModelServer, RequestFailed
 from aisp.serve.pipelines import Chunk, InboxClosed, PipelineService
-from aisp.transform.operators import DEFAULT_TIERS
 
 __all__ = ["DEADLINE_HEADER", "HEADER_LENGTH", "NDJSON", "TIER_HEADER", "create_app"]
 
@@ -132,14 +131,6 @@ def encode_response(req: dict[str, Any], result: Any) -> Response:
     )
 
 
-def _tier(name: str | None) -> int | None:
-    if name is None:
-        return None
-    if name not in DEFAULT_TIERS:
-        raise BadRequest(f"{TIER_HEADER} must be one of {sorted(DEFAULT_TIERS)}, got {name!r}")
-    return DEFAULT_TIERS[name]
-
-
 def _api_key(request: Request) -> str:
     return api_key(request.headers.get("authorization"), request.client.host if request.client else "unknown")
 
@@ -230,7 +221,7 @@ class _Events:
             return
         try:
             timeout_s = _deadline_s(request.headers.get(DEADLINE_HEADER))
-            tier = _tier(request.headers.get(TIER_HEADER))
+            tier = parse_tier(request.headers.get(TIER_HEADER), TIER_HEADER)
         except BadRequest as exc:
             await _error(400, str(exc))(scope, receive, send)
             return
@@ -424,18 +415,21 @@ def create_app(
     tokens: Tokens | None = None,
     metrics: ServerMetrics | None = None,
     limits: RateLimits | None = None,
+    limiter: Limiter | None = None,
 ) -> Any:
     """The OIP v2 REST app over ``models`` (an ASGI app: run it with any ASGI server).
 
     Bodies over ``max_body_bytes`` get a 413; a full model queue a 429 with ``Retry-After``;
     with ``tokens`` every route but health needs a bearer token (401/403); ``limits`` are
-    token-bucket rate limits in rows/s per API key and per tier (429 with ``Retry-After``).
+    token-bucket rate limits in rows/s per API key and per tier (429 with ``Retry-After``); pass
+    ``limiter`` instead to share its buckets with another transport.
     ``GET /metrics`` serves Prometheus metrics (a fresh ``ServerMetrics`` unless one is given).
     ``pipelines`` are served at ``POST /v1/pipelines/{name}/events`` (see ``_Events``) and
     listed at ``GET /v1/pipelines``; ``models`` may then be None (no model routes).
     """
     metrics = metrics or ServerMetrics(models)
-    limiter = Limiter(limits) if limits is not None and limits.enabled else None
+    if limiter is None and limits is not None and limits.enabled:
+        limiter = Limiter(limits)
 
     async def live(request: Request) -> Response:
         return JSONResponse({"live": True})
@@ -532,7 +526,7 @@ def _model_routes(
             req, inputs = decode_request(body, request.headers.get(HEADER_LENGTH))
             priority = int((req.get("parameters") or {}).get("priority", 0))
             timeout_s = _deadline_s(request.headers.get(DEADLINE_HEADER))
-            tier = _tier(request.headers.get(TIER_HEADER))
+            tier = parse_tier(request.headers.get(TIER_HEADER), TIER_HEADER)
             if limiter is not None:
                 rows = int(next(iter(inputs.values())).shape[0]) if inputs else 1
                 level = tier if tier is not None else models.tier_of(p["model"], priority)

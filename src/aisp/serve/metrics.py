@@ -13,13 +13,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from aisp.observe.metrics import BATCH_BUCKETS, LATENCY_BUCKETS_S
 from aisp.serve.models import ModelServer
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class _QueueCollector:
@@ -38,7 +37,10 @@ class _QueueCollector:
 
 
 class ServerMetrics:
-    def __init__(self, models: ModelServer | None) -> None:
+    """The server's metrics. ``batch_metric`` names the served models' batch-size histogram
+    (default ``aisp_batch_size_rows``; a served pipeline exports that name per stage)."""
+
+    def __init__(self, models: ModelServer | None, *, batch_metric: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "aisp_requests", "Inference requests", ["protocol", "model", "code"], registry=self.registry
@@ -50,16 +52,16 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS_S,
             registry=self.registry,
         )
-        self.batch_rows = Histogram(
-            "aisp_batch_size_rows",
-            "Rows per model call",
-            ["model"],
-            buckets=BATCH_BUCKETS,
-            registry=self.registry,
-        )
         self.registry.register(_QueueCollector(models))
         if models is not None:
-            models.on_batch = lambda model, rows: self.batch_rows.labels(model).observe(rows)
+            batch_rows = Histogram(
+                batch_metric or "aisp_batch_size_rows",
+                "Rows per model call",
+                ["model"],
+                buckets=BATCH_BUCKETS,
+                registry=self.registry,
+            )
+            models.on_batch = lambda model, rows: batch_rows.labels(model).observe(rows)
 
     def observe(self, protocol: str, model: str, code: str, seconds: float) -> None:
         self.requests.labels(protocol, model, code).inc()
