@@ -37,8 +37,8 @@ __all__ = ["KafkaSource", "kafka_event_id"]
 _OFFSET_BITS = 40
 
 
-def kafka_event_id(partition: int, offset: int) -> int:
-    """The engine id of a record: ``partition << 40 | offset``.
+def kafka_event_id(partition: Any, offset: Any) -> Any:
+    """The engine id of a record: ``partition << 40 | offset`` (ints or numpy arrays).
 
     >>> kafka_event_id(3, 17)
     3298534883345
@@ -75,6 +75,7 @@ class _KafkaPartition(SourcePartition):
 
         self._cfg, self._ctx = cfg, ctx
         self._decoder = ColumnarDecoder(cfg.schema)
+        self._empty = Batch.from_columns(self._decoder.decode([]).columns)  # nothing new yet
         self._resume = {int(p): int(o) for p, o in (resume_from or {}).get("offsets", {}).items()}
         self._next: dict[int, int] = {}
         self._assigned = False
@@ -139,7 +140,7 @@ class _KafkaPartition(SourcePartition):
             idle = self._cfg.stop_when_idle_s
             if idle is not None and self._assigned and time.monotonic() - self._idle_since >= idle:
                 return None
-            return Batch.from_columns(self._decoder.decode([]).columns)
+            return self._empty
         self._idle_since = time.monotonic()
         parts: list[int] = [m.partition() or 0 for m in records]
         offsets: list[int] = [m.offset() or 0 for m in records]
@@ -162,9 +163,7 @@ class _KafkaPartition(SourcePartition):
                 ]
             )
         kept = np.arange(len(records)) if decoded.kept is None else decoded.kept
-        ids = np.fromiter(
-            (kafka_event_id(parts[i], offsets[i]) for i in kept.tolist()), dtype=np.int64, count=len(kept)
-        )
+        ids = kafka_event_id(np.asarray(parts, dtype=np.int64), np.asarray(offsets, dtype=np.int64))[kept]
         return Batch.from_columns(decoded.columns, ids=ids, ingest_ns=now)
 
     def snapshot(self) -> Any:

@@ -29,6 +29,7 @@ from aisp.batch import Batch
 from aisp.errors import SourceError
 from aisp.ingest.base import Source, SourceContext, SourcePartition
 from aisp.ingest.decode import ColumnarDecoder
+from aisp.retry import call_with_retry
 
 __all__ = ["JetStreamSource"]
 
@@ -61,6 +62,7 @@ class _JetStreamPartition(SourcePartition):
         self._cfg, self._ctx = cfg, ctx
         self._aio = LoopThread(f"aisp-nats-{ctx.step_id}")
         self._decoder = ColumnarDecoder(cfg.schema)
+        self._empty = Batch.from_columns(self._decoder.decode([]).columns)  # nothing new yet
         self._last: int | None = int(resume_from["seq"]) if resume_from else None
         self._unacked: dict[int, Any] = {}  # stream seq -> message, the newest of each batch
         self._idle_since = time.monotonic()
@@ -118,24 +120,21 @@ class _JetStreamPartition(SourcePartition):
     def next_batch(self, max_rows: int) -> Batch | None:
         import nats
 
-        deadline = time.monotonic() + self._cfg.retry_s
-        while True:
-            try:
-                msgs = self._aio.run(self._fetch(max_rows), timeout_s=self._cfg.retry_s)
-                break
-            except (ConnectionError, OSError, TimeoutError, nats.errors.Error) as exc:
-                if time.monotonic() >= deadline:
-                    raise SourceError(
-                        f"JetStream at {self._cfg.servers} unreachable for {self._cfg.retry_s:g} s: {exc}"
-                    ) from exc
-                time.sleep(0.2)
+        cfg = self._cfg
+        msgs = call_with_retry(
+            lambda: self._aio.run(self._fetch(max_rows), timeout_s=cfg.retry_s),
+            retry_on=(ConnectionError, OSError, TimeoutError, nats.errors.Error),
+            give_up_after_s=cfg.retry_s,
+            what=f"JetStream at {cfg.servers}",
+            error=SourceError,
+        )
         delivered = [m.metadata.sequence.consumer for m in msgs]
         if delivered != list(range(self._delivered + 1, self._delivered + 1 + len(msgs))):
             # a delivery was lost (a disconnect mid-fetch): deliver again from the last message
             # handed out, in order, instead of acking past the hole
             start = None if self._last is None else self._last + 1
             self._aio.run(self._subscribe(start), timeout_s=self._cfg.retry_s)
-            return Batch.from_columns(self._decoder.decode([]).columns)
+            return self._empty
         if msgs:
             self._delivered = delivered[-1]
         if self._last is not None:  # redelivered after the ack wait: already handed out
@@ -146,7 +145,7 @@ class _JetStreamPartition(SourcePartition):
             idle = self._cfg.stop_when_idle_s
             if idle is not None and time.monotonic() - self._idle_since >= idle:
                 return None
-            return Batch.from_columns(self._decoder.decode([]).columns)
+            return self._empty
         self._idle_since = time.monotonic()
         seqs = [m.metadata.sequence.stream for m in msgs]
         self._last = seqs[-1]

@@ -87,6 +87,7 @@ class _RedisStreamPartition(SourcePartition):
         self._errors = (redis.ConnectionError, redis.TimeoutError)
         self._r: Any = redis.Redis(host=cfg.host, port=cfg.port, socket_timeout=max(5.0, cfg.block_ms / 500))
         self._decoder = ColumnarDecoder(cfg.schema)
+        self._empty = Batch.from_columns(self._decoder.decode([]).columns)  # nothing new yet
         self._field = cfg.field.encode()
         self._last: str | None = resume_from["last_id"] if resume_from else None
         self._replay: list[tuple[bytes, dict[bytes, bytes]]] = []
@@ -160,7 +161,7 @@ class _RedisStreamPartition(SourcePartition):
                 and time.monotonic() - self._idle_since >= self._cfg.stop_when_idle_s
             ):
                 return None
-            return Batch.from_columns(self._decoder.decode([]).columns)
+            return self._empty
         self._idle_since = time.monotonic()
         self._last = entries[-1][0].decode()
         lines = [f.get(self._field, b"") for _, f in entries]

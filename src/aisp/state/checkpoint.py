@@ -91,11 +91,15 @@ class CheckpointStore:
         files = {}
         for name, table in tables.items():
             path = tmp / f"{name}.arrow"
-            with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            buf = pa.BufferOutputStream()
+            with pa.ipc.new_file(buf, table.schema) as writer:
                 writer.write_table(table)
-            with path.open("rb+") as fh:
+            data = buf.getvalue()
+            with path.open("wb") as fh:  # hashed from memory: no read-back
+                fh.write(data)
+                fh.flush()
                 os.fsync(fh.fileno())
-            files[name] = {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
+            files[name] = {"file": path.name, "bytes": data.size, "sha256": hashlib.sha256(data).hexdigest()}
         manifest = {"id": checkpoint_id, "created_unix_ms": wall_ms(), "files": files, "meta": meta}
         with (tmp / MANIFEST).open("wb") as fh:
             fh.write(msgspec.json.encode(manifest))
