@@ -59,8 +59,7 @@ class ServedModel:
         self.swaps = 0
         self._failed: dict[int, float] = {}  # version -> model file mtime when its load failed
         first = version if version is not None else self._newest()
-        self._current = self._build(first)
-        self._current.warmup(self._warm_sizes())
+        self._current = self._build(first)  # warmed up by the batcher that serves it
 
     # -- the Runtime protocol (delegated to the serving version) -------------------------------
     def resolve(self) -> OnnxRuntime:

@@ -122,9 +122,7 @@ class _StatefulOp:
 
     def restore(self, columns: Mapping[str, npt.NDArray[Any]]) -> None:
         n = len(next(iter(columns.values()))) if columns else 0
-        self._state.ensure(n)
-        for name, values in columns.items():
-            self._state.column(name)[:n] = values
+        self.restore_rows(np.arange(n), columns)
 
 
 @dataclass(frozen=True)
