@@ -1,4 +1,5 @@
-"""The ``aisp`` command: ``run`` a pipeline file, print its ``topology``."""
+"""The ``aisp`` command: ``run`` or ``serve`` a pipeline file, ``chaos`` tests, ``diagnose`` a running
+pipeline, print a ``topology``."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import importlib.util
 import json
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.table import Table
 
 from aisp.errors import AispError
 from aisp.pipeline import Pipeline
@@ -284,7 +287,7 @@ def serve(
         for service in pipelines.values():  # the pipeline's stages on the same /metrics
             from aisp.observe.metrics import PipelineCollector
 
-            metrics.registry.register(PipelineCollector(service.executor))
+            metrics.registry.register(PipelineCollector(service.executor, service.admission))
     except AispError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
@@ -488,6 +491,54 @@ def topology(
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
     print(graph.render())
+
+
+@app.command()
+def diagnose(
+    url: Annotated[
+        str | None, typer.Option(help="A running pipeline or server: http://HOST:PORT (its /metrics).")
+    ] = None,
+    window_s: Annotated[float, typer.Option(help="Seconds between the two scrapes compared.")] = 3.0,
+    snapshot: Annotated[
+        list[str] | None,
+        typer.Option(help="Recorded /metrics text instead of --url: one (since start) or two (a window)."),
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the findings as JSON.")] = False,
+) -> None:
+    """Name what makes a running pipeline slow: the findings, most likely first."""
+    import httpx
+
+    from aisp.observe.diagnose import Scrape, metrics_url
+    from aisp.observe.diagnose import diagnose as find_causes
+
+    files = snapshot or []
+    before: Scrape | None
+    if (url is None) == (not files) or len(files) > 2:
+        raise typer.BadParameter("give --url, or one or two --snapshot files")
+    try:
+        if url is not None:
+            address = metrics_url(url)
+            before = Scrape(httpx.get(address, timeout=10).raise_for_status().text)
+            time.sleep(window_s)
+            after = Scrape(httpx.get(address, timeout=10).raise_for_status().text)
+        else:
+            texts = [Path(f).read_text() for f in files]
+            before = Scrape(texts[0]) if len(texts) == 2 else None
+            after = Scrape(texts[-1])
+    except (httpx.HTTPError, OSError, ValueError) as exc:
+        err.print(f"[red]error:[/red] cannot read metrics: {exc}")
+        raise typer.Exit(2) from exc
+    findings = find_causes(before, after, seconds=window_s if url is not None else None)
+    if json_out:
+        print(json.dumps([f.as_dict() for f in findings], indent=2))
+        return
+    table = Table(title="diagnosis (most likely first)")
+    for column in ("cause", "stage", "score", "evidence", "suggestion"):
+        table.add_column(column, overflow="fold")
+    for f in findings:
+        evidence = ", ".join(f"{k}={v}" for k, v in f.evidence.items())
+        table.add_row(f.cause, f.stage, f"{f.score:.2f}", evidence, f.suggestion)
+    Console().print(table)
 
 
 def main() -> None:

@@ -15,8 +15,11 @@ import httpx
 import msgspec
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from aisp import Batch, CollectSink, Pipeline, WorkloadFSource
+from aisp.observe.diagnose import Scrape, diagnose
+from aisp.observe.metrics import PipelineCollector
 from aisp.serve.http import create_app
 from aisp.serve.pipelines import PipelineService
 from benchmarks.workload import reference_outputs, write_events
@@ -153,6 +156,16 @@ def test_overload_gets_429_with_retry_after_and_every_accepted_request_is_answer
                     float(i + 1) for i in range(8)
                 ]
         assert service.tracker.open_chunks == 0
+        assert service.admission.accepted == 8 * codes.count(200)
+        # a refused request is answered after its first chunk: the events read so far count
+        assert codes.count(429) <= service.admission.queue_full <= 8 * codes.count(429)
+        registry = CollectorRegistry()
+        registry.register(PipelineCollector(service.executor, service.admission))
+        findings = diagnose(None, Scrape(generate_latest(registry).decode()))
+        # the root cause first: the 20 ms step, over its budget, saturating its thread; then the
+        # refusals it causes
+        causes = [(f.cause, f.stage) for f in findings]
+        assert causes[:2] == [("slow_operator", "slow"), ("admission_overload", "admission")]
     finally:
         assert service.close()
     assert np.isfinite(service.stats.e2e.percentile(99))

@@ -55,3 +55,10 @@ def test_unknown_column_error_lists_columns() -> None:
 def test_matrix_column_needs_2d() -> None:
     with pytest.raises(ConfigError, match="2-D"):
         matrix_column(np.zeros(3))
+
+
+def test_list_columns_of_equal_lengths_come_back_2d_and_ragged_ones_stay_objects() -> None:
+    even = Batch.from_columns({"v": pa.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])})
+    assert even.slice(1).numpy("v").tolist() == [[4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]
+    ragged = Batch.from_columns({"v": pa.array([[1.0], [2.0, 3.0]])})
+    assert ragged.numpy("v").dtype == object

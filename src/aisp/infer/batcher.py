@@ -246,6 +246,18 @@ class DynamicBatcher:
                 "max_queue_delay_ms": cfg.max_queue_delay_ms,
             }
 
+    def settings(self) -> dict[str, float]:
+        """The numbers of the setting in use: max_batch_rows, max_queue_delay_seconds (as tuned,
+        when adaptive), instances, capacity_rows."""
+        with self._lock:
+            cfg = self._queue.config
+            return {
+                "max_batch_rows": cfg.max_batch_size,
+                "max_queue_delay_seconds": cfg.max_queue_delay_ms / 1000,
+                "instances": self.config.instances,
+                "capacity_rows": self.config.capacity_rows,
+            }
+
     @property
     def queued_rows(self) -> int:
         return self._queue.queued_rows

@@ -13,6 +13,16 @@ Families (seconds and rows in the names; labels bounded by the pipeline's steps)
 * ``aisp_batch_size_rows{stage}``: rows per batch.
 * ``aisp_model_rows_total{stage, outcome}``: a model step's rows by fate: scored, timeout
   (deadline or queue timeout), error (the call failed after its retries), shed (overload).
+* ``aisp_stage_busy_seconds_total{stage}``: wall time spent on batches (its rate is the stage's
+  utilisation); ``aisp_stage_cpu_seconds_total{stage}``: the thread CPU time of that work
+  (sources, operators, sinks; a model computes on its runtime's threads). Busy far above CPU
+  means the stage waits on something.
+* ``aisp_stage_info{stage, kind, thread}`` (1: the thread group doing the stage's work),
+  ``aisp_stage_latency_budget_seconds{stage}``, ``aisp_batcher_setting{stage, setting}``
+  (a model step's batching as configured or tuned).
+* ``aisp_admission_events_total{outcome}``: a served pipeline's events accepted or refused
+  (``queue_full``, ``rate_limited``).
+* ``aisp_uptime_seconds``: since the pipeline started (the clock of rates between scrapes).
 * ``aisp_stage_errors_total{stage}``, ``aisp_dead_letters_total{stage}``,
   ``aisp_events_total{direction}``, ``aisp_checkpoints_total``.
 * ``aisp_slo_attainment_ratio{stage, target_seconds}``: the share of events within the
@@ -41,7 +51,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from aisp.observe.latency import LatencyHistogram
-from aisp.observe.stats import StageStats
+from aisp.observe.stats import AdmissionStats, StageStats
 
 if TYPE_CHECKING:
     from aisp.schedule.executor import LocalExecutor
@@ -65,8 +75,9 @@ def _buckets(hist: LatencyHistogram, bounds: tuple[float, ...], scale: float) ->
 class PipelineCollector:
     """A ``prometheus_client`` collector over one executor (see the module docstring)."""
 
-    def __init__(self, executor: LocalExecutor) -> None:
+    def __init__(self, executor: LocalExecutor, admission: AdmissionStats | None = None) -> None:
         self._ex = executor
+        self._admission = admission
 
     def collect(self) -> Iterator[Any]:
         stats = self._ex.stats
@@ -90,6 +101,21 @@ class PipelineCollector:
         queue = GaugeMetricFamily("aisp_stage_queue_rows", "Rows waiting for a stage", labels=["stage"])
         sizes = HistogramMetricFamily("aisp_batch_size_rows", "Rows per batch", labels=["stage"])
         errors = CounterMetricFamily("aisp_stage_errors", "Batches that failed in a stage", labels=["stage"])
+        busy = CounterMetricFamily(
+            "aisp_stage_busy_seconds", "Wall time a stage spent working on batches", labels=["stage"]
+        )
+        cpu = CounterMetricFamily(
+            "aisp_stage_cpu_seconds", "Thread CPU time of that work (not a model's)", labels=["stage"]
+        )
+        info = GaugeMetricFamily(
+            "aisp_stage_info",
+            "A stage's kind and the thread doing its work",
+            labels=["stage", "kind", "thread"],
+        )
+        budgets = GaugeMetricFamily(
+            "aisp_stage_latency_budget_seconds", "A stage's share of the latency budget", labels=["stage"]
+        )
+        threads = self._ex.thread_of()
         for st in stages:
             rows.add_metric([st.step_id, "in"], st.rows_in)
             rows.add_metric([st.step_id, "out"], st.rows_out)
@@ -97,7 +123,11 @@ class PipelineCollector:
             pairs, total = _buckets(st.batch_rows, BATCH_BUCKETS, 1.0)
             sizes.add_metric([st.step_id], pairs, st.batch_rows.sum_ns)
             errors.add_metric([st.step_id], st.errors)
-        yield from (rows, queue, sizes, errors)
+            busy.add_metric([st.step_id], st.busy_ns / 1e9)
+            cpu.add_metric([st.step_id], st.cpu_ns / 1e9)
+            info.add_metric([st.step_id, st.kind, threads.get(st.step_id, st.step_id)], 1)
+            budgets.add_metric([st.step_id], self._ex.graph.node(st.step_id).latency_budget_ms / 1000)
+        yield from (rows, queue, sizes, errors, busy, cpu, info, budgets)
         dead = CounterMetricFamily("aisp_dead_letters", "Events dead-lettered, by the step", labels=["stage"])
         for step, n in sorted(self._ex.dead_letter.by_step.items()):
             dead.add_metric([step], n)
@@ -107,6 +137,9 @@ class PipelineCollector:
         events.add_metric(["out"], stats.events_out)
         yield events
         yield CounterMetricFamily("aisp_checkpoints", "Checkpoints written", value=stats.checkpoints)
+        yield GaugeMetricFamily(
+            "aisp_uptime_seconds", "Seconds since the pipeline started", value=stats.seconds()
+        )
         fates = CounterMetricFamily(
             "aisp_model_rows", "Rows a model step took, by fate", labels=["stage", "outcome"]
         )
@@ -120,6 +153,23 @@ class PipelineCollector:
             ):
                 fates.add_metric([sid, outcome], n)
         yield fates
+        if self._ex.batchers:
+            setting = GaugeMetricFamily(
+                "aisp_batcher_setting",
+                "A model step's batching: max_batch_rows, max_queue_delay_seconds, instances, capacity_rows",
+                labels=["stage", "setting"],
+            )
+            for sid, batcher in self._ex.batchers.items():
+                for name, value in batcher.settings().items():
+                    setting.add_metric([sid, name], value)
+            yield setting
+        if self._admission is not None:
+            admission = CounterMetricFamily(
+                "aisp_admission_events", "Events offered to a served pipeline, by outcome", labels=["outcome"]
+            )
+            for outcome in AdmissionStats.OUTCOMES:
+                admission.add_metric([outcome], getattr(self._admission, outcome))
+            yield admission
         slo = GaugeMetricFamily(
             "aisp_slo_attainment_ratio",
             "Share of events (pipeline) or batches (stage compute) within the latency budget",

@@ -9,7 +9,7 @@ from typing import Any
 
 from aisp.observe.latency import LatencyHistogram
 
-__all__ = ["RunStats", "StageStats"]
+__all__ = ["AdmissionStats", "RunStats", "StageStats"]
 
 
 @dataclass
@@ -23,6 +23,11 @@ class StageStats:
     batches: int = 0
     errors: int = 0
     busy_ns: int = 0
+    """Wall time spent working on batches (reading, an operator, a write, a model call)."""
+    cpu_ns: int = 0
+    """The thread CPU time of that work, where the stage's own thread does it (not a model
+    call: its runtime computes on threads of its own). Far below ``busy_ns``: the stage waits
+    (on I/O, a lock, a remote peer)."""
     queue_rows: Callable[[], int] = field(default=lambda: 0, repr=False)
     phases: dict[str, LatencyHistogram] = field(default_factory=dict, repr=False)
     """Per-batch durations (ns) by phase: queue, batch, serialize, compute."""
@@ -49,6 +54,18 @@ class StageStats:
             "busy_s": round(self.busy_ns / 1e9, 3),
             "queue_rows": self.queue_rows(),
         }
+
+
+@dataclass
+class AdmissionStats:
+    """Events offered to a served pipeline, by outcome: ``accepted``, refused because the
+    admission queue stayed full (``queue_full``) or by a rate limit (``rate_limited``)."""
+
+    accepted: int = 0
+    queue_full: int = 0
+    rate_limited: int = 0
+
+    OUTCOMES = ("accepted", "queue_full", "rate_limited")
 
 
 @dataclass

@@ -227,6 +227,19 @@ class LocalExecutor:
     def _chained(self, step_id: str) -> bool:
         return self._task_of[step_id] != step_id
 
+    def thread_of(self) -> dict[str, str]:
+        """Step id -> the thread (group) that does its work: its task's, except that a model's
+        calls, and the steps chained after it, run on the model's dispatcher threads (named by
+        the model step)."""
+        out: dict[str, str] = {}
+        for sid, node in self._nodes.items():
+            if node.kind == "infer" or not self._chained(sid):
+                out[sid] = sid
+            else:
+                up = split_ref(node.inputs[0])[0]
+                out[sid] = up if self._nodes[up].kind == "infer" else out[up]
+        return out
+
     def tasks(self) -> dict[str, list[str]]:
         """Task id -> the step ids it runs, in order."""
         out: dict[str, list[str]] = defaultdict(list)
@@ -315,7 +328,7 @@ class LocalExecutor:
     def _push(self, sid: str, batch: Batch) -> None:
         st = self.stats.stages[sid]
         st.rows_in += batch.num_rows
-        t0 = time.perf_counter_ns()
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         try:
             outs = self._ops[sid].process(batch)
         except SinkError:
@@ -325,11 +338,13 @@ class LocalExecutor:
             self._dead_letter_rows(batch, sid, f"{type(exc).__name__}: {exc}")
             return
         finally:
-            st.busy_ns += time.perf_counter_ns() - t0
+            took = time.perf_counter_ns() - t0
+            st.busy_ns += took
         kind = self._nodes[sid].kind
         if kind != "infer":  # a model's phases come from its batcher
+            st.cpu_ns += time.thread_time_ns() - c0
             st.batches += 1
-            st.phase("serialize" if kind == "sink" else "compute", time.perf_counter_ns() - t0)
+            st.phase("serialize" if kind == "sink" else "compute", took)
             st.batch_rows.record_one(batch.num_rows)
         if kind == "sink":
             self._landed(-batch.num_rows)
@@ -414,13 +429,14 @@ class LocalExecutor:
                 if self._pause:
                     self._wait_while_paused()
                     continue
-                t0 = time.perf_counter_ns()
+                t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
                 held = part.next_batch(self.options.source_batch_rows)
                 read_ns = time.perf_counter_ns() - t0
-                st.busy_ns += read_ns
                 if held is None:
                     return
-                if held.num_rows:  # reading and decoding
+                if held.num_rows:  # reading and decoding; an empty read is idle, not busy
+                    st.busy_ns += read_ns
+                    st.cpu_ns += time.thread_time_ns() - c0
                     st.phase("serialize", read_ns)
                     st.batch_rows.record_one(held.num_rows)
                 if not held.num_rows:

@@ -327,6 +327,7 @@ class PipelineStreams:
                     if self.limiter is not None:
                         wait = self.limiter.admit(key, tier if tier is not None else 0, len(lines))
                         if wait and first:
+                            service.refused(len(lines), rate_limited=True)
                             answers.put(_Refused(f"rate limit: retry in {wait:.3f} s"))
                             return
                         stop.wait(wait)
@@ -341,6 +342,7 @@ class PipelineStreams:
                     )
                     if not admitted:
                         if first:
+                            service.refused(len(lines))
                             answers.put(_Refused(f"pipeline {service.name!r} is overloaded; retry later"))
                         return
                     line += len(lines)

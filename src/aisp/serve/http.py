@@ -260,6 +260,7 @@ class _Events:
         if self.limiter is not None and rows:
             wait = self.limiter.admit(key, tier if tier is not None else 0, rows)
             if wait and first:
+                service.refused(rows, rate_limited=True)
                 raise _Refused(f"rate limit: retry in {wait:.3f} s", self.limiter.retry_after(wait))
             if wait:
                 await asyncio.sleep(wait)
@@ -267,6 +268,7 @@ class _Events:
         pause = 0.0002
         while not service.offer(batch, chunk):
             if first and time.monotonic() >= deadline:
+                service.refused(rows)
                 message = f"pipeline {service.name!r} is overloaded: its admission queue is full; retry later"
                 raise _Refused(message, "1")
             await asyncio.sleep(pause)

@@ -34,6 +34,7 @@ from aisp.errors import ConfigError
 from aisp.ingest.base import Source, SourceContext, SourcePartition
 from aisp.ingest.decode import ColumnarDecoder, Decoded
 from aisp.ingest.decoder_process import DecoderProcess
+from aisp.observe.stats import AdmissionStats
 from aisp.pipeline import Pipeline
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
 from aisp.sinks.base import RowEncoder
@@ -355,6 +356,8 @@ class PipelineService:
         self._ids = 0
         self._ids_lock = threading.Lock()
         self.rejected_lines = 0
+        self.admission = AdmissionStats()
+        """Events accepted or refused (queue full, rate limited), for ``/metrics``."""
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -438,10 +441,18 @@ class PipelineService:
         if batch is None:
             return True
         if self.inbox.offer(batch):
+            self.admission.accepted += batch.num_rows
             return True
         if chunk is not None:
             self.tracker.discard(chunk)
         return False
+
+    def refused(self, events: int, *, rate_limited: bool = False) -> None:
+        """A transport turned ``events`` away (429 / RESOURCE_EXHAUSTED)."""
+        if rate_limited:
+            self.admission.rate_limited += events
+        else:
+            self.admission.queue_full += events
 
     def submit(
         self,

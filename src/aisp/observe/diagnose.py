@@ -1,0 +1,477 @@
+"""Root-cause diagnosis of a running pipeline from its Prometheus metrics.
+
+``diagnose(before, after)`` compares two scrapes of ``/metrics`` (or reads one, cumulative)
+and returns findings, most likely cause first. Each names a ``cause``, the ``stage`` it is in,
+the ``evidence`` (the numbers it rests on) and a concrete ``suggestion``.
+
+How it reasons:
+
+1. Per stage, the time an event spends there: waiting in the stage's queue, waiting in a
+   model's batcher, (de)serialising, computing (``aisp_stage_latency_seconds``), and how busy
+   the stage's thread is (``aisp_stage_busy_seconds_total`` over the window: its utilisation)
+   and how much of that busy time is CPU (``aisp_stage_cpu_seconds_total``).
+2. The bottleneck: the thread (group) nearest to saturation. When it is saturated, every wait
+   upstream of it (queues, batchers, a paced source falling behind) is its doing and is
+   charged to it.
+3. The cause in that stage, from its kind and phases: a model whose calls dominate
+   (``slow_model``), a model held to tiny batches (``small_batches``) or whose batches wait for
+   rows that do not come (``slow_batch_fill``), encoding or decoding that burns CPU
+   (``serialization``), a sink that waits on its destination (``slow_sink``), a per-row Python
+   function (``row_udf``), another operator (``slow_operator``); and for the whole pipeline,
+   events refused or shed at admission (``admission_overload``), model calls failing or rows
+   expiring (``model_errors``). When nothing stands out: ``healthy``.
+
+A finding's ``score`` is the share of the events' time it explains (0..1); a stage over its
+own latency budget ranks above admission overload, which otherwise ranks first (when events
+are turned away, the load is the story, not the stages that work as configured).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = ["CAUSES", "Finding", "Scrape", "diagnose", "metrics_url"]
+
+CAUSES = (
+    "slow_model",
+    "small_batches",
+    "slow_batch_fill",
+    "serialization",
+    "row_udf",
+    "slow_operator",
+    "slow_sink",
+    "admission_overload",
+    "model_errors",
+    "healthy",
+)
+PHASES = ("queue", "batch", "serialize", "compute")
+SATURATED = 0.8  # a thread busy this share of the time is the bottleneck
+TINY_BATCH_ROWS = 32  # a cap this low makes a model call's fixed cost dominate
+BUSY_MODEL = 0.5  # a model busy this share of the time makes its rows wait for it
+WAITING_CPU_SHARE = 0.25  # busy with less CPU than this: waiting, not working
+
+Labels = tuple[tuple[str, str], ...]
+
+
+def metrics_url(url: str) -> str:
+    """``http://host:port`` or ``.../metrics`` -> the ``/metrics`` address."""
+    url = url.rstrip("/")
+    return url if url.endswith("/metrics") else url + "/metrics"
+
+
+class Scrape:
+    """One reading of a ``/metrics`` page: every sample by name and labels."""
+
+    def __init__(self, text: str) -> None:
+        self.samples: dict[str, dict[Labels, float]] = defaultdict(dict)
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                self.samples[s.name][tuple(sorted(s.labels.items()))] = float(s.value)
+
+    def get(self, name: str, **labels: str) -> float:
+        """The one sample of ``name`` with exactly ``labels`` (0 when absent)."""
+        return self.samples.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
+
+    def series(self, name: str) -> dict[Labels, float]:
+        return self.samples.get(name, {})
+
+
+@dataclass
+class _Hist:
+    """A histogram over the window: bucket upper bounds with cumulative counts, count, sum."""
+
+    bounds: list[tuple[float, float]]
+    count: float
+    sum: float
+
+    @property
+    def mean(self) -> float:
+        return self.sum / self.count if self.count > 0 else 0.0
+
+    def quantile(self, q: float) -> float:
+        """Linear interpolation inside the bucket (as Prometheus' ``histogram_quantile``)."""
+        if self.count <= 0:
+            return 0.0
+        rank, lo, below = q * self.count, 0.0, 0.0
+        for le, cum in self.bounds:
+            if cum >= rank:
+                if math.isinf(le):
+                    return lo
+                inside = cum - below
+                return lo + (le - lo) * ((rank - below) / inside if inside > 0 else 1.0)
+            lo, below = le, cum
+        return lo
+
+
+class _Window:
+    """Deltas between two scrapes (or the cumulative values of one)."""
+
+    def __init__(self, before: Scrape | None, after: Scrape) -> None:
+        self.before, self.after = before, after
+
+    def delta(self, name: str, **labels: str) -> float:
+        now = self.after.get(name, **labels)
+        return now - self.before.get(name, **labels) if self.before is not None else now
+
+    def gauge(self, name: str, **labels: str) -> float:
+        return self.after.get(name, **labels)
+
+    def hist(self, name: str, **labels: str) -> _Hist:
+        bounds = []
+        want = set(labels.items())
+        for key in self.after.series(name + "_bucket"):
+            d = dict(key)
+            if set(d.items()) - {("le", d.get("le", ""))} == want:
+                le = d["le"]
+                bounds.append((float(le), self.delta(name + "_bucket", **labels, le=le)))
+        bounds.sort()
+        return _Hist(bounds, self.delta(name + "_count", **labels), self.delta(name + "_sum", **labels))
+
+
+@dataclass
+class _Stage:
+    name: str
+    kind: str
+    thread: str
+    phases: dict[str, _Hist]
+    busy: float  # share of the window the stage worked (1.0: one thread's worth)
+    cpu_share: float | None  # CPU / busy; None where not measured
+    rows_in: float  # rows per second
+    batch_rows: float  # mean rows per batch
+    queue_rows: float
+    budget_s: float
+    settings: dict[str, float] = field(default_factory=dict)
+
+    def mean(self, phase: str) -> float:
+        return self.phases[phase].mean
+
+    def p99(self, phase: str) -> float:
+        return self.phases[phase].quantile(0.99)
+
+    @property
+    def own_s(self) -> float:
+        """Mean time per batch of this stage's own work that its events wait for (a source
+        stamps ingest times once a batch is read, so its reading precedes them)."""
+        return 0.0 if self.kind == "source" else self.mean("compute") + self.mean("serialize")
+
+    @property
+    def wait_s(self) -> float:
+        return self.mean("queue") + self.mean("batch")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A likely cause of latency or loss, with the numbers behind it."""
+
+    cause: str
+    stage: str
+    score: float
+    evidence: dict[str, Any]
+    suggestion: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "cause": self.cause,
+            "stage": self.stage,
+            "score": round(self.score, 3),
+            "evidence": self.evidence,
+            "suggestion": self.suggestion,
+        }
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)
+
+
+def _stages(w: _Window, seconds: float) -> list[_Stage]:
+    info = w.after.series("aisp_stage_info")
+    if info:
+        meta = [(d["stage"], d["kind"], d.get("thread", d["stage"])) for d in map(dict, info)]
+    else:  # an older exporter: stages from the latency family, kinds unknown
+        names = {dict(k)["stage"] for k in w.after.series("aisp_stage_latency_seconds_count")}
+        meta = [(n, "", n) for n in sorted(names)]
+    out = []
+    for name, kind, thread in meta:
+        busy_s = w.delta("aisp_stage_busy_seconds_total", stage=name)
+        cpu_s = w.delta("aisp_stage_cpu_seconds_total", stage=name)
+        sizes = w.hist("aisp_batch_size_rows", stage=name)
+        settings = {
+            dict(k)["setting"]: v
+            for k, v in w.after.series("aisp_batcher_setting").items()
+            if dict(k)["stage"] == name
+        }
+        out.append(
+            _Stage(
+                name=name,
+                kind=kind,
+                thread=thread,
+                phases={p: w.hist("aisp_stage_latency_seconds", stage=name, phase=p) for p in PHASES},
+                busy=busy_s / seconds if seconds > 0 else 0.0,
+                cpu_share=cpu_s / busy_s if kind != "infer" and busy_s > 0 and cpu_s > 0 else None,
+                rows_in=w.delta("aisp_stage_rows_total", stage=name, direction="in") / max(seconds, 1e-9),
+                batch_rows=sizes.mean,
+                queue_rows=w.gauge("aisp_stage_queue_rows", stage=name),
+                budget_s=w.gauge("aisp_stage_latency_budget_seconds", stage=name),
+                settings=settings,
+            )
+        )
+    return out
+
+
+def _pow2_at_least(x: float, lo: int, hi: int) -> int:
+    return int(min(hi, max(lo, 2 ** math.ceil(math.log2(max(x, 1.0))))))
+
+
+def _classify(st: _Stage, thread_busy: float) -> tuple[str, str, dict[str, Any]] | None:
+    """The cause inside one stage: (cause, suggestion, evidence), or None. ``thread_busy`` is
+    the utilisation of the thread doing its work (a model's: with what runs after it)."""
+    ev: dict[str, Any] = {
+        "busy_share": round(st.busy, 3),
+        "rows_per_batch": round(st.batch_rows, 1),
+        "queue_rows": int(st.queue_rows),
+    }
+    for p in PHASES:
+        if st.phases[p].count:
+            ev[f"{p}_mean_ms"], ev[f"{p}_p99_ms"] = _ms(st.mean(p)), _ms(st.p99(p))
+    if st.cpu_share is not None:
+        ev["cpu_share_of_busy"] = round(st.cpu_share, 2)
+    if st.budget_s:
+        ev["budget_ms"] = _ms(st.budget_s)
+    per_row_us = round(st.own_s / st.batch_rows * 1e6, 2) if st.batch_rows else 0.0
+    if st.kind == "infer":
+        cap = st.settings.get("max_batch_rows", 0.0)
+        delay = st.settings.get("max_queue_delay_seconds", 0.0)
+        instances = int(st.settings.get("instances", 1) or 1)
+        ev.update(max_batch_rows=int(cap), instances=instances, compute_us_per_row=per_row_us)
+        at_cap = cap > 0 and st.batch_rows >= 0.8 * cap
+        if at_cap and cap <= TINY_BATCH_ROWS and st.wait_s >= st.mean("compute"):
+            need = st.rows_in * st.mean("compute") * 4  # rows arriving during four calls
+            size = _pow2_at_least(need, int(cap) * 4, 1024)
+            return (
+                "small_batches",
+                f"raise max_batch_size of step {st.name!r} from {int(cap)} to {size}: each call takes "
+                f"{_ms(st.mean('compute'))} ms for {st.batch_rows:.0f} rows while rows wait "
+                f"{_ms(st.wait_s)} ms for a call",
+                ev,
+            )
+        # rows also wait in the batcher while every instance is busy: then the model is the
+        # reason, not the batching
+        idle = thread_busy < BUSY_MODEL
+        filling = cap > 0 and st.batch_rows < 0.5 * cap and delay > 0 and st.mean("batch") >= 0.5 * delay
+        if idle and filling and st.mean("batch") > st.mean("compute"):
+            target = max(st.mean("compute"), delay / 4)
+            ev["max_queue_delay_ms"] = _ms(delay)
+            return (
+                "slow_batch_fill",
+                f"batches of step {st.name!r} wait {_ms(st.mean('batch'))} ms to fill and hold "
+                f"{st.batch_rows:.0f} of {int(cap)} rows: lower max_queue_delay_ms from "
+                f"{_ms(delay)} to {_ms(target)} (or set eager=True)",
+                ev,
+            )
+        return (
+            "slow_model",
+            f"calls of step {st.name!r} take {_ms(st.mean('compute'))} ms (p99 {_ms(st.p99('compute'))} ms) "
+            f"for {st.batch_rows:.0f} rows ({per_row_us} us/row): add instances (now {instances}), use a "
+            "faster execution provider or a quantized (int8) or smaller model",
+            ev,
+        )
+    # busy wall time off the CPU: waiting on I/O or a peer (or for the GIL, in a busy process)
+    waiting = st.cpu_share is not None and st.cpu_share < WAITING_CPU_SHARE
+    if st.kind == "sink":
+        if waiting:
+            return (
+                "slow_sink",
+                f"writes of sink {st.name!r} take {_ms(st.mean('serialize'))} ms per batch, "
+                f"{100 * (1 - (st.cpu_share or 0)):.0f}% of it waiting on the destination: write "
+                "bigger batches, write asynchronously or to more partitions, or speed up the store",
+                ev,
+            )
+        return (
+            "serialization",
+            f"sink {st.name!r} spends {_ms(st.mean('serialize'))} ms per batch encoding "
+            f"({per_row_us} us/row, "
+            "on the CPU): write fewer or narrower columns, a binary format (Arrow IPC), or encode in "
+            "a worker process",
+            ev,
+        )
+    if st.kind == "source":
+        if waiting:  # a source waiting for input is idle, not slow
+            return None
+        return (
+            "serialization",
+            f"source {st.name!r} spends {_ms(st.mean('serialize'))} ms per batch decoding "
+            f"({per_row_us} us/row): "
+            "drop unused fields at the source, declare a schema with fixed types, use a binary "
+            "format, or decode in a worker process",
+            ev,
+        )
+    ev["compute_us_per_row"] = per_row_us
+    if st.kind == "map":
+        return (
+            "row_udf",
+            f"step {st.name!r} calls a Python function per row ({per_row_us} us/row, "
+            f"{_ms(st.mean('compute'))} ms per batch) and holds the GIL: rewrite it with map_batch "
+            "over numpy/Arrow columns",
+            ev,
+        )
+    if st.own_s > 0:
+        return (
+            "slow_operator",
+            f"step {st.name!r} takes {_ms(st.mean('compute'))} ms per batch ({per_row_us} us/row): "
+            "profile it (py-spy) and vectorise its hot loop",
+            ev,
+        )
+    return None
+
+
+def _waits_on_itself(st: _Stage, cause: str) -> bool:
+    """Rows wait in this model's batcher because of the model: its batching, or its calls
+    keeping every instance busy."""
+    if cause in ("small_batches", "slow_batch_fill"):
+        return True
+    instances = st.settings.get("instances", 1) or 1
+    return cause == "slow_model" and st.busy / instances >= BUSY_MODEL
+
+
+def _thread_busy(stages: list[_Stage]) -> dict[str, float]:
+    """Each thread group's utilisation (a model's: per instance)."""
+    busy: dict[str, float] = defaultdict(float)
+    for st in stages:
+        instances = st.settings.get("instances", 1) or 1 if st.kind == "infer" else 1
+        busy[st.thread] += st.busy / instances
+    return dict(busy)
+
+
+def _admission(w: _Window, stages: list[_Stage]) -> tuple[float, float, dict[str, Any], str]:
+    """(refused, offered, evidence, where): events turned away at a served pipeline's admission
+    queue or rate limits, or shed by a model's bounded queue; offered is everything that came."""
+    full = w.delta("aisp_admission_events_total", outcome="queue_full")
+    limited = w.delta("aisp_admission_events_total", outcome="rate_limited")
+    offered = w.delta("aisp_events_total", direction="in") + full + limited
+    ev: dict[str, Any] = {"offered": int(offered)}
+    if full or limited:
+        ev.update(refused_queue_full=int(full), refused_rate_limited=int(limited))
+    shed = {st.name: w.delta("aisp_model_rows_total", stage=st.name, outcome="shed") for st in stages}
+    ev.update({f"shed_{name}": int(n) for name, n in shed.items() if n})
+    top = max(shed, key=lambda n: shed[n], default="")
+    where = top if top and shed[top] > full + limited else "admission"
+    return full + limited + sum(shed.values()), offered, ev, where
+
+
+def diagnose(before: Scrape | None, after: Scrape, *, seconds: float | None = None) -> list[Finding]:
+    """Findings over the window between two scrapes (``before`` None: since the start),
+    most likely first. ``seconds`` is the window's length when the pipeline's own uptime
+    gauge is missing."""
+    w = _Window(before, after)
+    span = w.delta("aisp_uptime_seconds") or (seconds or 0.0)
+    stages = _stages(w, span)
+    e2e = w.hist("aisp_e2e_latency_seconds")
+    findings: list[Finding] = []
+    base = {"e2e_p99_ms": _ms(e2e.quantile(0.99)), "e2e_mean_ms": _ms(e2e.mean), "window_s": round(span, 2)}
+    # where each event's time goes: stages' own work and waits, plus lag before the source read
+    accounted = sum(st.own_s + st.wait_s for st in stages)
+    lag = max(e2e.mean - accounted, 0.0)
+    total = max(accounted + lag, 1e-12)
+    busy = _thread_busy(stages)
+    hot_thread = max(busy, key=lambda t: busy[t]) if busy else ""
+    saturated = busy.get(hot_thread, 0.0) >= SATURATED
+    owners = [st for st in stages if st.thread == hot_thread]
+    bottleneck = max(owners, key=lambda st: st.busy).name if saturated and owners else ""
+    for st in stages:
+        found = _classify(st, busy.get(st.thread, 0.0))
+        if found is None:
+            continue
+        cause, suggestion, ev = found
+        explained = st.own_s + (st.mean("batch") if _waits_on_itself(st, cause) else 0.0)
+        if st.name == bottleneck:  # every wait in the pipeline is behind this stage
+            explained = st.own_s + sum(s.wait_s for s in stages) + lag
+            ev["bottleneck_thread_busy_share"] = round(busy[hot_thread], 3)
+        score = min(explained / total, 1.0)
+        if st.budget_s and st.own_s > st.budget_s:
+            ev["over_budget"] = True
+        findings.append(Finding(cause, st.name, score, {**ev, **base}, suggestion))
+    findings.extend(_pipeline_findings(w, stages, findings, base))
+    findings.sort(key=lambda f: -f.score)
+    meaningful = [f for f in findings if f.score >= 0.05 or f.cause in ("admission_overload", "model_errors")]
+    if not meaningful or (e2e.count and _healthy(stages, e2e, after, meaningful)):
+        target = _target_s(after)
+        ev = {**base, "slo_target_ms": _ms(target)} if target else base
+        top = meaningful[0].stage if meaningful else ""
+        return [
+            Finding("healthy", top, 1.0, ev, "no bottleneck: every stage is within its budget"),
+            *meaningful,
+        ]
+    return meaningful
+
+
+def _target_s(after: Scrape) -> float:
+    for key in after.series("aisp_slo_attainment_ratio"):
+        d = dict(key)
+        if d.get("stage") == "pipeline":
+            return float(d["target_seconds"])
+    return 0.0
+
+
+def _healthy(stages: list[_Stage], e2e: _Hist, after: Scrape, findings: Iterable[Finding]) -> bool:
+    """Nothing to fix: the pipeline meets its latency target, no stage is near saturation or over
+    its budget, nothing is refused."""
+    target = _target_s(after)
+    if not target or e2e.quantile(0.99) > target:
+        return False
+    if any(
+        f.cause in ("admission_overload", "model_errors") or f.evidence.get("over_budget") for f in findings
+    ):
+        return False
+    return max(_thread_busy(stages).values(), default=0.0) < SATURATED
+
+
+def _pipeline_findings(
+    w: _Window, stages: list[_Stage], found: list[Finding], base: dict[str, Any]
+) -> list[Finding]:
+    out = []
+    refused, offered, ev, where = _admission(w, stages)
+    if offered and refused / offered >= 0.01:
+        share = refused / offered
+        strong = [
+            f.score
+            for f in found
+            if f.evidence.get("over_budget") and "bottleneck_thread_busy_share" in f.evidence
+        ]
+        score = 0.9 * max(strong) if strong else 1.0 + share
+        out.append(
+            Finding(
+                "admission_overload",
+                where,
+                score,
+                {**ev, "refused_share": round(share, 3), **base},
+                f"{100 * share:.1f}% of the offered events were turned away: the offered rate exceeds "
+                "what the pipeline sustains; add capacity (model instances, workers), lower the "
+                "offered rate, or raise the admission queue if bursts are short",
+            )
+        )
+    for st in stages:
+        if st.kind != "infer":
+            continue
+        errors = w.delta("aisp_model_rows_total", stage=st.name, outcome="error")
+        timeouts = w.delta("aisp_model_rows_total", stage=st.name, outcome="timeout")
+        scored = w.delta("aisp_model_rows_total", stage=st.name, outcome="scored")
+        failed = errors + timeouts
+        if failed and failed / (failed + scored) >= 0.01:
+            share = failed / (failed + scored)
+            out.append(
+                Finding(
+                    "model_errors",
+                    st.name,
+                    0.5 + share,
+                    {"errors": int(errors), "timeouts": int(timeouts), "scored": int(scored), **base},
+                    f"{100 * share:.1f}% of the rows of step {st.name!r} failed or expired: check the "
+                    "model's dead letters for the cause; give deadlines more room or the model more capacity",
+                )
+            )
+    return out

@@ -1,0 +1,196 @@
+"""Diagnosis rules on recorded /metrics text (the planted scenarios run for real in
+tests/integration/test_diagnose.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from aisp.cli import app
+from aisp.observe.diagnose import Scrape, _Hist, diagnose, metrics_url
+
+BOUNDS = (0.001, 0.005, 0.01, 0.05, 0.1, 1.0)
+
+
+def _hist(name: str, labels: str, values: list[float]) -> list[str]:
+    sep = "," if labels else ""
+    lines = [f'{name}_bucket{{{labels}{sep}le="{b}"}} {sum(v <= b for v in values)}' for b in BOUNDS]
+    lines.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {len(values)}')
+    lines.append(f"{name}_count{{{labels}}} {len(values)}")
+    lines.append(f"{name}_sum{{{labels}}} {sum(values)}")
+    return lines
+
+
+def metrics_text(
+    uptime: float,
+    stages: dict[str, dict[str, Any]],
+    *,
+    e2e: list[float],
+    events_in: int,
+    extra: tuple[str, ...] = (),
+) -> str:
+    """An exposition like PipelineCollector's; each stage: kind, thread, busy/cpu seconds,
+    budget, per-phase values (seconds per batch), rows per batch."""
+    out = ["# TYPE aisp_uptime_seconds gauge", f"aisp_uptime_seconds {uptime}"]
+    out += ["# TYPE aisp_stage_info gauge"]
+    out += [
+        f'aisp_stage_info{{stage="{n}",kind="{s["kind"]}",thread="{s.get("thread", n)}"}} 1'
+        for n, s in stages.items()
+    ]
+    for family in ("busy", "cpu"):
+        out.append(f"# TYPE aisp_stage_{family}_seconds counter")
+        out += [
+            f'aisp_stage_{family}_seconds_total{{stage="{n}"}} {s.get(family, 0.0)}'
+            for n, s in stages.items()
+        ]
+    out.append("# TYPE aisp_stage_latency_budget_seconds gauge")
+    out += [
+        f'aisp_stage_latency_budget_seconds{{stage="{n}"}} {s.get("budget", 0.001)}'
+        for n, s in stages.items()
+    ]
+    out.append("# TYPE aisp_stage_latency_seconds histogram")
+    for n, s in stages.items():
+        for phase in ("queue", "batch", "serialize", "compute"):
+            out += _hist("aisp_stage_latency_seconds", f'stage="{n}",phase="{phase}"', s.get(phase, []))
+    out.append("# TYPE aisp_batch_size_rows histogram")
+    for n, s in stages.items():
+        rows = s.get("rows", [])
+        out += [
+            f'aisp_batch_size_rows_count{{stage="{n}"}} {len(rows)}',
+            f'aisp_batch_size_rows_sum{{stage="{n}"}} {sum(rows)}',
+        ]
+    out.append("# TYPE aisp_e2e_latency_seconds histogram")
+    out += _hist("aisp_e2e_latency_seconds", "", e2e)
+    out += ["# TYPE aisp_events counter", f'aisp_events_total{{direction="in"}} {events_in}']
+    out += [
+        "# TYPE aisp_slo_attainment_ratio gauge",
+        'aisp_slo_attainment_ratio{stage="pipeline",target_seconds="0.05"} 1.0',
+    ]
+    out += list(extra)
+    return "\n".join(out) + "\n"
+
+
+CALM = {
+    "events": {"kind": "source", "busy": 0.2, "cpu": 0.18, "serialize": [0.001] * 10, "rows": [512] * 10},
+    "score": {
+        "kind": "infer",
+        "busy": 0.5,
+        "compute": [0.002] * 100,
+        "batch": [0.001] * 100,
+        "rows": [50] * 100,
+        "budget": 0.01,
+    },
+    "out": {
+        "kind": "sink",
+        "thread": "score",
+        "busy": 0.1,
+        "cpu": 0.09,
+        "serialize": [0.0005] * 100,
+        "rows": [50] * 100,
+    },
+}
+
+
+def test_quantile_interpolates_inside_the_bucket_like_prometheus() -> None:
+    h = _Hist([(0.01, 50.0), (0.02, 100.0), (float("inf"), 100.0)], 100.0, 1.2)
+    assert h.quantile(0.5) == pytest.approx(0.01)
+    assert h.quantile(0.75) == pytest.approx(0.015)
+    assert h.mean == pytest.approx(0.012)
+
+
+def test_a_calm_pipeline_is_healthy() -> None:
+    scrape = Scrape(metrics_text(10.0, CALM, e2e=[0.004] * 1000, events_in=5000))
+    findings = diagnose(None, scrape)
+    assert findings[0].cause == "healthy"
+    assert findings[0].evidence["slo_target_ms"] == 50.0
+
+
+def test_refusals_at_a_served_pipeline_rank_first_as_admission_overload() -> None:
+    def at(uptime: float, accepted: int, full: int) -> Scrape:
+        extra = (
+            "# TYPE aisp_admission_events counter",
+            f'aisp_admission_events_total{{outcome="accepted"}} {accepted}',
+            f'aisp_admission_events_total{{outcome="queue_full"}} {full}',
+            'aisp_admission_events_total{outcome="rate_limited"} 0',
+        )
+        return Scrape(metrics_text(uptime, CALM, e2e=[0.004] * accepted, events_in=accepted, extra=extra))
+
+    findings = diagnose(at(10.0, 1000, 0), at(12.0, 3000, 1000))
+    assert findings[0].cause == "admission_overload"
+    assert findings[0].stage == "admission"
+    assert findings[0].evidence["refused_share"] == pytest.approx(1000 / 3000, abs=1e-3)
+    assert findings[0].evidence["window_s"] == 2.0
+
+
+def test_failing_model_calls_are_a_finding() -> None:
+    extra = (
+        "# TYPE aisp_model_rows counter",
+        'aisp_model_rows_total{stage="score",outcome="scored"} 900',
+        'aisp_model_rows_total{stage="score",outcome="error"} 100',
+        'aisp_model_rows_total{stage="score",outcome="timeout"} 0',
+        'aisp_model_rows_total{stage="score",outcome="shed"} 0',
+    )
+    scrape = Scrape(metrics_text(10.0, CALM, e2e=[0.004] * 900, events_in=1000, extra=extra))
+    causes = [f.cause for f in diagnose(None, scrape)]
+    assert "model_errors" in causes
+    assert causes[0] != "healthy"
+
+
+def test_a_sink_waiting_on_its_store_is_told_from_one_burning_cpu() -> None:
+    stages = {
+        **CALM,
+        "out": {
+            "kind": "sink",
+            "thread": "score",
+            "busy": 9.0,
+            "cpu": 0.2,
+            "serialize": [0.02] * 450,
+            "rows": [50] * 450,
+        },
+    }
+    waiting = diagnose(None, Scrape(metrics_text(10.0, stages, e2e=[0.04] * 1000, events_in=5000)))
+    assert (waiting[0].cause, waiting[0].stage) == ("slow_sink", "out")
+    stages["out"] = {**stages["out"], "cpu": 8.5}
+    burning = diagnose(None, Scrape(metrics_text(10.0, stages, e2e=[0.04] * 1000, events_in=5000)))
+    assert (burning[0].cause, burning[0].stage) == ("serialization", "out")
+
+
+def test_metrics_url_takes_a_base_or_the_metrics_address() -> None:
+    assert metrics_url("http://127.0.0.1:9464") == "http://127.0.0.1:9464/metrics"
+    assert metrics_url("http://127.0.0.1:9464/metrics/") == "http://127.0.0.1:9464/metrics"
+
+
+def test_cli_diagnoses_two_recorded_snapshots(tmp_path: Path) -> None:
+    before, after = tmp_path / "a.txt", tmp_path / "b.txt"
+    before.write_text(metrics_text(10.0, CALM, e2e=[0.004] * 100, events_in=500))
+    # in the next 10 s the model's calls take 90 ms: counters go on from the first snapshot
+    score = CALM["score"]
+    slow = {
+        **CALM,
+        "score": {
+            **score,
+            "busy": 9.5,
+            "compute": score["compute"] + [0.09] * 100,
+            "batch": score["batch"] + [0.05] * 100,
+            "rows": score["rows"] + [50] * 100,
+        },
+    }
+    after.write_text(metrics_text(20.0, slow, e2e=[0.004] * 100 + [0.2] * 100, events_in=1000))
+    result = CliRunner().invoke(
+        app, ["diagnose", "--snapshot", str(before), "--snapshot", str(after), "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    findings = json.loads(result.output)
+    assert (findings[0]["cause"], findings[0]["stage"]) == ("slow_model", "score")
+    assert findings[0]["evidence"]["window_s"] == 10.0
+    assert findings[0]["evidence"]["compute_mean_ms"] == 90.0
+    assert findings[0]["evidence"]["over_budget"] is True
+
+
+def test_cli_wants_one_source_of_metrics() -> None:
+    result = CliRunner().invoke(app, ["diagnose", "--json"])
+    assert result.exit_code != 0
