@@ -78,10 +78,15 @@ class Batch:
     [0, 1, 2]
     """
 
-    __slots__ = ("_rb",)
+    __slots__ = ("_ids", "_rb", "traced")
 
     def __init__(self, record_batch: pa.RecordBatch) -> None:
         self._rb = record_batch
+        self._ids: npt.NDArray[np.int64] | None = None
+        self.traced: npt.NDArray[np.int64] | None = None
+        """Ids of the sampled (traced) events among the rows, when the executor traces: set
+        at ingest and carried to the batches an operator derives, so that other batches cost
+        a stage nothing."""
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -178,7 +183,12 @@ class Batch:
 
     @property
     def ids(self) -> npt.NDArray[np.int64]:
-        return self.numpy(ID)
+        """The event ids (read-only; converted once per batch: several observers ask)."""
+        if self._ids is None:
+            ids = self.numpy(ID)
+            ids.flags.writeable = False
+            self._ids = ids
+        return self._ids
 
     @property
     def ingest_ns(self) -> npt.NDArray[np.int64]:
@@ -202,14 +212,21 @@ class Batch:
             arr = _to_arrow(values)
             idx = rb.schema.get_field_index(name)
             rb = rb.set_column(idx, name, arr) if idx >= 0 else rb.append_column(name, arr)
-        return Batch(rb)
+        return self._same_rows(Batch(rb), ID not in columns)
+
+    def _same_rows(self, out: Batch, ids_kept: bool) -> Batch:
+        """``out`` has this batch's rows in order: it reuses the converted ids and carries
+        the traced ones."""
+        if ids_kept:
+            out._ids, out.traced = self._ids, self.traced
+        return out
 
     def drop(self, names: Iterable[str]) -> Batch:
         keep = [n for n in self.column_names if n not in set(names)]
         return self.select(keep)
 
     def select(self, names: Sequence[str]) -> Batch:
-        return Batch(self._rb.select(list(names)))
+        return self._same_rows(Batch(self._rb.select(list(names))), ID in names)
 
     def slice(self, offset: int, length: int | None = None) -> Batch:
         """Zero-copy slice of ``length`` rows from ``offset``."""

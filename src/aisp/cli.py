@@ -48,6 +48,15 @@ def load_pipeline(path: str, **params: Any) -> Pipeline:
     return p
 
 
+TraceSample = Annotated[
+    float, typer.Option(help="Trace this share of the events (OpenTelemetry over OTLP/HTTP; 0: off).")
+]
+TraceEndpoint = Annotated[
+    str | None, typer.Option(help="OTLP/HTTP traces endpoint (default: OTEL_EXPORTER_OTLP_* or :4318).")
+]
+TraceMaxPerS = Annotated[float, typer.Option(help="At most this many new traces a second (0: no cap).")]
+
+
 @app.command()
 def run(
     pipeline: Annotated[str, typer.Argument(help="Python file defining build() or `pipeline`.")],
@@ -87,6 +96,9 @@ def run(
     metrics_port: Annotated[
         int | None, typer.Option(help="Serve Prometheus /metrics on 127.0.0.1:PORT during the run (0: free).")
     ] = None,
+    trace_sample: TraceSample = 0.0,
+    trace_endpoint: TraceEndpoint = None,
+    trace_max_per_s: TraceMaxPerS = 100.0,
 ) -> None:
     """Run PIPELINE to the end of its input (Ctrl-C / SIGTERM drain cleanly)."""
     from aisp.runner import RunOptions
@@ -115,6 +127,7 @@ def run(
                 checkpoint_interval_s=checkpoint_interval_s,
                 state_store=state_store,
                 metrics_port=metrics_port,
+                trace=_trace_config(trace_sample, trace_endpoint, trace_max_per_s),
             ),
         )
     except AispError as exc:
@@ -130,6 +143,16 @@ def run(
         f"p99.9 {lat['p999']} ms, max {lat['max']} ms; peak RSS {summary.peak_rss_mb:.0f} MB"
         + (" (stopped early, drained)" if summary.stopped_early else "")
     )
+
+
+def _trace_config(sample: float, endpoint: str | None, max_per_s: float) -> Any:
+    """``--trace-*`` options as a ``TraceConfig`` (None: tracing off). With an endpoint and no
+    sample, only events whose client sent a sampled ``traceparent`` are traced."""
+    if sample <= 0 and endpoint is None:
+        return None
+    from aisp.observe.tracing import TraceConfig
+
+    return TraceConfig(sample_ratio=sample, endpoint=endpoint, max_traces_per_s=max_per_s)
 
 
 def _params(pairs: list[str] | None) -> dict[str, Any]:
@@ -238,6 +261,9 @@ def serve(
         list[str] | None,
         typer.Option("--param", help="KEY=VALUE passed to a pipeline's build() (repeatable)."),
     ] = None,
+    trace_sample: TraceSample = 0.0,
+    trace_endpoint: TraceEndpoint = None,
+    trace_max_per_s: TraceMaxPerS = 100.0,
 ) -> None:
     """Serve a PIPELINE (events in, results out, over HTTP NDJSON and a gRPC stream) or a model
     REPOSITORY over Open Inference Protocol v2 (HTTP and gRPC).
@@ -272,6 +298,7 @@ def serve(
                 capacity_rows=admission_rows,
                 dead_letter=dead_letter,
                 decode_process=decode_process,
+                trace=_trace_config(trace_sample, trace_endpoint, trace_max_per_s),
             )
             pipelines[service.name] = service
             repository = model_repository

@@ -25,6 +25,7 @@ from aisp.schedule.executor import ExecutorOptions, LocalExecutor
 from aisp.state.checkpoint import CheckpointStore
 
 if TYPE_CHECKING:
+    from aisp.observe.tracing import TraceConfig
     from aisp.pipeline import Pipeline
 
 __all__ = ["RunOptions", "RunSummary", "run"]
@@ -55,6 +56,8 @@ class RunOptions:
     state_store: bool = False
     """With ``checkpoint_dir``: keep keyed state in an LMDB store there (``state/``), written
     incrementally at checkpoints (only keys that changed), instead of whole in each checkpoint."""
+    trace: TraceConfig | None = None
+    """Trace a sample of the events (OpenTelemetry, exported over OTLP/HTTP)."""
     metrics_port: int | None = None
     """Serve Prometheus ``/metrics`` on 127.0.0.1 at this port while the run lasts (0: a free
     port, announced on stderr as ``metrics http://127.0.0.1:PORT/metrics``)."""
@@ -160,8 +163,14 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
     restore = _install_signals(ex) if opts.handle_signals else None
     metrics_server: Any = None
     gc_restore = _tune_gc() if opts.tune_gc else None
+    if opts.trace is not None:
+        from aisp.observe.tracing import EventTracer
+
+        ex.tracer = EventTracer(opts.trace, graph.name)
     try:
         ex.start()
+        if ex.tracer is not None:  # after start: its export thread must not keep workers from forking
+            ex.tracer.start()
         if opts.metrics_port is not None:
             from aisp.observe.metrics import serve_metrics
 
@@ -188,6 +197,8 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
                     opts.on_progress(ex)
                 checkpoints.poll()
     finally:
+        if ex.tracer is not None:
+            ex.tracer.close()
         if metrics_server is not None:
             metrics_server.shutdown()
         if state_store is not None:

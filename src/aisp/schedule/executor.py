@@ -21,7 +21,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -45,6 +45,9 @@ from aisp.state.checkpoint import Checkpoint, CheckpointStore
 from aisp.state.keyed import KeyIndex
 from aisp.state.store import LmdbStateStore, decode_rows, encode_rows
 from aisp.transform.operators import Checkpointable, Emit, IncrementalState, Operator, OperatorContext
+
+if TYPE_CHECKING:
+    from aisp.observe.tracing import EventTracer
 
 __all__ = ["ExecutorOptions", "Lineage", "LocalExecutor"]
 
@@ -167,9 +170,12 @@ class LocalExecutor:
         lineage: Lineage | None = None,
         restore: Checkpoint | None = None,
         state_store: LmdbStateStore | None = None,
+        tracer: EventTracer | None = None,
     ) -> None:
         graph.validate()
         self.lineage = lineage
+        self.tracer = tracer
+        """Per-event traces of sampled events (closed by ``run``/``join`` when the run ends)."""
         self.graph = graph
         self.options = options or ExecutorOptions()
         self.dead_letter = dead_letter
@@ -254,6 +260,8 @@ class LocalExecutor:
         self._landed(-batch.num_rows)
         if self.lineage is not None:
             self.lineage.failed(step, batch, reason)
+        if self.tracer is not None and self.tracer.active:
+            self.tracer.failed(step, batch, reason)
 
     def _operator_dead_letters(self, batch: Batch, step: str, reason: str) -> None:
         """Rows an operator dead-letters itself: also missing from its output, which is where
@@ -261,6 +269,8 @@ class LocalExecutor:
         self.dead_letter.rows(batch, step, reason)
         if self.lineage is not None:
             self.lineage.failed(step, batch, reason, closes=False)
+        if self.tracer is not None and self.tracer.active:
+            self.tracer.failed(step, batch, reason)
 
     def _landed(self, rows: int) -> None:
         """``rows`` more (or, negative, fewer) rows are in flight."""
@@ -298,8 +308,12 @@ class LocalExecutor:
         spec: InferSpec = node.spec
         sid = node.step_id
 
+        call = threading.local()  # the dispatcher's last call, for its trace span
+
         def emit(batch: Batch) -> None:
             st.rows_out += batch.num_rows
+            if self.tracer is not None and self.tracer.active:
+                self.tracer.model_out(sid, batch, getattr(call, "wait_ns", 0), getattr(call, "compute_ns", 0))
             try:
                 self._emit(sid, "out", batch)
             except SinkError as exc:  # from a sink chained after the model: the pipeline stops
@@ -307,6 +321,7 @@ class LocalExecutor:
                 self._stop.set()
 
         def on_batch(rows: int, queue_wait_ns: int, compute_ns: int) -> None:
+            call.wait_ns, call.compute_ns = queue_wait_ns, compute_ns
             st.batches += 1
             st.busy_ns += compute_ns
             st.phase("batch", queue_wait_ns)
@@ -328,7 +343,11 @@ class LocalExecutor:
     def _push(self, sid: str, batch: Batch) -> None:
         st = self.stats.stages[sid]
         st.rows_in += batch.num_rows
+        traced = batch.traced  # sampled events (set at ingest when tracing)
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        if traced is not None:
+            self._trace(sid, traced, batch)
+            traced_from = time.monotonic_ns()
         try:
             outs = self._ops[sid].process(batch)
         except SinkError:
@@ -350,6 +369,8 @@ class LocalExecutor:
             self._landed(-batch.num_rows)
         elif kind != "infer":
             self._landed(sum(o.num_rows for _, o in outs) - batch.num_rows)
+        if traced is not None and kind != "infer":
+            self._traced(sid, kind, traced, traced_from, batch.num_rows, outs)
         if self.lineage is not None:
             if kind == "sink":
                 self.lineage.written(sid, batch)
@@ -359,6 +380,29 @@ class LocalExecutor:
             if kind != "infer":
                 st.rows_out += out.num_rows
             self._emit(sid, port, out)
+
+    def _trace(self, sid: str, traced: npt.NDArray[np.int64], batch: Batch) -> None:
+        """Traced rows enter ``sid``: a model step notes when (its span ends at its output)."""
+        if self._nodes[sid].kind == "infer" and self.tracer is not None:
+            self.tracer.model_in(sid, traced, time.monotonic_ns())
+
+    def _traced(
+        self, sid: str, kind: str, traced: npt.NDArray[np.int64], start_ns: int, rows: int, outs: Emit
+    ) -> None:
+        """Traced rows left ``sid``: a step span each; a sink ends their traces, a step that
+        let some of them go (a filter) ends theirs."""
+        tracer = self.tracer
+        if tracer is None:
+            return
+        if kind == "sink":
+            tracer.written(sid, traced, start_ns, rows)
+            return
+        kept: set[int] = set()
+        for _, out in outs:
+            tracer.among(out, traced)
+            if out.traced is not None:
+                kept.update(out.traced.tolist())
+        tracer.stage(sid, traced, start_ns, rows, kept)
 
     def _emit(self, sid: str, port: str, batch: Batch) -> None:
         consumers = self._consumers.get((sid, port), ())
@@ -424,12 +468,14 @@ class LocalExecutor:
         rate = self.options.rate_events_per_s
         pacer: Pacer | None = None  # the schedule starts when the first rows are in hand
         held: Batch | None = None
+        read_started = time.monotonic_ns()
         while not self._stop.is_set():
             if held is None or held.num_rows == 0:
                 if self._pause:
                     self._wait_while_paused()
                     continue
                 t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+                read_started = time.monotonic_ns()
                 held = part.next_batch(self.options.source_batch_rows)
                 read_ns = time.perf_counter_ns() - t0
                 if held is None:
@@ -457,6 +503,8 @@ class LocalExecutor:
             st.batches += 1
             self.stats.events_in += out.num_rows
             self._landed(out.num_rows)
+            if self.tracer is not None:
+                self.tracer.ingest(node.step_id, out, read_started)
             self._emit(node.step_id, "out", out)
 
     def _chain_task(self, sid: str) -> None:

@@ -313,6 +313,7 @@ class PipelineStreams:
             time.monotonic_ns() + int(remaining * 1e9) if remaining is not None and remaining < 1e6 else None
         )
         key = api_key(metadata.get("authorization"), context.peer())
+        parent = service.trace_parent(metadata.get("traceparent"), metadata.get("tracestate"))
         answers: queue.Queue[Any] = queue.Queue(self.window_messages)
         stop = threading.Event()
 
@@ -339,6 +340,7 @@ class PipelineStreams:
                         wait_s=self.admission_wait_s if first else None,
                         stop=stop,
                         first_line=line,
+                        trace_parent=parent,
                     )
                     if not admitted:
                         if first:

@@ -228,7 +228,8 @@ class _Events:
         deadline_ns = None if timeout_s is None else time.monotonic_ns() + int(timeout_s * 1e9)
         key = _api_key(request) if self.limiter is not None else ""
         stream = _body_lines(receive, service.chunk_rows, self.max_line_bytes)
-        opts = {"deadline_ns": deadline_ns, "tier": tier}
+        parent = service.trace_parent(request.headers.get("traceparent"), request.headers.get("tracestate"))
+        opts = {"deadline_ns": deadline_ns, "tier": tier, "trace_parent": parent}
         try:
             if mode == "fire":
                 reply = await self._fire(service, stream, key, opts)

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -41,6 +41,9 @@ from aisp.sinks.base import RowEncoder
 from aisp.sinks.deadletter import DeadLetterSink, DeadLetterWriter
 from aisp.sinks.files import NullSink
 from aisp.transform.operators import Emit
+
+if TYPE_CHECKING:
+    from aisp.observe.tracing import TraceConfig
 
 __all__ = ["Chunk", "Inbox", "InboxClosed", "PipelineService", "ResultTracker"]
 
@@ -324,7 +327,9 @@ class PipelineService:
         batch_rows: int = 2048,
         dead_letter: str | None = None,
         decode_process: bool = False,
+        trace: TraceConfig | None = None,
     ) -> None:
+        self.trace = trace
         if pipeline.input_schema is None:
             raise ConfigError(
                 f"pipeline {pipeline.name!r} declares no input schema; pass schema= to source()"
@@ -361,12 +366,28 @@ class PipelineService:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
+        if self.trace is not None:
+            from aisp.observe.tracing import EventTracer
+
+            self.executor.tracer = EventTracer(self.trace, self.name)
         self.executor.start()
+        if self.executor.tracer is not None:  # after start: its thread must not keep workers from forking
+            self.executor.tracer.start()
+
+    def trace_parent(self, traceparent: str | None, tracestate: str | None = None) -> Any:
+        """The client's trace context from W3C headers, when this pipeline traces (else None)."""
+        if self.executor.tracer is None or not traceparent:
+            return None
+        from aisp.observe.tracing import extract_parent
+
+        return extract_parent(traceparent, tracestate)
 
     def close(self, timeout_s: float | None = 30.0) -> bool:
         """Stop taking events, finish every accepted one, stop the pipeline."""
         self.inbox.close()
         done = self.executor.join(timeout_s)
+        if self.executor.tracer is not None:
+            self.executor.tracer.close()
         self.dead_letters.close()
         if self._decoder_process is not None and self._decode_pool is not None:
             self._decode_pool.shutdown()
@@ -401,16 +422,20 @@ class PipelineService:
         track: bool = True,
         notify: Callable[[], None] | None = None,
         first_line: int = 1,
+        trace_parent: Any = None,
     ) -> tuple[Batch | None, Chunk | None, list[dict[str, Any]]]:
         """Decode ``lines`` into a batch for the inbox: (batch or None, chunk or None, errors).
 
         Lines that do not parse (``errors``: ``{"line", "reason"}``, numbered from
         ``first_line``) are answered in place (tracked chunks) and dead-lettered.
+        ``trace_parent`` (from ``trace_parent()``): the events are traced as its children.
         """
         n = len(lines)
         with self._ids_lock:
             start = self._ids
             self._ids += n
+        if trace_parent is not None and self.executor.tracer is not None:
+            self.executor.tracer.parent(start, n, trace_parent)
         now = time.monotonic_ns()
         if decoded is None:
             decoded = self.decode(lines)
@@ -465,13 +490,20 @@ class PipelineService:
         wait_s: float | None = None,
         stop: threading.Event | None = None,
         first_line: int = 1,
+        trace_parent: Any = None,
     ) -> tuple[Chunk | None, list[dict[str, Any]], bool]:
         """Decode and admit ``lines``, waiting up to ``wait_s`` (None: for ever) for room.
 
         Returns (chunk, errors, admitted). For threads; the asyncio transports poll ``offer``.
         """
         batch, chunk, bad = self.prepare(
-            lines, deadline_ns=deadline_ns, tier=tier, track=track, notify=notify, first_line=first_line
+            lines,
+            deadline_ns=deadline_ns,
+            tier=tier,
+            track=track,
+            notify=notify,
+            first_line=first_line,
+            trace_parent=trace_parent,
         )
         deadline = None if wait_s is None else time.monotonic() + wait_s
         pause = 0.0002
