@@ -2,7 +2,8 @@
 (OpenTelemetry spans exported over OTLP/HTTP to a receiver in another process).
 
 ``aisp run examples/fraud/pipeline.py`` on ``--events`` generated events, as fast as it goes,
-alternating: no tracing; ``--trace-sample 0.01`` with the default cap (100 new traces/s);
+alternating: no tracing; ``--trace-sample 0.01`` with the default cap (100 new traces/s) and
+with 50/s;
 ``--trace-sample 0.01 --trace-max-per-s 0`` (every 1%, uncapped). ``--repeats`` times each;
 medians of events/s from the run summaries.
 
@@ -64,6 +65,7 @@ def main() -> None:
     variants = {
         "off": (),
         "1%, cap 100/s": ("--trace-sample", "0.01", "--trace-endpoint", endpoint),
+        "1%, cap 50/s": ("--trace-sample", "0.01", "--trace-max-per-s", "50", "--trace-endpoint", endpoint),
         "1%, no cap": ("--trace-sample", "0.01", "--trace-max-per-s", "0", "--trace-endpoint", endpoint),
     }
     rates: dict[str, list[float]] = {k: [] for k in variants}
