@@ -56,6 +56,9 @@ class RunOptions:
     state_store: bool = False
     """With ``checkpoint_dir``: keep keyed state in an LMDB store there (``state/``), written
     incrementally at checkpoints (only keys that changed), instead of whole in each checkpoint."""
+    slo_ms: float | None = None
+    """The end-to-end latency target the summary's ``slo_attainment`` is measured against
+    (default: the pipeline's static latency bound)."""
     trace: TraceConfig | None = None
     """Trace a sample of the events (OpenTelemetry, exported over OTLP/HTTP)."""
     metrics_port: int | None = None
@@ -79,6 +82,10 @@ class RunSummary:
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     checkpoints: int = 0
     restored_from: int | None = None
+    slo_ms: float = 0.0
+    """The latency target: ``RunOptions.slo_ms``, else the pipeline's latency bound."""
+    slo_attainment: float = 0.0
+    """The share of the events written within ``slo_ms``."""
 
     def to_json(self) -> bytes:
         return msgspec.json.format(msgspec.json.encode(self), indent=2)
@@ -213,6 +220,10 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
     summary = summarize(ex)
     summary.checkpoints = ex.stats.checkpoints
     summary.restored_from = latest.id if latest is not None else None
+    summary.slo_ms = opts.slo_ms if opts.slo_ms is not None else graph.latency_bound_ms()
+    if summary.slo_ms > 0 and ex.stats.e2e.count:
+        within = ex.stats.e2e.cumulative([summary.slo_ms * 1e6])[0]
+        summary.slo_attainment = round(within / ex.stats.e2e.count, 6)
     if opts.summary_json:
         with open(opts.summary_json, "wb") as fh:
             fh.write(summary.to_json())

@@ -149,6 +149,7 @@ class LatencyHistogram:
         count, total = self.count, self.sum_ns
         return {
             "p50": round(self.percentile(50) / 1e6, 3),
+            "p90": round(self.percentile(90) / 1e6, 3),
             "p99": round(self.percentile(99) / 1e6, 3),
             "p999": round(self.percentile(99.9) / 1e6, 3),
             "max": round(self.max_ns / 1e6, 3),
