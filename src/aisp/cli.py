@@ -103,6 +103,10 @@ def run(
         float | None,
         typer.Option(help="Latency target for the summary's SLO attainment (default: the pipeline's bound)."),
     ] = None,
+    dashboard: Annotated[bool, typer.Option(help="Serve the live dashboard during the run.")] = False,
+    dashboard_port: Annotated[
+        int, typer.Option(help="The dashboard's port on 127.0.0.1 (0: a free one).")
+    ] = 0,
 ) -> None:
     """Run PIPELINE to the end of its input (Ctrl-C / SIGTERM drain cleanly)."""
     from aisp.runner import RunOptions
@@ -133,6 +137,7 @@ def run(
                 metrics_port=metrics_port,
                 trace=_trace_config(trace_sample, trace_endpoint, trace_max_per_s),
                 slo_ms=slo_ms,
+                dashboard_port=dashboard_port if dashboard else None,
             ),
         )
     except AispError as exc:

@@ -56,6 +56,9 @@ class RunOptions:
     state_store: bool = False
     """With ``checkpoint_dir``: keep keyed state in an LMDB store there (``state/``), written
     incrementally at checkpoints (only keys that changed), instead of whole in each checkpoint."""
+    dashboard_port: int | None = None
+    """Serve the live dashboard on 127.0.0.1 at this port while the run lasts (0: a free port,
+    announced on stderr as ``dashboard http://127.0.0.1:PORT/``)."""
     slo_ms: float | None = None
     """The end-to-end latency target the summary's ``slo_attainment`` is measured against
     (default: the pipeline's static latency bound)."""
@@ -169,6 +172,7 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
     )
     restore = _install_signals(ex) if opts.handle_signals else None
     metrics_server: Any = None
+    dashboard_server: Any = None
     gc_restore = _tune_gc() if opts.tune_gc else None
     if opts.trace is not None:
         from aisp.observe.tracing import EventTracer
@@ -183,6 +187,11 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
 
             metrics_server, port = serve_metrics(ex, opts.metrics_port)
             print(f"metrics http://127.0.0.1:{port}/metrics", file=sys.stderr, flush=True)
+        if opts.dashboard_port is not None:
+            from aisp.observe.dashboard import serve_dashboard
+
+            dashboard_server, port = serve_dashboard(ex, opts.dashboard_port)
+            print(f"dashboard http://127.0.0.1:{port}/", file=sys.stderr, flush=True)
         watcher = _VersionWatcher(ex, opts.repository_poll_s)
         checkpoints = _Checkpointer(ex, store, opts.checkpoint_interval_s)
         if store is not None:
@@ -208,6 +217,8 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
             ex.tracer.close()
         if metrics_server is not None:
             metrics_server.shutdown()
+        if dashboard_server is not None:
+            dashboard_server.shutdown()
         if state_store is not None:
             state_store.close()
         if restore is not None:

@@ -476,9 +476,59 @@ def create_app(
         routes += [
             Route("/v1/pipelines", pipeline_index),
             Route("/v1/pipelines/{pipeline}/events", events, methods=["POST"]),
+            *_dashboard_routes(served_pipelines),
         ]
     app = Starlette(routes=routes)
     return _Auth(app, tokens) if tokens is not None and tokens.enabled else app
+
+
+def _dashboard_routes(pipelines: Mapping[str, PipelineService]) -> list[Route]:
+    """The live dashboard of the served pipelines: ``/dashboard`` (the page),
+    ``/dashboard/state`` (JSON) and ``/dashboard/events`` (server-sent events), each for
+    ``?pipeline=NAME`` (default: the first by name)."""
+    from starlette.concurrency import run_in_threadpool
+    from starlette.responses import StreamingResponse
+
+    from aisp.observe.dashboard import DashboardState, page
+
+    states = {n: DashboardState(p.executor, admission=p.admission) for n, p in pipelines.items()}
+
+    def pick(request: Request) -> DashboardState | None:
+        return states.get(request.query_params.get("pipeline") or min(states))
+
+    async def dashboard_page(request: Request) -> Response:
+        return Response(page(), media_type="text/html; charset=utf-8")
+
+    async def dashboard_state(request: Request) -> Response:
+        state = pick(request)
+        if state is None:
+            return _error(
+                404, f"no pipeline {request.query_params.get('pipeline')!r}; serving {sorted(states)}"
+            )
+        return JSONResponse(await run_in_threadpool(state.update))
+
+    async def dashboard_events(request: Request) -> Response:
+        state = pick(request)
+        if state is None:
+            return _error(
+                404, f"no pipeline {request.query_params.get('pipeline')!r}; serving {sorted(states)}"
+            )
+
+        async def stream() -> AsyncIterator[bytes]:
+            while not await request.is_disconnected():
+                body = msgspec.json.encode(await run_in_threadpool(state.update))
+                yield b"data: " + body + b"\n\n"
+                await asyncio.sleep(1.0)
+
+        return StreamingResponse(
+            stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    return [
+        Route("/dashboard", dashboard_page),
+        Route("/dashboard/state", dashboard_state),
+        Route("/dashboard/events", dashboard_events),
+    ]
 
 
 def _model_routes(

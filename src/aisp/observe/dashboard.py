@@ -1,0 +1,217 @@
+"""The live dashboard: a JSON state of a running pipeline, the page that draws it, and a small
+HTTP server for ``aisp run --dashboard`` (``aisp serve`` mounts the same endpoints).
+
+Endpoints: ``/`` (or ``/dashboard``): the page (plain HTML and JavaScript in one file, no build
+step, nothing fetched from elsewhere); ``/dashboard/state``: the current state as JSON;
+``/dashboard/events``: the same state as server-sent events, one a second; ``/metrics``:
+Prometheus (``aisp run`` only; ``aisp serve`` has its own).
+
+The state: the DAG (steps, kinds, edges); per stage over the last interval rows/s in and out,
+queue depth, p99 of each phase, mean batch size; end-to-end p50/p90/p99 over the interval and
+since the start; drift scores per model input feature; and the current diagnosis
+(``aisp.observe.diagnose`` over the same interval).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib.resources import files
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from aisp.graph import split_ref
+from aisp.observe.diagnose import Scrape, diagnose
+from aisp.observe.latency import LatencyHistogram
+from aisp.observe.metrics import PipelineCollector
+from aisp.observe.stats import AdmissionStats
+
+if TYPE_CHECKING:
+    from aisp.schedule.executor import LocalExecutor
+
+__all__ = ["DashboardState", "page", "serve_dashboard"]
+
+
+def page() -> bytes:
+    """The dashboard's HTML (it fetches ``/dashboard/state`` relative to itself)."""
+    return files("aisp.observe").joinpath("dashboard.html").read_bytes()
+
+
+class DashboardState:
+    """Builds the dashboard's JSON state of one executor, over the interval since the previous
+    ``update`` (callers share one instance; ``update`` at most once per ``min_interval_s``)."""
+
+    def __init__(
+        self, executor: LocalExecutor, *, admission: AdmissionStats | None = None, min_interval_s: float = 1.0
+    ) -> None:
+        self._ex = executor
+        self._registry = CollectorRegistry()
+        self._registry.register(PipelineCollector(executor, admission))
+        self._min_interval_s = min_interval_s
+        self._lock = threading.Lock()
+        self._prev: tuple[float, Scrape, dict[str, Any]] | None = None
+        self._e2e = LatencyHistogram()
+        self._phases: dict[tuple[str, str], LatencyHistogram] = {}
+        self._state: dict[str, Any] = {}
+
+    def graph(self) -> dict[str, Any]:
+        nodes = [
+            {"id": n.step_id, "kind": n.kind, "inputs": [split_ref(i)[0] for i in n.inputs]}
+            for n in self._ex.graph.topological_order()
+        ]
+        return {"name": self._ex.graph.name, "nodes": nodes}
+
+    def update(self) -> dict[str, Any]:
+        """The state now (recomputed when the last one is older than ``min_interval_s``)."""
+        with self._lock:
+            now = time.monotonic()
+            if self._prev is not None and now - self._prev[0] < self._min_interval_s and self._state:
+                return self._state
+            scrape = Scrape(generate_latest(self._registry).decode())
+            counts = self._counts()
+            seconds = now - self._prev[0] if self._prev is not None else self._ex.stats.seconds()
+            self._state = self._build(scrape, counts, max(seconds, 1e-6))
+            self._prev = (now, scrape, counts)
+            return self._state
+
+    def _counts(self) -> dict[str, Any]:
+        st = self._ex.stats
+        return {
+            "events_in": st.events_in,
+            "events_out": st.events_out,
+            "stages": {
+                s.step_id: (s.rows_in, s.rows_out, s.batches, s.batch_rows.sum_ns) for s in st.stages.values()
+            },
+        }
+
+    def _window(self, hist: LatencyHistogram, key: tuple[str, str]) -> LatencyHistogram:
+        """What ``hist`` recorded since the last update."""
+        earlier = self._phases.get(key)
+        self._phases[key] = hist.snapshot()
+        return hist.since(earlier) if earlier is not None else hist.snapshot()
+
+    def _build(self, scrape: Scrape, counts: dict[str, Any], seconds: float) -> dict[str, Any]:
+        st = self._ex.stats
+        empty: dict[str, Any] = {"events_in": 0, "events_out": 0, "stages": {}}
+        before = self._prev[2] if self._prev is not None else empty
+        stages = []
+        for s in st.stages.values():
+            rows_in, rows_out, batches, batch_rows = counts["stages"][s.step_id]
+            b_in, b_out, b_batches, b_rows = before["stages"].get(s.step_id, (0, 0, 0, 0))
+            p99 = {}
+            for phase in s.PHASES:
+                hist = s.phases.get(phase)
+                if hist is not None:
+                    recent = self._window(hist, (s.step_id, phase))
+                    if recent.count:
+                        p99[phase] = round(recent.percentile(99) / 1e6, 3)
+            stages.append(
+                {
+                    "id": s.step_id,
+                    "kind": s.kind,
+                    "rows_in_per_s": round((rows_in - b_in) / seconds, 1),
+                    "rows_out_per_s": round((rows_out - b_out) / seconds, 1),
+                    "queue_rows": s.queue_rows(),
+                    "p99_ms": p99,
+                    "mean_batch_rows": round((batch_rows - b_rows) / (batches - b_batches), 1)
+                    if batches > b_batches
+                    else None,
+                }
+            )
+        recent = self._window(st.e2e, ("", "e2e"))
+        previous = self._prev[1] if self._prev is not None else None
+        findings = [f.as_dict() for f in diagnose(previous, scrape, seconds=seconds)[:3]]
+        return {
+            "pipeline": self._ex.graph.name,
+            "time_s": round(st.seconds(), 2),
+            "events_in_per_s": round((counts["events_in"] - before["events_in"]) / seconds, 1),
+            "events_out_per_s": round((counts["events_out"] - before["events_out"]) / seconds, 1),
+            "events_in": counts["events_in"],
+            "events_out": counts["events_out"],
+            "dead_letters": self._ex.dead_letter.count,
+            "e2e_ms": {
+                "p50": round(recent.percentile(50) / 1e6, 3),
+                "p90": round(recent.percentile(90) / 1e6, 3),
+                "p99": round(recent.percentile(99) / 1e6, 3),
+                "count": recent.count,
+            },
+            "e2e_total_ms": st.e2e.summary_ms(),
+            "stages": stages,
+            "drift": [
+                {
+                    "stage": m.stage,
+                    "feature": f,
+                    "psi": round(float(m.psi[j]), 4),
+                    "ks": round(float(m.ks[j]), 4),
+                }
+                for m in self._ex.drift_monitors
+                for j, f in enumerate(m.features)
+            ],
+            "diagnosis": findings,
+            "graph": self.graph(),
+        }
+
+
+def sse(state: DashboardState, stop: threading.Event, period_s: float = 1.0) -> Iterator[bytes]:
+    """Server-sent events: the state every ``period_s`` until ``stop``."""
+    while not stop.is_set():
+        yield b"data: " + json.dumps(state.update()).encode() + b"\n\n"
+        stop.wait(period_s)
+
+
+def serve_dashboard(
+    executor: LocalExecutor, port: int, host: str = "127.0.0.1"
+) -> tuple[ThreadingHTTPServer, int]:
+    """Serve the dashboard (and ``/metrics``) for ``executor`` in a daemon thread; returns
+    (server, port). ``server.shutdown()`` stops it."""
+    state = DashboardState(executor)
+    stop = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            path = self.path.split("?", 1)[0]
+            if path in ("/", "/dashboard", "/dashboard/"):
+                self._reply(200, "text/html; charset=utf-8", page())
+            elif path == "/dashboard/state":
+                self._reply(200, "application/json", json.dumps(state.update()).encode())
+            elif path == "/dashboard/events":
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.end_headers()
+                try:
+                    for chunk in sse(state, stop):
+                        self.wfile.write(chunk)
+                        self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    return
+            elif path == "/metrics":
+                self._reply(200, "text/plain; version=0.0.4", generate_latest(state._registry))
+            else:
+                self._reply(404, "application/json", b'{"error": "not found"}')
+
+        def _reply(self, code: int, content_type: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
+            return
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    original_shutdown = server.shutdown
+
+    def shutdown() -> None:
+        stop.set()
+        original_shutdown()
+
+    server.shutdown = shutdown  # type: ignore[method-assign]
+    threading.Thread(target=server.serve_forever, name="aisp-dashboard", daemon=True).start()
+    return server, int(server.server_address[1])

@@ -1,0 +1,93 @@
+"""The live dashboard in headless Chromium, while a pipeline runs (`aisp run --dashboard` and
+`aisp serve`): the DAG and live numbers appear; the JSON and SSE endpoints behind it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.workload import write_events
+from tests.support.browser import dump_dom
+from tests.support.serving import aisp_serve, wait_http
+
+ROOT = Path(__file__).resolve().parents[2]
+FRAUD = ROOT / "examples" / "fraud" / "pipeline.py"
+STAGES = ["events", "by_user", "user_stats", "features", "score", "emit", "out"]
+
+
+def number(dom: str, element_id: str) -> float:
+    m = re.search(rf'id="{element_id}">([^<]*)<', dom)
+    assert m is not None, f"no #{element_id} in the page"
+    return float(m.group(1).replace(",", ""))
+
+
+def check_page(dom: str) -> None:
+    for stage in STAGES:  # the DAG's nodes and the stages table
+        assert dom.count(f'data-stage="{stage}"') >= 2, stage
+    assert "<line" in dom  # edges
+    assert number(dom, "events-in-rate") > 0
+    assert number(dom, "e2e-p99") > 0
+    assert re.search(r'<li data-cause="[a-z_]+">', dom)
+    assert re.search(r'<polyline[^>]*class="p99"', dom)
+
+
+def test_dashboard_of_aisp_run_shows_the_graph_and_live_numbers(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "aisp.cli", "run", str(FRAUD), "--events", "10000000", "--rate", "20000"]
+    cmd += ["--no-live", "--dashboard"]
+    log = (tmp_path / "run.log").open("w+")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    try:
+        url = ""
+        deadline = time.monotonic() + 60
+        while not url and time.monotonic() < deadline:
+            found = re.search(r"^dashboard (\S+)", (tmp_path / "run.log").read_text(), re.M)
+            url = found.group(1) if found else ""
+            assert proc.poll() is None, (tmp_path / "run.log").read_text()
+            time.sleep(0.1)
+        assert url, "no dashboard address announced"
+        time.sleep(1.5)
+        check_page(dump_dom(url))
+        state = httpx.get(url + "dashboard/state", timeout=10).json()
+        assert [n["id"] for n in state["graph"]["nodes"]] == STAGES
+        assert state["events_in_per_s"] > 0 and state["diagnosis"]
+        with httpx.stream("GET", url + "dashboard/events", timeout=10) as events:
+            first = next(line for line in events.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[6:])["pipeline"] == "fraud"
+        assert "aisp_stage_latency_seconds" in httpx.get(url + "metrics", timeout=10).text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+
+
+def test_dashboard_of_a_served_pipeline(tmp_path: Path) -> None:
+    write_events(tmp_path / "in.jsonl", 2000)
+    body = (tmp_path / "in.jsonl").read_bytes()
+    with aisp_serve(FRAUD, http=True, grpc=False) as (addresses, _):
+        wait_http(addresses["http"])
+        base = f"http://{addresses['http']}"
+        stop = threading.Event()
+
+        def load() -> None:  # keep events flowing while the page is open
+            with httpx.Client(timeout=30) as client:
+                while not stop.is_set():
+                    client.post(f"{base}/v1/pipelines/fraud/events", content=body)
+
+        feeder = threading.Thread(target=load)
+        feeder.start()
+        try:
+            time.sleep(1.5)
+            check_page(dump_dom(f"{base}/dashboard"))
+            assert httpx.get(f"{base}/dashboard/state?pipeline=nope", timeout=10).status_code == 404
+        finally:
+            stop.set()
+            feeder.join()
