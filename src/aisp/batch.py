@@ -78,7 +78,7 @@ class Batch:
     [0, 1, 2]
     """
 
-    __slots__ = ("_ids", "_rb", "traced")
+    __slots__ = ("_ids", "_rb", "traced", "traceparents")
 
     def __init__(self, record_batch: pa.RecordBatch) -> None:
         self._rb = record_batch
@@ -87,6 +87,10 @@ class Batch:
         """Ids of the sampled (traced) events among the rows, when the executor traces: set
         at ingest and carried to the batches an operator derives, so that other batches cost
         a stage nothing."""
+        self.traceparents: dict[int, str] | None = None
+        """W3C ``traceparent`` values by event id: read by a broker source from its messages'
+        headers (the producer's trace), or set by the executor for a sink (the event's own
+        trace) to write to its outgoing messages. Not carried to derived batches."""
 
     # -- construction -------------------------------------------------------------------------
     @classmethod

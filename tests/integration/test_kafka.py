@@ -60,3 +60,53 @@ def test_a_kafka_broker_that_goes_away_fails_the_run_clearly(tmp_path: Path) -> 
         time.sleep(4.0)  # reading; then the broker is gone for good
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "unreachable for 2 s" in err
+
+
+def test_traceparent_headers_are_read_from_and_written_to_kafka_messages(broker: str, tmp_path: Path) -> None:
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+    from aisp.cli import load_pipeline
+    from aisp.connectors import sink_from_url, source_for
+    from aisp.observe.tracing import TraceConfig
+    from aisp.runner import RunOptions, run
+    from tests.support.otlp import otlp_receiver
+
+    name = uuid.uuid4().hex[:8]
+    src, dst = f"tin-{name}", f"tout-{name}"
+    write_events(tmp_path / "in.jsonl", 20)
+    lines = (tmp_path / "in.jsonl").read_bytes().splitlines()
+    traces = [uuid.uuid4().hex for _ in range(2)]
+    admin = AdminClient({"bootstrap.servers": broker})
+    for f in admin.create_topics([NewTopic(src, 1, 1)]).values():
+        f.result(10)
+    producer = Producer({"bootstrap.servers": broker})
+    for i, line in enumerate(lines):
+        headers = (
+            [("traceparent", f"00-{traces[i // 10]}-b7ad6b7169203331-01".encode())] if i % 10 == 0 else None
+        )
+        producer.produce(src, value=line, partition=0, headers=headers)
+    assert producer.flush(30) == 0
+    pipeline = load_pipeline(str(PIPELINE))
+    pipeline.bind(
+        source=source_for(pipeline, f"kafka://{broker}/{src}?group=g-{name}&idle_stop_s=2"),
+        sink=sink_from_url(f"kafka://{broker}/{dst}", pipeline),
+    )
+    with otlp_receiver() as (endpoint, received):
+        summary = run(pipeline, RunOptions(trace=TraceConfig(sample_ratio=0.0, endpoint=endpoint)))
+    assert summary.events_out == 20
+    roots = [s for s in received.snapshot() if s.name == "aisp.event"]
+    assert sorted(r.trace_id.hex() for r in roots) == sorted(traces)
+    assert {r.parent_span_id.hex() for r in roots} == {"b7ad6b7169203331"}
+    consumer = Consumer({"bootstrap.servers": broker, "group.id": f"read-{name}"})
+    parts = consumer.list_topics(dst, timeout=10).topics[dst].partitions
+    consumer.assign([TopicPartition(dst, p, OFFSET_BEGINNING) for p in parts])
+    found, seen, deadline = [], 0, time.monotonic() + 30
+    while seen < 20 and time.monotonic() < deadline:
+        for m in consumer.consume(100, timeout=1):
+            if m.error() is None:
+                seen += 1
+                found += [v.decode() for k, v in m.headers() or [] if k == "traceparent"]
+    consumer.close()
+    assert seen == 20
+    assert sorted(tp.split("-")[1] for tp in found) == sorted(traces)

@@ -129,3 +129,111 @@ def test_a_clients_traceparent_is_kept_over_http_and_grpc(tmp_path: Path) -> Non
 
 def _roots(by_trace: dict[bytes, list[Any]], trace_id: str) -> list[Any]:
     return [s for s in by_trace.get(bytes.fromhex(trace_id), []) if s.name == "aisp.event"]
+
+
+PRODUCER_SPAN = "b7ad6b7169203331"
+
+
+def _broker_run(input_url: str, output_url: str, endpoint: str) -> None:
+    """The fraud pipeline from ``input_url`` to ``output_url``, tracing only the events whose
+    producer sent a sampled ``traceparent``."""
+    pipeline = load_pipeline(str(FRAUD))
+    from aisp.connectors import sink_from_url, source_for
+
+    pipeline.bind(source=source_for(pipeline, input_url), sink=sink_from_url(output_url, pipeline))
+    summary = run(pipeline, RunOptions(trace=TraceConfig(sample_ratio=0.0, endpoint=endpoint)))
+    assert summary.events_out == 30
+
+
+def _check_broker_traces(received: Received, producer_traces: list[str], out_traceparents: list[str]) -> None:
+    by_trace = traces(received)
+    for trace_id in producer_traces:
+        roots = _roots(by_trace, trace_id)
+        assert len(roots) == 1, trace_id
+        assert roots[0].parent_span_id.hex() == PRODUCER_SPAN
+        check_event_trace(by_trace[bytes.fromhex(trace_id)])
+    assert len(by_trace) == len(producer_traces) + len(
+        {s.trace_id for s in received.snapshot() if s.name == "aisp.batch"}
+    )
+    # the outgoing messages of the traced events name their trace, and only theirs carry one
+    assert sorted(tp.split("-")[1] for tp in out_traceparents) == sorted(producer_traces)
+
+
+def test_a_producers_traceparent_in_redis_stream_entries_is_kept_and_written_on(tmp_path: Path) -> None:
+    import uuid
+
+    import redis
+
+    tag = uuid.uuid4().hex[:8]
+    write_events(tmp_path / "in.jsonl", 30)
+    lines = (tmp_path / "in.jsonl").read_bytes().splitlines()
+    producer_traces = [uuid.uuid4().hex for _ in range(3)]
+    r = redis.Redis()
+    try:
+        for i, line in enumerate(lines):
+            fields: dict[str, Any] = {"data": line}
+            if i % 10 == 0:
+                fields["traceparent"] = f"00-{producer_traces[i // 10]}-{PRODUCER_SPAN}-01"
+            elif i == 5:
+                fields["traceparent"] = f"00-{uuid.uuid4().hex}-{PRODUCER_SPAN}-00"  # not sampled
+            r.xadd(f"aisp-trace-in-{tag}", fields)
+        with otlp_receiver() as (endpoint, received):
+            _broker_run(
+                f"redis://127.0.0.1:6379/aisp-trace-in-{tag}?group=t&idle_stop_s=1",
+                f"redis://127.0.0.1:6379/aisp-trace-out-{tag}",
+                endpoint,
+            )
+        entries = r.xrange(f"aisp-trace-out-{tag}")
+        assert len(entries) == 30
+        out = [f[b"traceparent"].decode() for _, f in entries if b"traceparent" in f]
+        _check_broker_traces(received, producer_traces, out)
+    finally:
+        r.delete(f"aisp-trace-in-{tag}", f"aisp-trace-out-{tag}")
+        for key in r.scan_iter(f"aisp:dedupe:aisp-trace-out-{tag}:*"):
+            r.delete(key)
+        r.close()
+
+
+def test_a_producers_traceparent_in_jetstream_headers_is_kept_and_written_on(tmp_path: Path) -> None:
+    import asyncio
+    import uuid
+
+    import nats
+    from nats.js.api import StreamConfig
+
+    tag = uuid.uuid4().hex[:8].upper()
+    write_events(tmp_path / "in.jsonl", 30)
+    lines = (tmp_path / "in.jsonl").read_bytes().splitlines()
+    producer_traces = [uuid.uuid4().hex for _ in range(3)]
+
+    async def fill() -> None:
+        nc = await nats.connect("nats://127.0.0.1:4222", connect_timeout=2, max_reconnect_attempts=0)
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name=f"TRACEIN{tag}", subjects=[f"TRACEIN{tag}.>"]))
+        for i, line in enumerate(lines):
+            headers = (
+                {"traceparent": f"00-{producer_traces[i // 10]}-{PRODUCER_SPAN}-01"} if i % 10 == 0 else None
+            )
+            await js.publish(f"TRACEIN{tag}.ev", line, headers=headers)
+        await nc.close()
+
+    async def drain() -> list[str]:
+        nc = await nats.connect("nats://127.0.0.1:4222", connect_timeout=2, max_reconnect_attempts=0)
+        js = nc.jetstream()
+        sub = await js.pull_subscribe(f"TRACEOUT{tag}.>", durable="check", stream=f"TRACEOUT{tag}")
+        msgs = await sub.fetch(30, timeout=10)
+        found = [m.headers["traceparent"] for m in msgs if m.headers and "traceparent" in m.headers]
+        assert len(msgs) == 30
+        for name in (f"TRACEIN{tag}", f"TRACEOUT{tag}"):
+            await js.delete_stream(name)
+        await nc.close()
+        return found
+
+    asyncio.run(fill())
+    with otlp_receiver() as (endpoint, received):
+        _broker_run(
+            f"nats://127.0.0.1:4222/TRACEIN{tag}?durable=t&idle_stop_s=1",
+            f"nats://127.0.0.1:4222/TRACEOUT{tag}?subject=TRACEOUT{tag}.out",
+            endpoint,
+        )
+    _check_broker_traces(received, producer_traces, asyncio.run(drain()))

@@ -20,9 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+import numpy.typing as npt
+
 from aisp.batch import Batch
 
-__all__ = ["DeadLetterRecord", "Source", "SourceContext", "SourcePartition"]
+__all__ = ["DeadLetterRecord", "Source", "SourceContext", "SourcePartition", "attach_traceparents"]
 
 DeadLetterRecord = dict[str, Any]
 
@@ -67,3 +70,15 @@ class Source(abc.ABC):
 
     def describe(self) -> str:
         return type(self).__name__
+
+
+def attach_traceparents(batch: Batch, kept: npt.NDArray[np.int64], headers: list[Any]) -> Batch:
+    """Set ``batch.traceparents`` from the ``traceparent`` header of each message (``headers``
+    by message, None where absent; ``kept``: the messages that became rows, in row order)."""
+    found = {
+        int(eid): h.decode() if isinstance(h, bytes) else str(h)
+        for eid, i in zip(batch.ids.tolist(), kept.tolist(), strict=True)
+        if (h := headers[i]) is not None
+    }
+    batch.traceparents = found or None
+    return batch

@@ -29,7 +29,7 @@ import numpy as np
 
 from aisp.batch import Batch
 from aisp.errors import SourceError
-from aisp.ingest.base import Source, SourceContext, SourcePartition
+from aisp.ingest.base import Source, SourceContext, SourcePartition, attach_traceparents
 from aisp.ingest.decode import ColumnarDecoder
 
 __all__ = ["KafkaSource", "kafka_event_id"]
@@ -164,7 +164,11 @@ class _KafkaPartition(SourcePartition):
             )
         kept = np.arange(len(records)) if decoded.kept is None else decoded.kept
         ids = kafka_event_id(np.asarray(parts, dtype=np.int64), np.asarray(offsets, dtype=np.int64))[kept]
-        return Batch.from_columns(decoded.columns, ids=ids, ingest_ns=now)
+        batch = Batch.from_columns(decoded.columns, ids=ids, ingest_ns=now)
+        headers: list[Any] = [m.headers() for m in records]
+        if any(headers):
+            attach_traceparents(batch, kept, [_traceparent(h) for h in headers])
+        return batch
 
     def snapshot(self) -> Any:
         return {"offsets": {str(p): o for p, o in sorted({**self._resume, **self._next}.items())}}
@@ -182,3 +186,8 @@ class _KafkaPartition(SourcePartition):
 
     def close(self) -> None:
         self._consumer.close()
+
+
+def _traceparent(headers: Any) -> bytes | None:
+    """The ``traceparent`` of a message's headers (a list of key/value pairs), if any."""
+    return next((value for key, value in headers if key == "traceparent"), None) if headers else None

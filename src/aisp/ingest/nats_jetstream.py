@@ -27,7 +27,7 @@ import numpy as np
 from aisp.aio import LoopThread, connect_nats
 from aisp.batch import Batch
 from aisp.errors import SourceError
-from aisp.ingest.base import Source, SourceContext, SourcePartition
+from aisp.ingest.base import Source, SourceContext, SourcePartition, attach_traceparents
 from aisp.ingest.decode import ColumnarDecoder
 from aisp.retry import call_with_retry
 
@@ -167,7 +167,10 @@ class _JetStreamPartition(SourcePartition):
             )
         kept = np.arange(len(msgs)) if decoded.kept is None else decoded.kept
         ids = np.asarray(seqs, dtype=np.int64)[kept]
-        return Batch.from_columns(decoded.columns, ids=ids, ingest_ns=now)
+        batch = Batch.from_columns(decoded.columns, ids=ids, ingest_ns=now)
+        if any(m.headers for m in msgs):
+            attach_traceparents(batch, kept, [(m.headers or {}).get("traceparent") for m in msgs])
+        return batch
 
     def snapshot(self) -> Any:
         return {"seq": self._last} if self._last is not None else None

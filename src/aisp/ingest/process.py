@@ -77,7 +77,8 @@ def _child_main(
             if schema is None or not rb.schema.equals(schema):
                 schema = rb.schema
                 conn.send_bytes(b"S" + schema.serialize().to_pybytes())
-            pos = enc.encode(part.snapshot())
+            traced = list(batch.traceparents.items()) if batch.traceparents else None
+            pos = enc.encode([part.snapshot(), traced])  # the position, the producers' traceparents
             conn.send_bytes(b"B" + _HEADER.pack(len(pos)) + pos + rb.serialize().to_pybytes())
         conn.send_bytes(b"E")
     except (BrokenPipeError, ConnectionResetError):
@@ -118,9 +119,12 @@ class _ParentPartition(SourcePartition):
             tag = msg[:1]
             if tag == b"B":
                 (hlen,) = _HEADER.unpack_from(msg, 1)
-                self._position = self._dec.decode(msg[5 : 5 + hlen])
+                self._position, traced = self._dec.decode(msg[5 : 5 + hlen])
                 buf = pa.py_buffer(msg)[5 + hlen :]
-                return Batch(pa.ipc.read_record_batch(buf, self._schema))
+                batch = Batch(pa.ipc.read_record_batch(buf, self._schema))
+                if traced:
+                    batch.traceparents = {int(eid): str(tp) for eid, tp in traced}
+                return batch
             if tag == b"S":
                 self._schema = pa.ipc.read_schema(pa.py_buffer(msg[1:]))
             elif tag == b"D":

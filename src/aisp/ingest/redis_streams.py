@@ -30,7 +30,7 @@ import numpy as np
 
 from aisp.batch import Batch
 from aisp.errors import SourceError
-from aisp.ingest.base import Source, SourceContext, SourcePartition
+from aisp.ingest.base import Source, SourceContext, SourcePartition, attach_traceparents
 from aisp.ingest.decode import ColumnarDecoder
 from aisp.retry import call_with_retry
 
@@ -183,7 +183,11 @@ class _RedisStreamPartition(SourcePartition):
         ids = np.fromiter(
             (entry_id_to_int(entries[i][0]) for i in kept.tolist()), dtype=np.int64, count=len(kept)
         )
-        return Batch.from_columns(decoded.columns, ids=ids, ingest_ns=now)
+        batch = Batch.from_columns(decoded.columns, ids=ids, ingest_ns=now)
+        traceparents = [f.get(b"traceparent") for _, f in entries]
+        if any(traceparents):
+            attach_traceparents(batch, kept, traceparents)
+        return batch
 
     def snapshot(self) -> Any:
         return {"last_id": self._last} if self._last is not None else None

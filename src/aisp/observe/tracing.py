@@ -128,6 +128,7 @@ class EventTracer:
         self._lock = threading.Lock()
         self._threshold = np.uint64(min(int(config.sample_ratio * 2.0**64), 2**64 - 1))
         self._parents: list[tuple[int, int, SpanContext]] = []  # (first id, end id, client span)
+        self._id_parents: dict[int, SpanContext] = {}  # event id -> producer's span
         self._tokens = config.max_traces_per_s
         self._refilled_ns = time.monotonic_ns()
         self.traces = 0
@@ -169,6 +170,25 @@ class EventTracer:
             with self._lock:
                 self._parents.append((first_id, first_id + count, ctx))
 
+    def parent_ids(self, traceparents: dict[int, str]) -> None:
+        """Events (by id) that came with a producer's ``traceparent`` (broker message headers)."""
+        found = {eid: ctx for eid, tp in traceparents.items() if (ctx := extract_parent(tp)) is not None}
+        if found:
+            with self._lock:
+                if len(self._id_parents) > 100_000:  # ids that never reached ingest (a stopped run)
+                    self._id_parents.clear()
+                self._id_parents.update(found)
+
+    def headers(self, ids: npt.NDArray[np.int64]) -> dict[int, str]:
+        """``traceparent`` values naming each traced event's root span, for outgoing messages."""
+        with self._lock:
+            found = [(e, self._open.get(e)) for e in ids.tolist()]
+        return {
+            e: f"00-{tr.context.trace_id:032x}-{tr.context.span_id:016x}-01"
+            for e, tr in found
+            if tr is not None
+        }
+
     def _has_token(self) -> bool:
         """Whether a new trace may start now (a racy read: ``_admit`` decides)."""
         cap = self.config.max_traces_per_s
@@ -193,7 +213,7 @@ class EventTracer:
         if not batch.num_rows or self._processor is None:
             return
         sampling = bool(self._threshold) and self._has_token()
-        if not sampling and not self._parents:
+        if not sampling and not self._parents and not self._id_parents:
             return
         ids = batch.ids
         chosen: dict[int, SpanContext | None] = {}
@@ -204,7 +224,7 @@ class EventTracer:
                 with self._lock:
                     picked = picked[: self._admit(picked.shape[0])]
                 chosen = dict.fromkeys(ids[picked].tolist())
-        if self._parents:
+        if self._parents or self._id_parents:
             self._claim_parents(ids, chosen)
         if not chosen:
             return
@@ -246,16 +266,21 @@ class EventTracer:
         with self._lock:
             parents, keep = self._parents, []
             top = int(ids.max())
+            spans: list[tuple[list[int], SpanContext]] = []
             for lo, hi, ctx in parents:
-                inside = ids[(ids >= lo) & (ids < hi)].tolist()
-                if ctx.trace_flags.sampled:
-                    chosen.update(dict.fromkeys(inside[: self._admit(len(inside))], ctx))
-                else:  # the client's trace is not sampled: follow its decision
-                    for eid in inside:
-                        chosen.pop(eid, None)
+                spans.append((ids[(ids >= lo) & (ids < hi)].tolist(), ctx))
                 if hi - 1 > top:
                     keep.append((lo, hi, ctx))
             self._parents = keep
+            if self._id_parents:
+                pop = self._id_parents.pop
+                spans += [([e], span) for e in ids.tolist() if (span := pop(e, None)) is not None]
+            for inside, span in spans:
+                if span.trace_flags.sampled:
+                    chosen.update(dict.fromkeys(inside[: self._admit(len(inside))], span))
+                else:  # the client's trace is not sampled: follow its decision
+                    for eid in inside:
+                        chosen.pop(eid, None)
 
     # -- spans --------------------------------------------------------------------------------
     def _emit(self, span: ReadableSpan) -> None:

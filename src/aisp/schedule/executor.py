@@ -344,10 +344,10 @@ class LocalExecutor:
         st = self.stats.stages[sid]
         st.rows_in += batch.num_rows
         traced = batch.traced  # sampled events (set at ingest when tracing)
-        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         if traced is not None:
             self._trace(sid, traced, batch)
             traced_from = time.monotonic_ns()
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         try:
             outs = self._ops[sid].process(batch)
         except SinkError:
@@ -382,9 +382,15 @@ class LocalExecutor:
             self._emit(sid, port, out)
 
     def _trace(self, sid: str, traced: npt.NDArray[np.int64], batch: Batch) -> None:
-        """Traced rows enter ``sid``: a model step notes when (its span ends at its output)."""
-        if self._nodes[sid].kind == "infer" and self.tracer is not None:
+        """Traced rows enter ``sid``: a model step notes when (its span ends at its output); a
+        sink gets their ``traceparent`` values for its outgoing messages."""
+        kind = self._nodes[sid].kind
+        if self.tracer is None:
+            return
+        if kind == "infer":
             self.tracer.model_in(sid, traced, time.monotonic_ns())
+        elif kind == "sink":
+            batch.traceparents = self.tracer.headers(traced) or None
 
     def _traced(
         self, sid: str, kind: str, traced: npt.NDArray[np.int64], start_ns: int, rows: int, outs: Emit
@@ -480,6 +486,8 @@ class LocalExecutor:
                 read_ns = time.perf_counter_ns() - t0
                 if held is None:
                     return
+                if held.traceparents and self.tracer is not None:  # the producers' traces
+                    self.tracer.parent_ids(held.traceparents)
                 if held.num_rows:  # reading and decoding; an empty read is idle, not busy
                     st.busy_ns += read_ns
                     st.cpu_ns += time.thread_time_ns() - c0

@@ -124,6 +124,7 @@ class _KafkaWriter(SinkPartition):
         lines = self._encoder.encode(batch).split(b"\n")
         ids = batch.ids
         parts = (ids % self._cfg.partitions).astype(np.int64).tolist()
+        traced = batch.traceparents or {}
         for i, (key, p) in enumerate(zip(ids.tolist(), parts, strict=True)):
             if self._skip.get(p):
                 self._skip[p] -= 1
@@ -137,6 +138,7 @@ class _KafkaWriter(SinkPartition):
                         key=str(key),
                         partition=p,
                         on_delivery=self._delivered,
+                        headers=[("traceparent", traced[key])] if key in traced else None,
                     )
                     break
                 except BufferError:  # the local queue is full: let deliveries drain it

@@ -11,8 +11,9 @@ engine id); a replay later than the duplicate window after the first write is no
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from aisp.aio import LoopThread, connect_nats
 from aisp.batch import Batch
@@ -71,13 +72,20 @@ class _JetStreamWriter(SinkPartition):
                 )
             )
 
-    async def _publish(self, ids: Sequence[object], lines: Sequence[bytes]) -> int:
+    async def _publish(
+        self, ids: Sequence[object], lines: Sequence[bytes], traceparents: Mapping[Any, str]
+    ) -> int:
         subject = self._subject
+
+        def headers(i: object) -> dict[str, str]:
+            h = {"Nats-Msg-Id": f"{subject}:{i}"}
+            if i in traceparents:
+                h["traceparent"] = traceparents[i]
+            return h
+
         acks = await asyncio.gather(
             *(
-                self._js.publish(
-                    subject, line, headers={"Nats-Msg-Id": f"{subject}:{i}"}, timeout=self._cfg.ack_timeout_s
-                )
+                self._js.publish(subject, line, headers=headers(i), timeout=self._cfg.ack_timeout_s)
                 for i, line in zip(ids, lines, strict=False)
             )
         )
@@ -88,13 +96,17 @@ class _JetStreamWriter(SinkPartition):
         stored twice) with backoff and full jitter until ``retry_s`` has passed."""
         if batch.num_rows:
             lines = self._encoder.encode(batch).split(b"\n")[: batch.num_rows]
-            self.write_lines(batch.ids.tolist(), lines)
+            self.write_lines(batch.ids.tolist(), lines, batch.traceparents)
 
-    def write_lines(self, ids: Sequence[object], lines: Sequence[bytes]) -> None:
-        """Publish ``lines`` (JSON) with ``Nats-Msg-Id`` ``{subject}:{id}``."""
+    def write_lines(
+        self, ids: Sequence[object], lines: Sequence[bytes], traceparents: Mapping[Any, str] | None = None
+    ) -> None:
+        """Publish ``lines`` (JSON) with ``Nats-Msg-Id`` ``{subject}:{id}`` (and the
+        ``traceparent`` of ids in ``traceparents``)."""
         cfg = self._cfg
+        traced = traceparents or {}
         self.duplicates += call_with_retry(
-            lambda: self._aio.run(self._publish(ids, lines), timeout_s=cfg.ack_timeout_s + 5),
+            lambda: self._aio.run(self._publish(ids, lines, traced), timeout_s=cfg.ack_timeout_s + 5),
             retry_on=(Exception,),
             give_up_after_s=cfg.retry_s,
             what=f"JetStream at {cfg.servers} (publishing to {self._subject!r})",

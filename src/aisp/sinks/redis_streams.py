@@ -11,7 +11,7 @@ exponential backoff and full jitter for ``retry_s`` seconds, then the sink fails
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,16 @@ local added = 0
 for i = 3, #ARGV, 2 do
   if redis.call('SET', KEYS[2] .. ARGV[i], '1', 'NX', 'EX', tonumber(ARGV[2])) then
     redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[i + 1])
+    added = added + 1
+  end
+end
+return added
+"""
+_ADD_ONCE_TRACED = """
+local added = 0
+for i = 3, #ARGV, 3 do
+  if redis.call('SET', KEYS[2] .. ARGV[i], '1', 'NX', 'EX', tonumber(ARGV[2])) then
+    redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[i + 1], 'traceparent', ARGV[i + 2])
     added = added + 1
   end
 end
@@ -64,6 +74,7 @@ class _RedisStreamWriter(SinkPartition):
         self._errors = (redis.ConnectionError, redis.TimeoutError)
         self._r: Any = redis.Redis(host=cfg.host, port=cfg.port, socket_timeout=10)
         self._script = self._r.register_script(_ADD_ONCE)
+        self._traced_script = self._r.register_script(_ADD_ONCE_TRACED)
         self._prefix = cfg.dedupe_prefix or f"aisp:dedupe:{cfg.stream}:"
         self._encoder = RowEncoder(cfg.columns)
         self.added = 0
@@ -71,18 +82,29 @@ class _RedisStreamWriter(SinkPartition):
 
     def write(self, batch: Batch) -> None:
         if batch.num_rows:
-            self.write_lines(batch.ids.tolist(), self._encoder.encode(batch).split(b"\n"))
+            lines = self._encoder.encode(batch).split(b"\n")
+            self.write_lines(batch.ids.tolist(), lines, batch.traceparents)
 
-    def write_lines(self, keys: Sequence[object], lines: Sequence[bytes]) -> None:
-        """Add ``lines`` (JSON), each once per idempotency key in ``keys``."""
+    def write_lines(
+        self, keys: Sequence[object], lines: Sequence[bytes], traceparents: Mapping[Any, str] | None = None
+    ) -> None:
+        """Add ``lines`` (JSON), each once per idempotency key in ``keys``; entries of keys in
+        ``traceparents`` also get a ``traceparent`` field."""
         cfg = self._cfg
+        traced = traceparents or {}
         for start in range(0, len(keys), cfg.chunk_rows):
             args: list[Any] = [cfg.field, cfg.dedupe_ttl_s]
+            marked: list[Any] = [cfg.field, cfg.dedupe_ttl_s]
             for i in range(start, min(start + cfg.chunk_rows, len(keys))):
-                args += [keys[i], lines[i]]
-            added = int(self._call(self._script, [cfg.stream, self._prefix], args))
-            self.added += added
-            self.skipped += (len(args) - 2) // 2 - added
+                if keys[i] in traced:
+                    marked += [keys[i], lines[i], traced[keys[i]]]
+                else:
+                    args += [keys[i], lines[i]]
+            for script, fields, chunk in ((self._script, 2, args), (self._traced_script, 3, marked)):
+                if len(chunk) > 2:
+                    added = int(self._call(script, [cfg.stream, self._prefix], chunk))
+                    self.added += added
+                    self.skipped += (len(chunk) - 2) // fields - added
 
     def _call(self, fn: Any, *args: Any) -> Any:
         cfg = self._cfg
