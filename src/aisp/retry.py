@@ -7,15 +7,37 @@ pipeline with an error that says where and for how long, never a silent hang.
 from __future__ import annotations
 
 import random
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from aisp.errors import AispError
 
-__all__ = ["call_with_retry"]
+__all__ = ["RETRIES", "RetryCounts", "call_with_retry"]
 
 T = TypeVar("T")
+
+
+class RetryCounts:
+    """Retries in this process by (target, reason), for ``aisp_retries_total``; targets are the
+    configured brokers and models, reasons exception types or status codes (both bounded)."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[tuple[str, str]] = Counter()
+        self._lock = threading.Lock()
+
+    def note(self, target: str, reason: str) -> None:
+        with self._lock:
+            self._counts[(target, reason)] += 1
+
+    def items(self) -> list[tuple[tuple[str, str], int]]:
+        with self._lock:
+            return sorted(self._counts.items())
+
+
+RETRIES = RetryCounts()
 
 
 def call_with_retry(
@@ -48,5 +70,6 @@ def call_with_retry(
         except retry_on as exc:
             if time.monotonic() >= deadline:
                 raise error(f"{what} unreachable for {give_up_after_s:g} s: {exc}") from exc
+            RETRIES.note(what, type(exc).__name__)
             time.sleep(random.uniform(0, delay))
             delay = min(delay * 2, max_s)

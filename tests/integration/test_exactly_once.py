@@ -50,7 +50,12 @@ def kill_and_restart(cmd: list[str], kills: int, seed: int, corrupt_latest: Path
     while True:
         proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if done < kills:
-            time.sleep(rng.uniform(1.0, 2.0))  # start-up takes about 1 s
+            if corrupt_latest is not None and done == kills - 1:  # two checkpoints: one to fall back to
+                deadline = time.monotonic() + 60
+                while len(list(corrupt_latest.glob("chk-*"))) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            else:
+                time.sleep(rng.uniform(1.0, 2.0))  # start-up takes about 1 s
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()

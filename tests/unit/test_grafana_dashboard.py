@@ -16,6 +16,7 @@ import aisp.observe
 from aisp import CollectSink, DeadLetterSink, Pipeline, PythonRuntime, WorkloadFSource
 from aisp.observe.drift import DriftConfig
 from aisp.observe.metrics import PipelineCollector, gc_pauses
+from aisp.observe.stats import AdmissionStats
 from aisp.schedule.executor import LocalExecutor
 from aisp.serve.metrics import ServerMetrics
 
@@ -35,7 +36,7 @@ def exported_families() -> set[str]:
     executor = LocalExecutor(p.build(), dead_letter=DeadLetterSink().open())
     executor.run()
     registry = CollectorRegistry()
-    registry.register(PipelineCollector(executor))
+    registry.register(PipelineCollector(executor, AdmissionStats()))
     ProcessCollector(registry=registry)
     GCCollector(registry=registry)
     registry.register(gc_pauses())

@@ -22,6 +22,7 @@ import numpy.typing as npt
 
 from aisp.errors import ConfigError, ModelError
 from aisp.infer.runtime import TensorSpec, check_rows
+from aisp.retry import RETRIES
 
 __all__ = ["BreakerConfig", "CircuitBreaker", "RemoteRuntime", "RetryPolicy"]
 
@@ -232,6 +233,7 @@ class RemoteRuntime:
                 self.breaker.failure()
                 if not any(code in status for code in RETRIABLE) or not self.breaker.allow():
                     break
+                RETRIES.note(f"remote model {self.model} at {self.url}", status or "error")
                 continue
             self.breaker.success()
             return out

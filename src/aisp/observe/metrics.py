@@ -20,6 +20,8 @@ Families (seconds and rows in the names; labels bounded by the pipeline's steps)
 * ``aisp_stage_info{stage, kind, thread}`` (1: the thread group doing the stage's work),
   ``aisp_stage_latency_budget_seconds{stage}``, ``aisp_batcher_setting{stage, setting}``
   (a model step's batching as configured or tuned).
+* ``aisp_retries_total{target, reason}``: retried calls to brokers and remote models (the
+  process's).
 * ``aisp_admission_events_total{outcome}``: a served pipeline's events accepted or refused
   (``queue_full``, ``rate_limited``).
 * ``aisp_uptime_seconds``: since the pipeline started (the clock of rates between scrapes).
@@ -52,6 +54,7 @@ from prometheus_client.process_collector import ProcessCollector
 
 from aisp.observe.latency import LatencyHistogram
 from aisp.observe.stats import AdmissionStats, StageStats
+from aisp.retry import RETRIES
 
 if TYPE_CHECKING:
     from aisp.schedule.executor import LocalExecutor
@@ -163,6 +166,14 @@ class PipelineCollector:
                 for name, value in batcher.settings().items():
                     setting.add_metric([sid, name], value)
             yield setting
+        retries = CounterMetricFamily(
+            "aisp_retries",
+            "Retried calls to brokers and remote models, by target and reason",
+            labels=["target", "reason"],
+        )
+        for (target, reason), n in RETRIES.items():
+            retries.add_metric([target, reason], n)
+        yield retries
         if self._admission is not None:
             admission = CounterMetricFamily(
                 "aisp_admission_events", "Events offered to a served pipeline, by outcome", labels=["outcome"]

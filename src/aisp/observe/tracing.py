@@ -122,6 +122,7 @@ class EventTracer:
         self._resource = Resource.create({"service.name": config.service_name, "aisp.pipeline": pipeline})
         self._exporter = exporter
         self._processor: BatchSpanProcessor | None = None
+        self._early: list[ReadableSpan] = []
         self._random = random.Random()
         self._open: dict[int, _Open] = {}
         self._open_ids = np.empty(0, dtype=np.int64)
@@ -136,8 +137,13 @@ class EventTracer:
 
     def start(self) -> None:
         """Start exporting (a thread: in a process that forks workers, call it after they are
-        forked). No event is sampled before."""
-        self._processor = BatchSpanProcessor(self._exporter)
+        forked). Spans finished before are kept and exported then."""
+        processor = BatchSpanProcessor(self._exporter)
+        with self._lock:
+            early, self._early = self._early, []
+            self._processor = processor
+        for span in early:
+            processor.on_end(span)
 
     # -- cheap checks -------------------------------------------------------------------------
     @property
@@ -210,7 +216,7 @@ class EventTracer:
         """A source emitted ``batch``: sample its events, open their traces, record the source's
         span (from the read, or the event's arrival when later, to now), and mark the batch
         with its traced ids (``Batch.traced``)."""
-        if not batch.num_rows or self._processor is None:
+        if not batch.num_rows:
             return
         sampling = bool(self._threshold) and self._has_token()
         if not sampling and not self._parents and not self._id_parents:
@@ -286,6 +292,9 @@ class EventTracer:
     def _emit(self, span: ReadableSpan) -> None:
         if self._processor is not None:
             self._processor.on_end(span)
+        else:  # spans of the first batches, before the export thread started
+            with self._lock:
+                self._early.append(span)
 
     def _span(self, name: str, tr: _Open, start_ns: int, end_ns: int, step: str, rows: int) -> SpanContext:
         """A finished child span of event ``tr``; returns its context (to link to)."""
@@ -420,8 +429,8 @@ class EventTracer:
         for tr in left:
             tr.attributes["aisp.unfinished"] = True
             self._end(tr, now)
-        if self._processor is not None:
-            self._processor.force_flush()
-            self._processor.shutdown()  # type: ignore[no-untyped-call]
-        else:
-            self._exporter.shutdown()
+        if self._processor is None:
+            self.start()
+        assert self._processor is not None
+        self._processor.force_flush()
+        self._processor.shutdown()  # type: ignore[no-untyped-call]
