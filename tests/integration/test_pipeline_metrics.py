@@ -59,6 +59,11 @@ def test_metrics_of_a_running_pipeline_parse_and_cover_every_stage(tmp_path: Pat
     assert value("aisp_events", "_total", direction="in") >= value("aisp_events", "_total", direction="out")
     assert value("aisp_model_rows", "_total", stage="score", outcome="scored") > 1000
     assert value("aisp_model_rows", "_total", stage="score", outcome="shed") == 0
+    (info,) = families["aisp_model_info"].samples
+    assert info.labels["stage"] == "score" and info.labels["provider"] == "CPUExecutionProvider"
+    assert info.labels["model"] and info.labels["version"]
+    assert value("aisp_stage_busy_seconds", "_total", stage="score") > 0
+    assert value("aisp_stage_cpu_seconds", "_total", stage="events") > 0
     attainment = value("aisp_slo_attainment_ratio", stage="pipeline")
     assert 0.0 <= attainment <= 1.0
     assert {"process_cpu_seconds", "process_resident_memory_bytes", "aisp_gc_pause_seconds"} <= set(families)

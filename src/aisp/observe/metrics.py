@@ -20,6 +20,8 @@ Families (seconds and rows in the names; labels bounded by the pipeline's steps)
 * ``aisp_stage_info{stage, kind, thread}`` (1: the thread group doing the stage's work),
   ``aisp_stage_latency_budget_seconds{stage}``, ``aisp_batcher_setting{stage, setting}``
   (a model step's batching as configured or tuned).
+* ``aisp_model_info{stage, model, version, provider}`` (1: the version in use) and
+  ``aisp_model_swaps_total{stage}`` (hot swaps).
 * ``aisp_retries_total{target, reason}``: retried calls to brokers and remote models (the
   process's).
 * ``aisp_admission_events_total{outcome}``: a served pipeline's events accepted or refused
@@ -156,6 +158,17 @@ class PipelineCollector:
             ):
                 fates.add_metric([sid, outcome], n)
         yield fates
+        models = GaugeMetricFamily(
+            "aisp_model_info",
+            "The model a step calls now (1), with its version and execution provider",
+            labels=["stage", "model", "version", "provider"],
+        )
+        swaps = CounterMetricFamily("aisp_model_swaps", "Hot swaps to a newer model version", labels=["stage"])
+        for sid, batcher in self._ex.batchers.items():
+            rt = batcher.runtime
+            models.add_metric([sid, str(rt.name), str(rt.version), str(rt.provider)], 1)
+            swaps.add_metric([sid], getattr(rt, "swaps", 0))
+        yield from (models, swaps)
         if self._ex.batchers:
             setting = GaugeMetricFamily(
                 "aisp_batcher_setting",
