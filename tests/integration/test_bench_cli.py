@@ -74,3 +74,34 @@ def test_a_local_pipeline_is_run_open_loop(tmp_path: Path) -> None:
 def test_bad_targets_are_refused_clearly() -> None:
     done = bench("ftp://nowhere", "--rate", "10")
     assert done.returncode == 2 and "bench target" in done.stderr
+
+
+def test_open_loop_through_redis_streams_matches_results_to_events(tmp_path: Path) -> None:
+    import uuid
+
+    import redis
+
+    tag = uuid.uuid4().hex[:8]
+    src, dst = f"aisp-bench-in-{tag}", f"aisp-bench-out-{tag}"
+    cmd = [sys.executable, "-m", "aisp.cli", "run", str(FRAUD), "--no-live"]
+    cmd += ["--input", f"redis://127.0.0.1:6379/{src}?group=b", "--output", f"redis://127.0.0.1:6379/{dst}"]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    r = redis.Redis()
+    try:
+        done = bench(
+            f"redis://127.0.0.1:6379/{src}?output={dst}",
+            *("--rate", "1000", "--events-per-request", "10", "--duration-s", "1", "--warmup-s", "0.5"),
+            *("--json", str(tmp_path / "r.json")),
+        )
+        assert done.returncode == 0, done.stderr
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+        r.delete(src, dst)
+        for key in r.scan_iter(f"aisp:dedupe:{dst}:*", count=1000):
+            r.delete(key)
+        r.close()
+    p = json.loads((tmp_path / "r.json").read_text())["points"][0]
+    assert 900 <= p["events_sent"] <= 1100
+    assert p["events_ok"] == p["events_sent"] and p["errors"] == {}
+    assert 0 < p["latency_ms"]["p50"] <= p["latency_ms"]["max"]

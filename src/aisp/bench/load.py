@@ -198,16 +198,22 @@ class GrpcPipeline:
             await self._channel.close()
 
 
-def make_target(target: str) -> Target | str:
-    """A network target, or the path of a local pipeline file (returned as is)."""
+def make_target(target: str) -> Any:
+    """A network target (HTTP, gRPC, a Redis stream pair), or the path of a local pipeline file
+    (returned as is)."""
     if target.startswith(("http://", "https://")):
         return HttpPipeline(target)
     if target.startswith("grpc://"):
         return GrpcPipeline(target)
+    if target.startswith("redis://"):
+        from aisp.bench.broker import RedisStreamsTarget
+
+        return RedisStreamsTarget(target)
     if target.endswith(".py") and Path(target).is_file():
         return target
     raise ConfigError(
-        f"bench target must be http(s)://…, grpc://HOST:PORT/PIPELINE or a pipeline file, got {target!r}"
+        "bench target must be http(s)://…, grpc://HOST:PORT/PIPELINE, redis://HOST:PORT/IN?output=OUT"
+        f" or a pipeline file, got {target!r}"
     )
 
 
@@ -344,6 +350,9 @@ def run_point(
         return _local_point(target, spec)
     k = spec.events_per_request
     lines = lines or workload_lines(max(k * 64, 4096))
+    drive = getattr(target, "run", None)
+    if drive is not None:  # a broker: its own send and receive loops
+        return drive(spec, lines)  # type: ignore[no-any-return]
     bodies = [b"\n".join(lines[i : i + k]) + b"\n" for i in range(0, len(lines) - k + 1, k)]
     meter = _Meter(spec)
 

@@ -163,7 +163,9 @@ class PipelineCollector:
             "The model a step calls now (1), with its version and execution provider",
             labels=["stage", "model", "version", "provider"],
         )
-        swaps = CounterMetricFamily("aisp_model_swaps", "Hot swaps to a newer model version", labels=["stage"])
+        swaps = CounterMetricFamily(
+            "aisp_model_swaps", "Hot swaps to a newer model version", labels=["stage"]
+        )
         for sid, batcher in self._ex.batchers.items():
             rt = batcher.runtime
             models.add_metric([sid, str(rt.name), str(rt.version), str(rt.provider)], 1)
