@@ -569,19 +569,20 @@ class LocalExecutor:
         try:
             if not self._quiesce(timeout_s):
                 return None
-            tables: dict[str, pa.Table] = {}
-            changed: dict[str, tuple[list[Any], dict[str, Any]]] = {}
+            # under the pause only copies (or views that stay valid); conversions come after
+            columns_of: dict[str, dict[str, Any]] = {}
+            key_views: dict[str, Callable[[], pa.Array]] = {}
+            dirty: dict[str, tuple[Callable[[], pa.Array], dict[str, Any]]] = {}
             if self.state_store is not None:  # only the keys that changed, written below
                 for sid, op in self._ops.items():
                     if isinstance(op, IncrementalState):
                         codes, columns = op.take_dirty()
-                        changed[sid] = (op.index.keys_at(codes), columns)
+                        dirty[sid] = (op.index.frozen_keys(codes), columns)
             else:
-                for space, index in self._key_indexes.items():
-                    tables[f"keys.{space}"] = pa.table({"key": pa.array(index.keys())})
+                key_views = {space: index.frozen_keys() for space, index in self._key_indexes.items()}
             for sid, op in self._ops.items():
-                if isinstance(op, Checkpointable) and sid not in changed:
-                    tables[f"op.{sid}"] = pa.table(op.snapshot())
+                if isinstance(op, Checkpointable) and sid not in dirty:
+                    columns_of[sid] = op.snapshot()
             sources = {sid: part.snapshot() for sid, part in self._source_parts.items()}
             meta = {
                 "pipeline": self.graph.name,
@@ -593,6 +594,9 @@ class LocalExecutor:
             }
         finally:
             self._resume()
+        tables = {f"keys.{space}": pa.table({"key": view()}) for space, view in key_views.items()}
+        tables.update({f"op.{sid}": pa.table(columns) for sid, columns in columns_of.items()})
+        changed = {sid: (keys().to_pylist(), columns) for sid, (keys, columns) in dirty.items()}
         for sink in self._sink_parts.values():
             sink.sync()
         self.dead_letter.sync()

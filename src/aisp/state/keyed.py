@@ -7,6 +7,7 @@ fancy-indexing operation instead of a dict lookup per event.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,18 @@ def pack_keys(keys: pa.Array) -> tuple[str, npt.NDArray[np.uint64]] | None:
     matrix = np.where(cols[None, :] < lengths[:, None], data[idx], 0).astype(np.uint8)
     matrix[:, 7] = lengths  # the length byte keeps "a" and "a\0" apart
     return "str", np.ascontiguousarray(matrix).view(np.uint64).reshape(n)
+
+
+def _unpack_arrow(kind: str, packed: npt.NDArray[np.uint64]) -> pa.Array:
+    """``_unpack`` straight to an Arrow array, vectorised (no Python object per key)."""
+    if kind == "int":
+        return pa.array(packed.view(np.int64))
+    raw = packed.view(np.uint8).reshape(-1, 8)
+    lengths = raw[:, 7].astype(np.int32)
+    offsets = np.zeros(raw.shape[0] + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    data = raw[:, :7][np.arange(7)[None, :] < lengths[:, None]]
+    return pa.StringArray.from_buffers(raw.shape[0], pa.py_buffer(offsets), pa.py_buffer(data.tobytes()))
 
 
 def _unpack(kind: str, packed: npt.NDArray[np.uint64]) -> list[Any]:
@@ -209,6 +222,19 @@ class KeyIndex:
         if self._dict is not None:
             return list(self._dict)
         return _unpack(self._kind, self._by_code[: self._n]) if self._kind else []
+
+    def frozen_keys(self, codes: npt.NDArray[np.int64] | None = None) -> Callable[[], pa.Array]:
+        """The keys (of ``codes``, or all in code order) as of now, as an Arrow array made
+        later: a code's key never changes once assigned and growth copies into a new array, so
+        a view of the packed keys is a snapshot that costs nothing to take (a checkpoint takes
+        it while the sources are paused, and converts after they resume)."""
+        if self._dict is not None:
+            every = list(self._dict)
+            return lambda: pa.array(every if codes is None else [every[c] for c in codes.tolist()])
+        if not self._kind:
+            return lambda: pa.array([], pa.string())
+        kind, packed = self._kind, self._by_code[: self._n]
+        return lambda: _unpack_arrow(kind, packed if codes is None else packed[codes])
 
 
 class KeyedState:
