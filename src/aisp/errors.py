@@ -5,6 +5,7 @@
     ├── ConfigError           a config value is out of range or inconsistent
     ├── SourceError           a source cannot be opened or read
     ├── SinkError             a sink cannot be written
+    ├── StateError            keyed state could not be stored
     └── ModelError            a model cannot be loaded or its call failed
         └── ModelTimeoutError a row waited past its timeout or deadline
 
@@ -22,6 +23,7 @@ __all__ = [
     "ModelTimeoutError",
     "SinkError",
     "SourceError",
+    "StateError",
 ]
 
 
@@ -52,6 +54,10 @@ class SourceError(AispError):
 
 class SinkError(AispError):
     """A sink could not be opened or written."""
+
+
+class StateError(AispError):
+    """Keyed state could not be written to (or read from) its store."""
 
 
 class ModelError(AispError):

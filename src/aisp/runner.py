@@ -156,7 +156,7 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
             raise ConfigError("a state store needs --checkpoint-dir (it lives there)")
         from aisp.state.store import LmdbStateStore
 
-        state_store = LmdbStateStore(Path(opts.checkpoint_dir) / "state")
+        state_store = LmdbStateStore(Path(opts.checkpoint_dir) / "state", writer_process=True)
     ex = LocalExecutor(
         graph,
         state_store=state_store,

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -95,3 +99,38 @@ def test_state_store_reads_each_key_as_of_a_version(tmp_path: Path) -> None:
         assert state(9) == {"u1": (2, 1.5), "u2": (1, 2.0)}
     finally:
         store.close()
+
+
+WRITE_ROWS = """
+import json, sys
+import numpy as np, pyarrow as pa
+from aisp.state.store import LmdbStateStore, decode_rows
+store = LmdbStateStore(sys.argv[1], writer_process=sys.argv[2] == "1")
+forked = store._proc is not None
+first = {"n": np.array([1, 1]), "s": np.array([0.5, 2.0])}
+layout = store.write_rows(1, {"op\\x1f": (pa.array(["u1", "u2"]), first)})
+store.write_rows(2, {"op\\x1f": (pa.array(["u2"]), {"n": np.array([2]), "s": np.array([3.0])})})
+keys, cols = decode_rows(b"op\\x1f", list(store.read(2, b"op\\x1f")), layout["op\\x1f"])
+store.close()
+print(json.dumps({"forked": forked, "layout": layout, "exit": None if not forked else store._proc.exitcode,
+                  "state": dict(zip(keys, zip(cols["n"].tolist(), cols["s"].tolist())))}))
+"""
+
+
+@pytest.mark.parametrize("writer_process", [False, True], ids=["in-process", "writer-process"])
+def test_state_store_writes_rows_in_a_writer_process_the_same(tmp_path: Path, writer_process: bool) -> None:
+    # a fresh interpreter: forking the writer needs a process with no other thread
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", WRITE_ROWS, str(tmp_path / "state"), "1" if writer_process else "0"],
+        env={**os.environ, "PYTHONPATH": str(root / "src")},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    result = json.loads(done.stdout)
+    assert result["forked"] == writer_process
+    assert result["layout"] == {"op\x1f": [["n", "<i8"], ["s", "<f8"]]}
+    assert result["state"] == {"u1": [1, 0.5], "u2": [2, 3.0]}
+    if writer_process:
+        assert result["exit"] is not None  # the writer is gone with the store

@@ -43,7 +43,7 @@ from aisp.sinks.deadletter import DeadLetterWriter
 from aisp.sinks.process import ProcessSink
 from aisp.state.checkpoint import Checkpoint, CheckpointStore
 from aisp.state.keyed import KeyIndex
-from aisp.state.store import LmdbStateStore, decode_rows, encode_rows
+from aisp.state.store import LmdbStateStore, decode_rows
 from aisp.transform.operators import Checkpointable, Emit, IncrementalState, Operator, OperatorContext
 
 if TYPE_CHECKING:
@@ -596,7 +596,7 @@ class LocalExecutor:
             self._resume()
         tables = {f"keys.{space}": pa.table({"key": view()}) for space, view in key_views.items()}
         tables.update({f"op.{sid}": pa.table(columns) for sid, columns in columns_of.items()})
-        changed = {sid: (keys().to_pylist(), columns) for sid, (keys, columns) in dirty.items()}
+        changed = {sid: (keys(), columns) for sid, (keys, columns) in dirty.items()}
         for sink in self._sink_parts.values():
             sink.sync()
         self.dead_letter.sync()
@@ -623,20 +623,12 @@ class LocalExecutor:
             part.commit(part.snapshot())
 
     def _write_state(
-        self, version: int, changed: dict[str, tuple[list[Any], dict[str, Any]]]
+        self, version: int, changed: dict[str, tuple[pa.Array, dict[str, Any]]]
     ) -> dict[str, Any]:
         """Write the changed keys' state at ``version`` (before the manifest); what restore needs."""
         assert self.state_store is not None
-        names: list[bytes] = []
-        values: list[bytes] = []
-        layout: dict[str, Any] = {}
-        for sid, (keys, columns) in changed.items():
-            n, v, descr = encode_rows(f"{sid}\x1f".encode(), keys, columns)
-            names += n
-            values += v
-            layout[sid] = descr
-        self.state_store.write(version, names, values)
-        return {"version": version, "ops": layout}
+        layout = self.state_store.write_rows(version, {f"{sid}\x1f": part for sid, part in changed.items()})
+        return {"version": version, "ops": {prefix[:-1]: descr for prefix, descr in layout.items()}}
 
     def _restore_from_store(self, checkpoint: Checkpoint) -> None:
         assert self.state_store is not None

@@ -8,6 +8,9 @@ checkpoint can be read back (``read(version)``: the newest value of each key at 
 which is what lets a restore fall back to an older checkpoint when the newest is corrupt.
 ``prune(before)`` drops values superseded before the oldest kept checkpoint.
 
+A checkpoint hands the changed rows over as Arrow (``write_rows``); with ``writer_process``
+a forked child builds and writes the entries, off the pipeline's GIL.
+
 LMDB was chosen over RocksDB (``rocksdict``) by measurement (``benchmarks/bench_state_store.py``):
 writing 100k 16-byte rows per version costs the same (70-73 ms, mostly building the entries),
 reading 300k back for a restore takes 42-43 ms vs 73 ms, and LMDB runs no background compaction
@@ -16,30 +19,150 @@ threads beside the pipeline's (BENCHMARKS.md).
 
 from __future__ import annotations
 
+import logging
+import multiprocessing as mp
 import struct
+import threading
 from collections.abc import Iterator, Sequence
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import numpy as np
+import pyarrow as pa
+
+from aisp.errors import StateError
+
 __all__ = ["LmdbStateStore", "decode_rows", "encode_rows"]
 
+log = logging.getLogger("aisp.state")
 _VERSION = struct.Struct(">Q")
+_SIZE = struct.Struct("<I")
+
+
+def _open(path: str | Path, map_size: int) -> Any:
+    import lmdb
+
+    return lmdb.open(str(path), map_size=map_size, sync=True, metasync=True)
+
+
+def _put(env: Any, version: int, names: Sequence[bytes], values: Sequence[bytes]) -> None:
+    suffix = _VERSION.pack(version)
+    with env.begin(write=True) as txn:
+        txn.cursor().putmulti([(n + suffix, v) for n, v in zip(names, values, strict=True)])
+
+
+def _put_rows(env: Any, version: int, parts: dict[str, pa.RecordBatch]) -> None:
+    """``write_rows``'s work: each part's rows (a ``key`` column and state columns) as entries."""
+    names: list[bytes] = []
+    values: list[bytes] = []
+    for prefix, rb in parts.items():
+        columns = {c: rb.column(c).to_numpy(zero_copy_only=False) for c in rb.schema.names if c != "key"}
+        n, v, _ = encode_rows(prefix.encode(), rb.column("key").to_pylist(), columns)
+        names += n
+        values += v
+    _put(env, version, names, values)
+
+
+def _writer_main(path: str, map_size: int, conn: Connection, parent_end: Connection) -> None:
+    """The state writer process: versions in (Arrow IPC), entries into LMDB, ``OK`` back."""
+    from aisp.ipc import report_error, worker_init
+
+    worker_init(parent_end)
+    env = _open(path, map_size)
+    try:
+        while True:
+            message = conn.recv_bytes()
+            try:
+                version, parts = _decode_parts(message)
+                _put_rows(env, version, parts)
+            except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
+                report_error(conn, exc)
+                continue
+            conn.send_bytes(b"OK")
+    except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
+        return  # the parent closed the pipe: done
+    finally:
+        env.close()
+        conn.close()
+
+
+def _encode_parts(version: int, parts: dict[str, pa.RecordBatch]) -> bytes:
+    blobs = []
+    for prefix, rb in parts.items():
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, rb.schema) as writer:
+            writer.write_batch(rb)
+        blobs.append((prefix, sink.getvalue().to_pybytes()))
+    header = msgspec.json.encode([version, [[prefix, len(blob)] for prefix, blob in blobs]])
+    return _SIZE.pack(len(header)) + header + b"".join(blob for _, blob in blobs)
+
+
+def _decode_parts(message: bytes) -> tuple[int, dict[str, pa.RecordBatch]]:
+    (size,) = _SIZE.unpack_from(message)
+    version, layout = msgspec.json.decode(message[_SIZE.size : _SIZE.size + size])
+    at, parts = _SIZE.size + size, {}
+    for prefix, length in layout:
+        parts[prefix] = pa.ipc.open_stream(pa.py_buffer(message[at : at + length])).read_next_batch()
+        at += length
+    return int(version), parts
 
 
 class LmdbStateStore:
-    """Versioned key-value state in an LMDB environment at ``path`` (a directory)."""
+    """Versioned key-value state in an LMDB environment at ``path`` (a directory).
 
-    def __init__(self, path: str | Path, *, map_size: int = 1 << 36) -> None:
-        import lmdb
+    With ``writer_process`` the entries of ``write_rows`` are built and written by a forked
+    child (Arrow IPC in, nothing pickled): a checkpoint that touched every key of a big state
+    costs the pipeline a serialisation instead of a Python loop per key under its GIL. It must
+    be created while the process runs no other thread (else writes stay in-process, with a
+    warning); reads, pruning and discarding use the parent's own environment (LMDB serialises
+    writers across processes).
+    """
 
+    def __init__(self, path: str | Path, *, map_size: int = 1 << 36, writer_process: bool = False) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
-        self._env: Any = lmdb.open(str(path), map_size=map_size, sync=True, metasync=True)
+        self._conn: Connection | None = None
+        self._proc: Any = None
+        if writer_process and threading.active_count() > 1:
+            log.warning("state store %s writes in-process: %d threads run, forking is unsafe", path,
+                        threading.active_count())  # fmt: skip
+        elif writer_process:
+            ctx = mp.get_context("fork")
+            self._conn, child = ctx.Pipe(duplex=True)
+            self._proc = ctx.Process(
+                target=_writer_main,
+                args=(str(path), map_size, child, self._conn),
+                name="aisp-state",
+                daemon=True,
+            )
+            self._proc.start()  # before the parent opens its environment: the child opens its own
+            child.close()
+        self._env: Any = _open(path, map_size)
 
     def write(self, version: int, names: Sequence[bytes], values: Sequence[bytes]) -> None:
         """Store ``values`` under ``names`` at ``version``, atomically and durably."""
-        suffix = _VERSION.pack(version)
-        with self._env.begin(write=True) as txn:
-            txn.cursor().putmulti([(n + suffix, v) for n, v in zip(names, values, strict=True)])
+        _put(self._env, version, names, values)
+
+    def write_rows(self, version: int, parts: dict[str, tuple[pa.Array, dict[str, Any]]]) -> dict[str, Any]:
+        """Store each part's rows (by prefix: the keys and their state columns) at ``version``,
+        atomically and durably, as ``encode_rows`` entries; returns each part's row layout (for
+        ``decode_rows``)."""
+        batches = {
+            prefix: pa.RecordBatch.from_arrays(
+                [keys, *map(pa.array, columns.values())], names=["key", *columns]
+            )
+            for prefix, (keys, columns) in parts.items()
+        }
+        if self._conn is None:
+            _put_rows(self._env, version, batches)
+        else:
+            self._conn.send_bytes(_encode_parts(version, batches))
+            reply = self._conn.recv_bytes()
+            if reply != b"OK":
+                raise StateError(f"state writer failed: {reply[1:].decode(errors='replace')}")
+        return {prefix: [[name, np.asarray(col).dtype.str] for name, col in columns.items()]
+                for prefix, (_, columns) in parts.items()}  # fmt: skip
 
     def read(self, version: int, prefix: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
         """(name, value) for every name under ``prefix``: its newest value at or before ``version``."""
@@ -87,6 +210,10 @@ class LmdbStateStore:
         return dropped
 
     def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()  # the writer sees EOF and exits
+            self._proc.join(timeout=10)
+            self._conn = None
         self._env.close()
 
 
@@ -95,9 +222,6 @@ def encode_rows(
 ) -> tuple[list[bytes], list[bytes], list[list[str]]]:
     """Store names (``prefix`` + the msgpack of each key) and value bytes (one packed row of
     ``columns`` each), and the row dtype to decode them with."""
-    import msgspec
-    import numpy as np
-
     dtype = np.dtype([(name, col.dtype) for name, col in columns.items()])
     rows = np.empty(len(keys), dtype=dtype)
     for name, col in columns.items():
@@ -113,9 +237,6 @@ def decode_rows(
     prefix: bytes, entries: Sequence[tuple[bytes, bytes]], descr: Sequence[Sequence[str]]
 ) -> tuple[list[Any], dict[str, Any]]:
     """The keys and columns of ``entries`` written by ``encode_rows``."""
-    import msgspec
-    import numpy as np
-
     dtype = np.dtype([(str(name), str(code)) for name, code in descr])
     decode = msgspec.msgpack.decode
     keys = [decode(name[len(prefix) :]) for name, _ in entries]
