@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -157,11 +158,13 @@ def run(
 
 def _trace_config(sample: float, endpoint: str | None, max_per_s: float) -> Any:
     """``--trace-*`` options as a ``TraceConfig`` (None: tracing off). With an endpoint and no
-    sample, only events whose client sent a sampled ``traceparent`` are traced."""
-    if sample <= 0 and endpoint is None:
-        return None
+    sample, only events whose client sent a sampled ``traceparent`` are traced. Without either,
+    the standard ``OTEL_*`` variables decide (``TraceConfig.from_env``)."""
     from aisp.observe.tracing import TraceConfig
 
+    if sample <= 0 and endpoint is None:
+        from_env = TraceConfig.from_env()
+        return None if from_env is None else replace(from_env, max_traces_per_s=max_per_s)
     return TraceConfig(sample_ratio=sample, endpoint=endpoint, max_traces_per_s=max_per_s)
 
 

@@ -39,7 +39,7 @@ def test_a_broker_outage_is_ridden_out_with_exactly_once_output(
     data: Path, tmp_path: Path, via: str, mode: str
 ) -> None:
     report = outage_scenario(
-        PIPELINE, data, via=via, down_s=2.5, after_s=1.5, rate=8000, work=tmp_path, mode=mode
+        PIPELINE, data, via=via, down_s=2.5, after_s=0.3, rate=8000, work=tmp_path, mode=mode
     )
     assert report.passed, report
     assert report.scenario == f"outage-{mode}"
@@ -61,7 +61,7 @@ def test_a_broker_killed_and_restarted_mid_run_is_resumed_by_itself(
 ) -> None:
     from aisp.faults.chaos import restart_scenario
 
-    report = restart_scenario(PIPELINE, data, via=via, down_s=1.5, after_s=1.5, rate=8000, work=tmp_path)
+    report = restart_scenario(PIPELINE, data, via=via, down_s=1.5, after_s=0.3, rate=8000, work=tmp_path)
     assert report.passed, report
 
 
@@ -71,7 +71,7 @@ def test_a_slow_or_failing_remote_model_loses_nothing(data: Path, tmp_path: Path
 
     repo = ROOT / "examples" / "fraud" / "repository"
     report = model_scenario(
-        PIPELINE, data, repo, fault=fault, delay_ms=150, down_s=2.0, after_s=1.5, rate=8000, work=tmp_path
+        PIPELINE, data, repo, fault=fault, delay_ms=150, down_s=2.0, after_s=0.3, rate=8000, work=tmp_path
     )
     assert report.passed, report
     assert report.outputs + report.dead_lettered == report.expected

@@ -82,8 +82,14 @@ def test_a_clients_traceparent_is_kept_over_http_and_grpc(tmp_path: Path) -> Non
     write_events(tmp_path / "in.jsonl", 40)
     lines = (tmp_path / "in.jsonl").read_bytes().splitlines()
     with otlp_receiver() as (endpoint, received):
-        args = ("--trace-endpoint", endpoint, "--admission-rows", "4096")
-        env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
+        # the standard variables: an endpoint turns tracing on; always_off leaves the decision
+        # to the clients' traceparent
+        args = ("--admission-rows", "4096")
+        env = {
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint,
+            "OTEL_TRACES_SAMPLER": "parentbased_always_off",
+        }
         with aisp_serve(FRAUD, http=True, grpc=True, extra_args=args, extra_env=env) as (addresses, _):
             wait_http(addresses["http"])
             traceparent = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"

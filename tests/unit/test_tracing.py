@@ -92,3 +92,24 @@ def test_bad_traceparents_are_ignored_and_config_is_checked() -> None:
         TraceConfig(sample_ratio=1.5)
     with pytest.raises(ConfigError, match="max_traces_per_s"):
         TraceConfig(max_traces_per_s=-1)
+
+
+def test_cli_trace_options_and_the_standard_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aisp.cli import _trace_config
+
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_SAMPLER"):
+        monkeypatch.delenv(name, raising=False)
+    assert _trace_config(0.0, None, 100.0) is None
+    flags = _trace_config(0.01, "http://127.0.0.1:9/v1/traces", 50.0)
+    assert (flags.sample_ratio, flags.resolved_endpoint(), flags.max_traces_per_s) == (
+        0.01,
+        "http://127.0.0.1:9/v1/traces",
+        50.0,
+    )
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    from_env = _trace_config(0.0, None, 100.0)
+    assert from_env.sample_ratio == 1.0 and from_env.resolved_endpoint() == "http://127.0.0.1:9/v1/traces"
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    assert _trace_config(0.0, None, 100.0).sample_ratio == 0.0
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert _trace_config(0.0, None, 100.0) is None

@@ -424,7 +424,7 @@ def outage_scenario(
     work: str | Path,
     mode: str = "refuse",
 ) -> ChaosReport:
-    """Degrade the path to the broker for ``down_s`` seconds, ``after_s`` into the run; the run
+    """Degrade the path to the broker for ``down_s`` seconds, ``after_s`` into processing; the run
     must ride it out and end with exactly-once output. ``mode``: ``refuse`` (refuse and reset
     every connection), ``blackhole`` (accept and swallow everything), ``slow`` (50 ms delay with
     50 ms jitter per chunk each way) or ``narrow`` (64 KB/s each way)."""
@@ -474,9 +474,10 @@ def _one_fault(
     key: str,
     extra: Sequence[str] = (),
 ) -> ChaosReport:
-    """Run the pipeline with checkpoints, call ``fault()`` ``after_s`` into the run, time the
-    recovery (to the first checkpoint after the fault) and compare the output; events that were
-    dead-lettered (``dead-letters.jsonl``, by ``id``) count as accounted for, not lost."""
+    """Run the pipeline with checkpoints, call ``fault()`` ``after_s`` after its first checkpoint
+    (the pipeline is up and processing: start-up time varies), time the recovery (to the first
+    checkpoint after the fault) and compare the output; events that were dead-lettered
+    (``dead-letters.jsonl``, by ``id``) count as accounted for, not lost."""
     started = time.monotonic()
     source, output = ends.urls()
     chk = ends.work / "checkpoints"
@@ -485,6 +486,9 @@ def _one_fault(
     cmd += list(extra)
     cmd += ["--checkpoint-interval-s", str(checkpoint_interval_s), "--rate", str(rate)]
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and not _newest_checkpoint(chk) and time.monotonic() < deadline:
+        time.sleep(0.02)
     time.sleep(after_s)
     fault()
     back = time.monotonic()
@@ -568,7 +572,7 @@ def restart_scenario(
     key: str = "id",
     work: str | Path,
 ) -> ChaosReport:
-    """SIGKILL the broker itself ``after_s`` into the run and start it again ``down_s`` later
+    """SIGKILL the broker itself ``after_s`` into processing and start it again ``down_s`` later
     (a private broker that keeps its data on disk); the run must resume by itself and end with
     exactly-once output."""
     work = Path(work)
