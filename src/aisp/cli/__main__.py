@@ -1,0 +1,5 @@
+"""``python -m aisp.cli``."""
+
+from aisp.cli import main
+
+main()

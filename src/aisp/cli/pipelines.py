@@ -1,0 +1,337 @@
+"""``aisp run``, ``aisp serve`` and ``aisp topology``."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from aisp.cli import (
+    TraceEndpoint,
+    TraceMaxPerS,
+    TraceSample,
+    _bind,
+    _params,
+    _trace_config,
+    app,
+    err,
+    load_pipeline,
+)
+from aisp.errors import AispError
+
+
+@app.command()
+def run(
+    pipeline: Annotated[str, typer.Argument(help="Python file defining build() or `pipeline`.")],
+    input: Annotated[str | None, typer.Option("--input", "-i", help="JSONL input file.")] = None,  # noqa: A002
+    output: Annotated[str | None, typer.Option("--output", "-o", help="JSONL output file.")] = None,
+    dead_letter: Annotated[
+        str | None,
+        typer.Option("--dead-letter", help="Dead letters: a JSONL file, redis://… or nats://… stream."),
+    ] = None,
+    rate: Annotated[float, typer.Option(help="Pace the source at N events/s, open loop (0: max).")] = 0.0,
+    events: Annotated[int | None, typer.Option(help="Events for a generator source.")] = None,
+    batch_rows: Annotated[int, typer.Option(help="Rows per source batch.")] = 512,
+    summary_json: Annotated[
+        str | None, typer.Option("--summary-json", help="Write the summary here.")
+    ] = None,
+    live: Annotated[bool | None, typer.Option("--live/--no-live", help="Live progress view.")] = None,
+    model_repository: Annotated[
+        str | None, typer.Option("--model-repository", help="Triton-style model repository for the pipeline.")
+    ] = None,
+    repository_poll_s: Annotated[
+        float, typer.Option(help="Check the repository for new model versions every N s (0: never).")
+    ] = 1.0,
+    checkpoint_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--checkpoint-dir", help="Checkpoint here every --checkpoint-interval-s; restart from the newest."
+        ),
+    ] = None,
+    checkpoint_interval_s: Annotated[float, typer.Option(help="Seconds between checkpoints.")] = 1.0,
+    state_store: Annotated[
+        bool,
+        typer.Option(help="Keep keyed state in an LMDB store in --checkpoint-dir, written incrementally."),
+    ] = False,
+    param: Annotated[
+        list[str] | None, typer.Option("--param", help="KEY=VALUE passed to the file's build() (repeatable).")
+    ] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve Prometheus /metrics on 127.0.0.1:PORT during the run (0: free).")
+    ] = None,
+    trace_sample: TraceSample = 0.0,
+    trace_endpoint: TraceEndpoint = None,
+    trace_max_per_s: TraceMaxPerS = 100.0,
+    slo_ms: Annotated[
+        float | None,
+        typer.Option(help="Latency target for the summary's SLO attainment (default: the pipeline's bound)."),
+    ] = None,
+    dashboard: Annotated[bool, typer.Option(help="Serve the live dashboard during the run.")] = False,
+    dashboard_port: Annotated[
+        int, typer.Option(help="The dashboard's port on 127.0.0.1 (0: a free one).")
+    ] = 0,
+) -> None:
+    """Run PIPELINE to the end of its input (Ctrl-C / SIGTERM drain cleanly)."""
+    from aisp.runner import RunOptions
+    from aisp.runner import run as run_pipeline
+
+    params: dict[str, Any] = _params(param)
+    if events is not None:
+        params["events"] = events
+    if model_repository is not None:
+        params["model_repository"] = model_repository
+    try:
+        p = load_pipeline(pipeline, **params)
+        _bind(p, input, output)
+        show_live = sys.stderr.isatty() if live is None else live
+        summary = run_pipeline(
+            p,
+            RunOptions(
+                dead_letter=dead_letter,
+                rate_events_per_s=rate,
+                batch_rows=batch_rows,
+                live=show_live,
+                handle_signals=True,
+                summary_json=summary_json,
+                repository_poll_s=repository_poll_s,
+                checkpoint_dir=checkpoint_dir,
+                checkpoint_interval_s=checkpoint_interval_s,
+                state_store=state_store,
+                metrics_port=metrics_port,
+                trace=_trace_config(trace_sample, trace_endpoint, trace_max_per_s),
+                slo_ms=slo_ms,
+                dashboard_port=dashboard_port if dashboard else None,
+            ),
+        )
+    except AispError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    lat = summary.latency_ms
+    if show_live:
+        err.print()
+    err.print(
+        f"[bold]{summary.pipeline}[/bold]: {summary.events_in:,} in, {summary.events_out:,} out, "
+        f"{summary.dead_letters:,} dead letters in {summary.seconds:.2f} s "
+        f"({summary.events_per_s:,.0f} events/s); e2e p50 {lat['p50']} ms, p99 {lat['p99']} ms, "
+        f"p99.9 {lat['p999']} ms, max {lat['max']} ms; peak RSS {summary.peak_rss_mb:.0f} MB"
+        + (" (stopped early, drained)" if summary.stopped_early else "")
+    )
+
+
+class _GracefulServerMixin:
+    """uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then re-raises the signal (so the
+    process dies of it); a drained ``aisp serve`` exits 0 instead."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        handle_exit = self.handle_exit  # type: ignore[attr-defined]
+        old = {s: signal.signal(s, handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+def _limits(config: str | None) -> Any:
+    """``[limits]`` of the TOML config (rows/s per API key and per tier), or None."""
+    import tomllib
+
+    from aisp.schedule.ratelimit import RateLimits
+    from aisp.transform.operators import DEFAULT_TIERS
+
+    if config is None:
+        return None
+    section = tomllib.loads(Path(config).read_text()).get("limits")
+    return RateLimits.from_config(section, DEFAULT_TIERS) if section else None
+
+
+def _tls_pair(cert: str | None, key: str | None) -> tuple[bytes, bytes] | None:
+    if cert is None or key is None:
+        return None
+    return Path(cert).read_bytes(), Path(key).read_bytes()
+
+
+def _graceful_server(config: Any) -> Any:
+    import uvicorn
+
+    return type("_GracefulServer", (_GracefulServerMixin, uvicorn.Server), {})(config)
+
+
+def _is_pipeline_file(target: str) -> bool:
+    return target.endswith(".py") and Path(target).is_file()
+
+
+@app.command()
+def serve(
+    target: Annotated[
+        str, typer.Argument(metavar="PIPELINE|REPOSITORY", help="A pipeline file, or a model repository.")
+    ],
+    host: Annotated[
+        str, typer.Option(help="Address to bind (loopback unless told otherwise).")
+    ] = "127.0.0.1",
+    http_port: Annotated[int, typer.Option(help="HTTP port (0: a free port, -1: off).")] = 8000,
+    grpc_port: Annotated[int, typer.Option(help="gRPC port (0: a free port, -1: off).")] = 8001,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            "--config", help="TOML config: [auth] tokens, admin_tokens; [limits] per_key_rps, tiers."
+        ),
+    ] = None,
+    tls_cert: Annotated[
+        str | None, typer.Option(help="PEM certificate: serve HTTPS and gRPC over TLS.")
+    ] = None,
+    tls_key: Annotated[str | None, typer.Option(help="PEM private key for --tls-cert.")] = None,
+    model_repository: Annotated[
+        str | None,
+        typer.Option(
+            "--model-repository", help="With a PIPELINE: its model repository, also served over OIP."
+        ),
+    ] = None,
+    admission_rows: Annotated[
+        int, typer.Option(help="Pipeline admission queue: events accepted but not yet taken.")
+    ] = 65536,
+    admission_wait_ms: Annotated[
+        float, typer.Option(help="How long a new request may wait for room before a 429.")
+    ] = 0.0,
+    dead_letter: Annotated[
+        str | None, typer.Option("--dead-letter", help="JSONL file for a pipeline's dead letters.")
+    ] = None,
+    decode_process: Annotated[
+        bool, typer.Option(help="Decode a pipeline's incoming JSON in a worker process (another core).")
+    ] = True,
+    param: Annotated[
+        list[str] | None,
+        typer.Option("--param", help="KEY=VALUE passed to a pipeline's build() (repeatable)."),
+    ] = None,
+    trace_sample: TraceSample = 0.0,
+    trace_endpoint: TraceEndpoint = None,
+    trace_max_per_s: TraceMaxPerS = 100.0,
+) -> None:
+    """Serve a PIPELINE (events in, results out, over HTTP NDJSON and a gRPC stream) or a model
+    REPOSITORY over Open Inference Protocol v2 (HTTP and gRPC).
+
+    SIGTERM / Ctrl-C stop accepting, finish what was accepted, and exit 0. The bound addresses
+    are printed on stdout as ``http HOST:PORT`` and ``grpc HOST:PORT``.
+    """
+    import socket
+    import threading
+
+    from aisp.schedule.ratelimit import Limiter
+    from aisp.serve.auth import Tokens
+    from aisp.serve.grpc import GrpcServer
+    from aisp.serve.metrics import ServerMetrics
+    from aisp.serve.models import ModelServer
+    from aisp.serve.pipelines import PipelineService
+
+    if (tls_cert is None) != (tls_key is None):
+        err.print("[red]error:[/red] --tls-cert and --tls-key go together")
+        raise typer.Exit(2)
+    pipelines: dict[str, PipelineService] = {}
+    models: ModelServer | None = None
+    try:
+        tokens = Tokens.load(config)
+        limits = _limits(config)
+        if _is_pipeline_file(target):
+            params = _params(param)
+            if model_repository is not None:
+                params["model_repository"] = model_repository
+            service = PipelineService(
+                load_pipeline(target, **params),
+                capacity_rows=admission_rows,
+                dead_letter=dead_letter,
+                decode_process=decode_process,
+                trace=_trace_config(trace_sample, trace_endpoint, trace_max_per_s),
+            )
+            pipelines[service.name] = service
+            repository = model_repository
+        else:
+            repository = target
+        if repository is not None:
+            models = ModelServer(repository, admission_wait_ms=admission_wait_ms)
+            models.start()
+        for service in pipelines.values():
+            service.start()
+        # served models' batch sizes get their own name beside a pipeline's per-stage family
+        metrics = ServerMetrics(models, batch_metric="aisp_model_batch_size_rows" if pipelines else None)
+        for service in pipelines.values():  # the pipeline's stages on the same /metrics
+            from aisp.observe.metrics import PipelineCollector
+
+            metrics.registry.register(PipelineCollector(service.executor, service.admission))
+    except AispError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    grpc_server = None
+    limiter = Limiter(limits) if limits is not None and limits.enabled else None
+    if grpc_port >= 0:
+        grpc_server = GrpcServer(
+            models,
+            host=host,
+            port=grpc_port,
+            tokens=tokens,
+            tls=_tls_pair(tls_cert, tls_key),
+            metrics=metrics,
+            limiter=limiter,
+            pipelines=pipelines,
+            admission_wait_ms=admission_wait_ms,
+        )
+        grpc_server.start()
+        print(f"grpc {grpc_server.address}", flush=True)
+    try:
+        if http_port >= 0:
+            import uvicorn
+
+            from aisp.serve.http import create_app
+
+            sock = socket.create_server((host, http_port))
+            print(f"http {host}:{sock.getsockname()[1]}", flush=True)
+            asgi = create_app(
+                models,
+                pipelines=pipelines,
+                admission_wait_ms=admission_wait_ms,
+                tokens=tokens,
+                metrics=metrics,
+                limiter=limiter,  # one set of buckets for HTTP and gRPC
+            )
+            server_config = uvicorn.Config(
+                asgi,
+                log_level="warning",
+                http="httptools",
+                loop="uvloop",
+                lifespan="off",
+                timeout_graceful_shutdown=10,
+                ssl_certfile=tls_cert,
+                ssl_keyfile=tls_key,
+            )
+            _graceful_server(server_config).run(sockets=[sock])
+        else:
+            stop = threading.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+            stop.wait()
+    finally:
+        if grpc_server is not None:
+            grpc_server.stop(grace_s=10)  # finish accepted requests, refuse new ones
+        for service in pipelines.values():
+            service.close()
+        if models is not None:
+            models.close()
+    err.print("stopped")
+
+
+@app.command()
+def topology(
+    pipeline: Annotated[str, typer.Argument(help="Python file defining build() or `pipeline`.")],
+) -> None:
+    """Print the DAG in topological order and its static end-to-end latency bound."""
+    try:
+        graph = load_pipeline(pipeline).build()
+    except AispError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    print(graph.render())
