@@ -111,3 +111,25 @@ def test_rows_that_fail_remotely_go_to_the_dead_letter_file(proxy: FaultProxy, t
     assert summary.events_out == 0 and len(dead) == 2000
     assert all(d["step"] == "remote" and "ModelError" in d["reason"] for d in dead)
     assert any("circuit open" in d["reason"] for d in dead)
+
+
+def test_a_server_still_starting_is_waited_for_and_one_that_stays_away_fails_clearly(
+    server: GrpcServer,
+) -> None:
+    import threading
+
+    with FaultProxy(("127.0.0.1", server.port)) as p:
+        p.set(refuse=True)  # the server is not up yet
+        threading.Timer(0.8, p.clear).start()
+        rt = RemoteRuntime(
+            f"127.0.0.1:{p.port}", "fraud", retry=RetryPolicy(attempts=2, base_ms=5, max_ms=20)
+        )
+        assert rt.input_names == ("features",)
+        p.set(refuse=True)
+        with pytest.raises(ModelError, match="waited 0.5 s for the server at start"):
+            RemoteRuntime(
+                f"127.0.0.1:{p.port}",
+                "fraud",
+                retry=RetryPolicy(attempts=2, base_ms=5, max_ms=20),
+                connect_timeout_s=0.5,
+            )

@@ -125,6 +125,8 @@ class RemoteRuntime:
         retry: attempts and backoff.
         breaker: circuit breaker settings.
         name: the name rows are tagged with (default: ``model``).
+        connect_timeout_s: at start, how long to wait for the server to answer (one that is
+            still starting is waited for, with backoff); then a clear ``ModelError``.
     """
 
     def __init__(
@@ -137,6 +139,7 @@ class RemoteRuntime:
         retry: RetryPolicy | None = None,
         breaker: BreakerConfig | None = None,
         name: str | None = None,
+        connect_timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -154,9 +157,7 @@ class RemoteRuntime:
         self.attempts = 0
         self.retries = 0
         self._client = self._connect()
-        meta = self._call(
-            lambda t: self._client.get_model_metadata(model, version, as_json=True, client_timeout=t)
-        )
+        meta = self._metadata(connect_timeout_s, clock)
         self.version = version or str((meta.get("versions") or [""])[-1])
         self.input_names = tuple(i["name"] for i in meta["inputs"])
         self.output_names = tuple(o["name"] for o in meta["outputs"])
@@ -168,6 +169,26 @@ class RemoteRuntime:
             )
             for i in meta["inputs"]
         }
+
+    def _metadata(self, wait_s: float, clock: Callable[[], float]) -> Any:
+        """The model's metadata, waiting up to ``wait_s`` for a server that is not up yet."""
+        deadline = clock() + wait_s
+        pause = 0.1
+        while True:
+            try:
+                return self._call(
+                    lambda t: self._client.get_model_metadata(
+                        self.model, self._version, as_json=True, client_timeout=t
+                    )
+                )
+            except ModelError as exc:
+                if clock() >= deadline or "UNAVAILABLE" not in str(exc) and "circuit open" not in str(exc):
+                    raise ModelError(f"{exc} (waited {wait_s:g} s for the server at start)") from exc
+                RETRIES.note(f"remote model {self.model} at {self.url}", "starting")
+                self._sleep(pause)
+                pause = min(pause * 2, 2.0)
+                self.breaker = CircuitBreaker(self.breaker.config, clock)  # not open because of start-up
+                self._client = self._connect()
 
     def _connect(self) -> Any:
         return self._tc.InferenceServerClient(
