@@ -194,3 +194,18 @@ def test_cli_diagnoses_two_recorded_snapshots(tmp_path: Path) -> None:
 def test_cli_wants_one_source_of_metrics() -> None:
     result = CliRunner().invoke(app, ["diagnose", "--json"])
     assert result.exit_code != 0
+
+
+def test_a_model_servers_429s_are_admission_overload_by_model() -> None:
+    def at(ok: int, refused: int) -> Scrape:
+        return Scrape(
+            "# TYPE aisp_requests counter\n"
+            f'aisp_requests_total{{protocol="http",model="fraud",code="200"}} {ok}\n'
+            f'aisp_requests_total{{protocol="http",model="fraud",code="429"}} {refused}\n'
+            f'aisp_requests_total{{protocol="grpc",model="other",code="OK"}} {ok}\n'
+        )
+
+    findings = diagnose(at(100, 0), at(1100, 500), seconds=2.0)
+    assert (findings[0].cause, findings[0].stage) == ("admission_overload", "fraud")
+    assert findings[0].evidence["refused"] == 500
+    assert all(f.stage != "other" for f in findings)

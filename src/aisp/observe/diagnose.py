@@ -29,12 +29,12 @@ are turned away, the load is the story, not the stages that work as configured).
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
+from aisp.observe.scrape import Scrape, _Hist, _Window, metrics_url
 
 __all__ = ["CAUSES", "Finding", "Scrape", "diagnose", "metrics_url"]
 
@@ -55,83 +55,6 @@ SATURATED = 0.8  # a thread busy this share of the time is the bottleneck
 TINY_BATCH_ROWS = 32  # a cap this low makes a model call's fixed cost dominate
 BUSY_MODEL = 0.5  # a model busy this share of the time makes its rows wait for it
 WAITING_CPU_SHARE = 0.25  # busy with less CPU than this: waiting, not working
-
-Labels = tuple[tuple[str, str], ...]
-
-
-def metrics_url(url: str) -> str:
-    """``http://host:port`` or ``.../metrics`` -> the ``/metrics`` address."""
-    url = url.rstrip("/")
-    return url if url.endswith("/metrics") else url + "/metrics"
-
-
-class Scrape:
-    """One reading of a ``/metrics`` page: every sample by name and labels."""
-
-    def __init__(self, text: str) -> None:
-        self.samples: dict[str, dict[Labels, float]] = defaultdict(dict)
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                self.samples[s.name][tuple(sorted(s.labels.items()))] = float(s.value)
-
-    def get(self, name: str, **labels: str) -> float:
-        """The one sample of ``name`` with exactly ``labels`` (0 when absent)."""
-        return self.samples.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
-
-    def series(self, name: str) -> dict[Labels, float]:
-        return self.samples.get(name, {})
-
-
-@dataclass
-class _Hist:
-    """A histogram over the window: bucket upper bounds with cumulative counts, count, sum."""
-
-    bounds: list[tuple[float, float]]
-    count: float
-    sum: float
-
-    @property
-    def mean(self) -> float:
-        return self.sum / self.count if self.count > 0 else 0.0
-
-    def quantile(self, q: float) -> float:
-        """Linear interpolation inside the bucket (as Prometheus' ``histogram_quantile``)."""
-        if self.count <= 0:
-            return 0.0
-        rank, lo, below = q * self.count, 0.0, 0.0
-        for le, cum in self.bounds:
-            if cum >= rank:
-                if math.isinf(le):
-                    return lo
-                inside = cum - below
-                return lo + (le - lo) * ((rank - below) / inside if inside > 0 else 1.0)
-            lo, below = le, cum
-        return lo
-
-
-class _Window:
-    """Deltas between two scrapes (or the cumulative values of one)."""
-
-    def __init__(self, before: Scrape | None, after: Scrape) -> None:
-        self.before, self.after = before, after
-
-    def delta(self, name: str, **labels: str) -> float:
-        now = self.after.get(name, **labels)
-        return now - self.before.get(name, **labels) if self.before is not None else now
-
-    def gauge(self, name: str, **labels: str) -> float:
-        return self.after.get(name, **labels)
-
-    def hist(self, name: str, **labels: str) -> _Hist:
-        bounds = []
-        want = set(labels.items())
-        for key in self.after.series(name + "_bucket"):
-            d = dict(key)
-            if set(d.items()) - {("le", d.get("le", ""))} == want:
-                le = d["le"]
-                bounds.append((float(le), self.delta(name + "_bucket", **labels, le=le)))
-        bounds.sort()
-        return _Hist(bounds, self.delta(name + "_count", **labels), self.delta(name + "_sum", **labels))
 
 
 @dataclass
@@ -397,6 +320,7 @@ def diagnose(before: Scrape | None, after: Scrape, *, seconds: float | None = No
             ev["over_budget"] = True
         findings.append(Finding(cause, st.name, score, {**ev, **base}, suggestion))
     findings.extend(_pipeline_findings(w, stages, findings, base))
+    findings.extend(_model_server_findings(w, base))
     findings.sort(key=lambda f: -f.score)
     meaningful = [f for f in findings if f.score >= 0.05 or f.cause in ("admission_overload", "model_errors")]
     if not meaningful or (e2e.count and _healthy(stages, e2e, after, meaningful)):
@@ -472,6 +396,47 @@ def _pipeline_findings(
                     {"errors": int(errors), "timeouts": int(timeouts), "scored": int(scored), **base},
                     f"{100 * share:.1f}% of the rows of step {st.name!r} failed or expired: check the "
                     "model's dead letters for the cause; give deadlines more room or the model more capacity",
+                )
+            )
+    return out
+
+
+def _model_server_findings(w: _Window, base: dict[str, Any]) -> list[Finding]:
+    """A model server's own requests (``aisp serve REPOSITORY``): 429s are admission overload,
+    5xx model errors, by model."""
+    by_model: dict[str, Counter[str]] = defaultdict(Counter)
+    for key in w.after.series("aisp_requests_total"):
+        d = dict(key)
+        by_model[d["model"]][d["code"]] += int(w.delta("aisp_requests_total", **d))
+    out = []
+    for model, codes in sorted(by_model.items()):
+        total = sum(codes.values())
+        refused = codes.get("429", 0) + codes.get("RESOURCE_EXHAUSTED", 0)
+        failed = sum(
+            n for code, n in codes.items() if code.startswith("5") or code in ("INTERNAL", "UNAVAILABLE")
+        )
+        queue = w.gauge("aisp_model_queue_rows", model=model)
+        ev = {"requests": total, "refused": refused, "failed": failed, "queue_rows": int(queue), **base}
+        if total and refused / total >= 0.01:
+            out.append(
+                Finding(
+                    "admission_overload",
+                    model,
+                    1.0 + refused / total,
+                    ev,
+                    f"{100 * refused / total:.1f}% of the requests for model {model!r} were refused (429): "
+                    "raise its capacity (instances, max_batch_size), its queue, or lower the offered rate",
+                )
+            )
+        if total and failed / total >= 0.01:
+            out.append(
+                Finding(
+                    "model_errors",
+                    model,
+                    0.5 + failed / total,
+                    ev,
+                    f"{100 * failed / total:.1f}% of the requests for model {model!r} failed: "
+                    "see the server's log",
                 )
             )
     return out
