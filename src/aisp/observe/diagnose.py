@@ -21,7 +21,10 @@ How it reasons:
    events refused or shed at admission (``admission_overload``), model calls failing or rows
    expiring (``model_errors``). When nothing stands out: ``healthy``.
 
-A finding's ``score`` is the share of the events' time it explains (0..1); a stage over its
+A finding's ``score`` is the share of the events' time it explains (0..1) or, for causes that
+are work done (``slow_model``, ``row_udf``, ``slow_operator``, ``serialization``), the stage's
+share of all the stages' work when that is larger (Python work under the GIL slows every other
+stage); a stage over its
 own latency budget ranks above admission overload, which otherwise ranks first (when events
 are turned away, the load is the story, not the stages that work as configured).
 """
@@ -54,6 +57,7 @@ PHASES = ("queue", "batch", "serialize", "compute")
 SATURATED = 0.8  # a thread busy this share of the time is the bottleneck
 TINY_BATCH_ROWS = 32  # a cap this low makes a model call's fixed cost dominate
 BUSY_MODEL = 0.5  # a model busy this share of the time makes its rows wait for it
+HOT_SPOTS = ("row_udf", "slow_operator", "serialization", "slow_model")  # causes that are work done
 WAITING_CPU_SHARE = 0.25  # busy with less CPU than this: waiting, not working
 
 
@@ -306,6 +310,7 @@ def diagnose(before: Scrape | None, after: Scrape, *, seconds: float | None = No
     saturated = busy.get(hot_thread, 0.0) >= SATURATED
     owners = [st for st in stages if st.thread == hot_thread]
     bottleneck = max(owners, key=lambda st: st.busy).name if saturated and owners else ""
+    work = sum(st.busy for st in stages)
     for st in stages:
         found = _classify(st, busy.get(st.thread, 0.0))
         if found is None:
@@ -316,6 +321,9 @@ def diagnose(before: Scrape | None, after: Scrape, *, seconds: float | None = No
             explained = st.own_s + sum(s.wait_s for s in stages) + lag
             ev["bottleneck_thread_busy_share"] = round(busy[hot_thread], 3)
         score = min(explained / total, 1.0)
+        if cause in HOT_SPOTS and work > 0:  # the pipeline's work is mostly here
+            ev["share_of_pipeline_work"] = round(st.busy / work, 3)
+            score = max(score, st.busy / work)
         if st.budget_s and st.own_s > st.budget_s:
             ev["over_budget"] = True
         findings.append(Finding(cause, st.name, score, {**ev, **base}, suggestion))
