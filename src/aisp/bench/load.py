@@ -22,8 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -161,16 +161,57 @@ class HttpPipeline:
             await self._client.aclose()
 
 
-class GrpcPipeline:
-    """The served pipeline's gRPC stream (``grpc://HOST:PORT/NAME``): one short stream per
-    request, so requests are independent (as HTTP requests are)."""
+class _Stream:
+    """One long-lived bidirectional stream: requests queued in, answers matched in order."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, call: Any, metadata: Any) -> None:
+        self.requests: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.pending: deque[asyncio.Future[bytes]] = deque()
+        self.dead = False
+
+        async def outgoing() -> AsyncIterator[bytes]:
+            while (body := await self.requests.get()) is not None:
+                yield body
+
+        self.call = call(outgoing(), metadata=metadata)
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for answer in self.call:
+                self.pending.popleft().set_result(bytes(answer))
+        except Exception as exc:  # noqa: BLE001 - every request waiting on this stream fails with it
+            self.dead = True
+            while self.pending:
+                self.pending.popleft().set_exception(exc)
+        self.dead = True
+        while self.pending:  # the server ended the stream (a refusal): the rest fail
+            self.pending.popleft().set_exception(RuntimeError("stream ended"))
+
+    async def send(self, body: bytes) -> bytes:
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self.pending.append(future)
+        await self.requests.put(body)
+        return await future
+
+    async def close(self) -> None:
+        await self.requests.put(None)
+        await self.reader
+
+
+class GrpcPipeline:
+    """The served pipeline's gRPC stream (``grpc://HOST:PORT/NAME``), the way a client feeds
+    it: ``streams`` long-lived bidirectional streams, each request one message, answered in
+    order on its stream; a stream the server ends (a refusal) is opened again."""
+
+    def __init__(self, url: str, *, streams: int = 8) -> None:
         parts = urlsplit(url)
         self.name = url
         self.address = parts.netloc
         self.pipeline = parts.path.strip("/")
         self._channel: Any = None
+        self._streams: list[_Stream | None] = [None] * streams
+        self._next = 0
 
     async def open(self) -> None:
         import grpc.aio
@@ -178,22 +219,35 @@ class GrpcPipeline:
         self._channel = grpc.aio.insecure_channel(self.address)
         self._call = self._channel.stream_stream("/aisp.v1.Pipelines/Events")
 
+    def _stream(self) -> _Stream:
+        i = self._next = (self._next + 1) % len(self._streams)
+        stream = self._streams[i]
+        if stream is None or stream.dead:
+            metadata = (("pipeline", self.pipeline),) if self.pipeline else None
+            stream = self._streams[i] = _Stream(self._call, metadata)
+        return stream
+
     async def send(self, body: bytes, events: int) -> tuple[int, Counter[str]]:
         import grpc
 
         errors: Counter[str] = Counter()
-        metadata = (("pipeline", self.pipeline),) if self.pipeline else None
         try:
-            answers = [a async for a in self._call(iter([body]), metadata=metadata, timeout=60)]
+            answer = await self._stream().send(body)
         except grpc.RpcError as exc:
             errors[f"grpc_{exc.code().name}"] += events
             return 0, errors
-        failed = sum(1 for a in answers for line in bytes(a).splitlines() if line.startswith(b'{"error"'))
+        except RuntimeError:
+            errors["grpc_stream_ended"] += events
+            return 0, errors
+        failed = sum(1 for line in answer.splitlines() if line.startswith(b'{"error"'))
         if failed:
             errors["event_error"] += failed
         return events - failed, errors
 
     async def close(self) -> None:
+        for stream in self._streams:
+            if stream is not None and not stream.dead:
+                await stream.close()
         if self._channel is not None:
             await self._channel.close()
 
