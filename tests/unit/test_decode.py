@@ -72,7 +72,7 @@ from tests.unit.test_decode import Ev, LINES
 from aisp.ingest.decode import ColumnarDecoder
 from aisp.ingest.decoder_process import DecoderProcess
 
-proc = DecoderProcess(Ev)  # forked before any other thread, as the rule wants
+proc = DecoderProcess(Ev, min_lines=1)  # forked before any other thread, as the rule wants
 try:
     for lines in (LINES, [l for l in LINES if b"oops" not in l], []):
         got, want = proc.decode(lines), ColumnarDecoder(Ev).decode(lines)
@@ -82,6 +82,10 @@ try:
         same_kept = got.kept is None or list(got.kept) == list(want.kept)
         assert (got.kept is None) == (want.kept is None) and same_kept
         assert got.errors == want.errors
+    assert proc.blocks_in_child == 2 and proc.blocks_here == 1  # the empty block stays here
+    proc.min_lines = 10_000  # small blocks: decoded in the caller's thread, the same
+    assert proc.decode(LINES).errors == ColumnarDecoder(Ev).decode(LINES).errors
+    assert proc.blocks_in_child == 2 and proc.blocks_here == 2
 finally:
     proc.close()
 print("ok")

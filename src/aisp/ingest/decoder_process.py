@@ -7,7 +7,8 @@ core. Lines go to the child as raw bytes; columns come back as one Arrow IPC rec
 ``_kept`` column holds the line indices it came from) and errors as JSON: nothing is pickled.
 
 The child is forked at construction, which must happen while the caller's process runs no other
-thread (the same rule as ``ProcessSource``). ``decode`` is thread-safe: one block at a time.
+thread (the same rule as ``ProcessSource``). ``decode`` is thread-safe: the child takes one block
+at a time; small blocks, and blocks that would wait for it, are decoded in the caller's thread.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _child_main(schema: type[msgspec.Struct], conn: Connection, parent_end: Conn
 class DecoderProcess:
     """A forked child decoding JSON lines into the columns of ``schema`` (see module docstring)."""
 
-    def __init__(self, schema: type[msgspec.Struct]) -> None:
+    def __init__(self, schema: type[msgspec.Struct], *, min_lines: int = 256) -> None:
         if threading.active_count() > 1:
             raise ConfigError(
                 "DecoderProcess must be started before any other thread (fork safety); "
@@ -73,18 +74,34 @@ class DecoderProcess:
         child.close()
         self._lock = threading.Lock()
         self._errors = msgspec.json.Decoder(list[tuple[int, str]])
-        self._local = ColumnarDecoder(schema)
+        self._schema = schema
+        self._local = threading.local()
+        self.min_lines = min_lines
+        self.blocks_in_child = 0
+        self.blocks_here = 0
+
+    def _here(self, lines: list[bytes]) -> Decoded:
+        decoder = getattr(self._local, "decoder", None)
+        if decoder is None:
+            decoder = self._local.decoder = ColumnarDecoder(self._schema)
+        self.blocks_here += 1
+        return decoder.decode(lines)
 
     def decode(self, lines: list[bytes]) -> Decoded:
-        """Decode ``lines`` (without newlines) in the child; same result as ``ColumnarDecoder``."""
-        if not lines:
-            return self._local.decode([])
-        with self._lock:
-            try:
-                self._conn.send_bytes(b"\n".join(lines))
-                msg = self._conn.recv_bytes()
-            except (EOFError, OSError) as exc:
-                raise SourceError("the decoder process died") from exc
+        """Decode ``lines`` (without newlines), in the child when that pays: a block of fewer
+        than ``min_lines`` lines costs less to decode here than the round trip, and while the
+        child is busy with another caller's block this one is decoded here instead of waiting
+        behind it. Same result as ``ColumnarDecoder`` either way."""
+        if len(lines) < self.min_lines or not self._lock.acquire(blocking=False):
+            return self._here(lines)
+        try:
+            self.blocks_in_child += 1
+            self._conn.send_bytes(b"\n".join(lines))
+            msg = self._conn.recv_bytes()
+        except (EOFError, OSError) as exc:
+            raise SourceError("the decoder process died") from exc
+        finally:
+            self._lock.release()
         (n,) = _HEADER.unpack_from(msg, 0)
         errors = [DecodeError(i, reason) for i, reason in self._errors.decode(msg[4 : 4 + n])]
         rb = pa.ipc.open_stream(pa.py_buffer(msg)[4 + n :]).read_next_batch()
