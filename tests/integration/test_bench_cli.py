@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.serving import aisp_serve, wait_http
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,20 +78,23 @@ def test_bad_targets_are_refused_clearly() -> None:
     assert done.returncode == 2 and "bench target" in done.stderr
 
 
-def test_open_loop_through_redis_streams_matches_results_to_events(tmp_path: Path) -> None:
+@pytest.mark.parametrize("broker", ["redis", "nats"])
+def test_open_loop_through_a_broker_matches_results_to_events(tmp_path: Path, broker: str) -> None:
+    import asyncio
     import uuid
 
-    import redis
-
-    tag = uuid.uuid4().hex[:8]
-    src, dst = f"aisp-bench-in-{tag}", f"aisp-bench-out-{tag}"
+    tag = uuid.uuid4().hex[:8].upper()
+    src, dst = f"AISPBENCHIN{tag}", f"AISPBENCHOUT{tag}"
+    port = 6379 if broker == "redis" else 4222
+    if broker == "nats":  # the input stream exists before the pipeline's consumer
+        asyncio.run(_nats_streams("add", src))
+    source = f"{broker}://127.0.0.1:{port}/{src}?" + ("group=b" if broker == "redis" else "durable=b")
     cmd = [sys.executable, "-m", "aisp.cli", "run", str(FRAUD), "--no-live"]
-    cmd += ["--input", f"redis://127.0.0.1:6379/{src}?group=b", "--output", f"redis://127.0.0.1:6379/{dst}"]
+    cmd += ["--input", source, "--output", f"{broker}://127.0.0.1:{port}/{dst}"]
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    r = redis.Redis()
     try:
         done = bench(
-            f"redis://127.0.0.1:6379/{src}?output={dst}",
+            f"{broker}://127.0.0.1:{port}/{src}?output={dst}",
             *("--rate", "1000", "--events-per-request", "10", "--duration-s", "1", "--warmup-s", "0.5"),
             *("--json", str(tmp_path / "r.json")),
         )
@@ -97,11 +102,38 @@ def test_open_loop_through_redis_streams_matches_results_to_events(tmp_path: Pat
     finally:
         proc.terminate()
         proc.communicate(timeout=60)
-        r.delete(src, dst)
-        for key in r.scan_iter(f"aisp:dedupe:{dst}:*", count=1000):
-            r.delete(key)
-        r.close()
+        if broker == "redis":
+            _redis_cleanup(src, dst)
+        else:
+            asyncio.run(_nats_streams("delete", src, dst))
     p = json.loads((tmp_path / "r.json").read_text())["points"][0]
     assert 900 <= p["events_sent"] <= 1100
     assert p["events_ok"] == p["events_sent"] and p["errors"] == {}
     assert 0 < p["latency_ms"]["p50"] <= p["latency_ms"]["max"]
+
+
+def _redis_cleanup(src: str, dst: str) -> None:
+    import redis
+
+    r = redis.Redis()
+    r.delete(src, dst)
+    for key in r.scan_iter(f"aisp:dedupe:{dst}:*", count=1000):
+        r.delete(key)
+    r.close()
+
+
+async def _nats_streams(action: str, *names: str) -> None:
+    import nats
+    from nats.js.api import StreamConfig
+
+    nc = await nats.connect("nats://127.0.0.1:4222", connect_timeout=2, max_reconnect_attempts=0)
+    js = nc.jetstream()
+    for name in names:
+        if action == "add":
+            await js.add_stream(StreamConfig(name=name, subjects=[f"{name}.>"]))
+        else:
+            try:
+                await js.delete_stream(name)
+            except nats.js.errors.NotFoundError:
+                pass
+    await nc.close()

@@ -6,10 +6,15 @@ Each event gets a fresh id; a result is matched to its event by the ``id`` in it
 event's latency runs from its scheduled send to the moment its result is read, so a slow
 pipeline cannot hide behind a slow producer (open loop). Results that do not come within
 ``drain_s`` after the last send are counted as ``no_result``.
+
+Targets: ``redis://HOST:PORT/IN?output=OUT[&field=data]`` (Redis Streams) and
+``nats://HOST:PORT/IN?output=OUT[&subject=IN.bench][&output_subject=OUT.out]`` (JetStream; the
+input stream is created, on ``IN.>``, when it does not exist).
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import time
 from collections import Counter
@@ -22,26 +27,40 @@ from aisp.bench.load import LoadSpec, PointResult, _Meter
 from aisp.errors import ConfigError
 from aisp.observe.clock import wall_ns
 
-__all__ = ["RedisStreamsTarget"]
+__all__ = ["JetStreamTarget", "RedisStreamsTarget"]
 
 
-class RedisStreamsTarget:
-    """``redis://HOST:PORT/IN?output=OUT[&field=data]``: events XADDed to ``IN``, results read
-    from ``OUT``."""
+class _BrokerTarget(abc.ABC):
+    """The open-loop driver; a subclass publishes events and reads results."""
 
     def __init__(self, url: str, *, drain_s: float = 10.0) -> None:
         parsed = urlparse(url)
-        options = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
         self.name = url
-        self.host, self.port = parsed.hostname or "127.0.0.1", parsed.port or 6379
+        self.options = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        self.host = parsed.hostname or "127.0.0.1"
+        self.port = parsed.port
         self.stream = parsed.path.lstrip("/")
-        self.output = options.get("output", "")
-        self.field = options.get("field", "data")
+        self.output = self.options.get("output", "")
         if not self.stream or not self.output:
+            scheme = parsed.scheme
             raise ConfigError(
-                f"{url!r}: give the input and output streams, as redis://HOST:PORT/IN?output=OUT"
+                f"{url!r}: give the input and output streams, as {scheme}://HOST:PORT/IN?output=OUT"
             )
         self.drain_s = drain_s
+
+    @abc.abstractmethod
+    async def connect(self) -> None:
+        """Connect, and start reading results from now on."""
+
+    @abc.abstractmethod
+    async def publish(self, events: list[bytes]) -> None: ...
+
+    @abc.abstractmethod
+    async def results(self) -> list[bytes]:
+        """Result payloads that arrived (waits briefly when there are none)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
 
     def run(self, spec: LoadSpec, lines: list[bytes]) -> PointResult:
         if spec.mode != "open":
@@ -52,18 +71,14 @@ class RedisStreamsTarget:
         return meter.result(seconds)
 
     async def _drive(self, spec: LoadSpec, templates: list[dict[str, Any]], meter: _Meter) -> float:
-        import redis.asyncio as redis
-
-        r = redis.Redis(host=self.host, port=self.port)
+        await self.connect()
         try:
-            last = await r.xrevrange(self.output, count=1)
-            start_id: Any = last[0][0] if last else b"0-0"
             sent: dict[int, tuple[int, bool]] = {}  # id -> (scheduled send, measured)
             base = wall_ns() // 1000 * 1000  # ids no earlier point or run used
             sending, answered = asyncio.Event(), asyncio.Event()
-            reader = asyncio.create_task(self._read(r, start_id, sent, meter, sending, answered))
+            reader = asyncio.create_task(self._read(sent, meter, sending, answered))
             started = time.monotonic()
-            await self._send(r, spec, templates, sent, base)
+            await self._send(spec, templates, sent, base)
             sending.set()
             try:
                 await asyncio.wait_for(answered.wait(), timeout=self.drain_s)
@@ -77,15 +92,10 @@ class RedisStreamsTarget:
                 meter.record(True, lost, 0, Counter({"no_result": lost}), 0)
             return seconds
         finally:
-            await r.aclose()
+            await self.close()
 
     async def _send(
-        self,
-        r: Any,
-        spec: LoadSpec,
-        templates: list[dict[str, Any]],
-        sent: dict[int, tuple[int, bool]],
-        base: int,
+        self, spec: LoadSpec, templates: list[dict[str, Any]], sent: dict[int, tuple[int, bool]], base: int
     ) -> None:
         k = spec.events_per_request
         interval_ns = int(k / spec.rate * 1e9)
@@ -98,19 +108,17 @@ class RedisStreamsTarget:
             now = time.monotonic_ns()
             if due > now:
                 await asyncio.sleep((due - now) / 1e9)
-            pipe = r.pipeline(transaction=False)
+            events = []
             for _ in range(k):
                 eid = base + n
-                pipe.xadd(self.stream, {self.field: encode({**templates[n % len(templates)], "id": eid})})
+                events.append(encode({**templates[n % len(templates)], "id": eid}))
                 sent[eid] = (due, due >= measure_from)
                 n += 1
-            await pipe.execute()
+            await self.publish(events)
             i += 1
 
     async def _read(
         self,
-        r: Any,
-        start_id: Any,
         sent: dict[int, tuple[int, bool]],
         meter: _Meter,
         sending: asyncio.Event,
@@ -118,20 +126,103 @@ class RedisStreamsTarget:
     ) -> None:
         """Match results to events until every sent event is answered (or ``answered`` is set
         from outside: the drain time is up)."""
-        last = start_id
         decode = msgspec.json.decode
         while not answered.is_set():
             if sending.is_set() and not sent:
                 answered.set()
                 break
-            reply = await r.xread({self.output: last}, count=1000, block=50)
+            payloads = await self.results()
             now = time.monotonic_ns()
-            for _, entries in reply or []:
-                for entry_id, fields in entries:
-                    last = entry_id
-                    data = fields.get(self.field.encode())
-                    row = decode(data) if data else None
-                    eid = row.get("id") if isinstance(row, dict) else None
-                    if eid in sent:
-                        due, measured = sent.pop(eid)
-                        meter.record(measured, 1, 1, Counter(), now - due)
+            for data in payloads:
+                row = decode(data) if data else None
+                eid = row.get("id") if isinstance(row, dict) else None
+                if eid in sent:
+                    due, measured = sent.pop(eid)
+                    meter.record(measured, 1, 1, Counter(), now - due)
+
+
+class RedisStreamsTarget(_BrokerTarget):
+    """Events XADDed to stream ``IN``, results read from stream ``OUT`` (field ``field``)."""
+
+    def __init__(self, url: str, *, drain_s: float = 10.0) -> None:
+        super().__init__(url, drain_s=drain_s)
+        self.field = self.options.get("field", "data")
+        self._r: Any = None
+        self._last: Any = b"0-0"
+
+    async def connect(self) -> None:
+        import redis.asyncio as redis
+
+        self._r = redis.Redis(host=self.host, port=self.port or 6379)
+        last = await self._r.xrevrange(self.output, count=1)
+        self._last = last[0][0] if last else b"0-0"
+
+    async def publish(self, events: list[bytes]) -> None:
+        pipe = self._r.pipeline(transaction=False)
+        for event in events:
+            pipe.xadd(self.stream, {self.field: event})
+        await pipe.execute()
+
+    async def results(self) -> list[bytes]:
+        reply = await self._r.xread({self.output: self._last}, count=1000, block=50)
+        out = []
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                self._last = entry_id
+                out.append(fields.get(self.field.encode(), b""))
+        return out
+
+    async def close(self) -> None:
+        if self._r is not None:
+            await self._r.aclose()
+
+
+class JetStreamTarget(_BrokerTarget):
+    """Events published to ``subject`` of stream ``IN``, results read from stream ``OUT``
+    (new messages only, an ephemeral consumer)."""
+
+    def __init__(self, url: str, *, drain_s: float = 10.0) -> None:
+        super().__init__(url, drain_s=drain_s)
+        self.subject = self.options.get("subject", f"{self.stream}.bench")
+        self.output_subject = self.options.get("output_subject", f"{self.output}.out")
+        self._nc: Any = None
+        self._sub: Any = None
+
+    async def connect(self) -> None:
+        import nats
+        from nats.js.api import DeliverPolicy, StreamConfig
+
+        self._nc = await nats.connect(f"nats://{self.host}:{self.port or 4222}", connect_timeout=5)
+        js = self._nc.jetstream()
+        try:
+            await js.stream_info(self.stream)
+        except nats.js.errors.NotFoundError:
+            await js.add_stream(StreamConfig(name=self.stream, subjects=[f"{self.stream}.>"]))
+        try:
+            await js.stream_info(self.output)
+        except nats.js.errors.NotFoundError:
+            await js.add_stream(StreamConfig(name=self.output, subjects=[self.output_subject]))
+        self._js = js
+        self._sub = await js.subscribe(
+            self.output_subject, stream=self.output, ordered_consumer=True, deliver_policy=DeliverPolicy.NEW
+        )
+
+    async def publish(self, events: list[bytes]) -> None:
+        await asyncio.gather(*(self._js.publish(self.subject, event) for event in events))
+
+    async def results(self) -> list[bytes]:
+        out = []
+        try:
+            out.append((await self._sub.next_msg(timeout=0.05)).data)
+            while True:
+                out.append((await self._sub.next_msg(timeout=0.0001)).data)
+        except TimeoutError:
+            return out
+        except Exception as exc:  # nats raises its own TimeoutError subclass
+            if "Timeout" in type(exc).__name__:
+                return out
+            raise
+
+    async def close(self) -> None:
+        if self._nc is not None:
+            await self._nc.close()

@@ -263,10 +263,14 @@ def make_target(target: str) -> Any:
         from aisp.bench.broker import RedisStreamsTarget
 
         return RedisStreamsTarget(target)
+    if target.startswith("nats://"):
+        from aisp.bench.broker import JetStreamTarget
+
+        return JetStreamTarget(target)
     if target.endswith(".py") and Path(target).is_file():
         return target
     raise ConfigError(
-        "bench target must be http(s)://…, grpc://HOST:PORT/PIPELINE, redis://HOST:PORT/IN?output=OUT"
+        "bench target must be http(s)://…, grpc://HOST:PORT/PIPELINE, redis:// or nats://HOST:PORT/IN?output=OUT"
         f" or a pipeline file, got {target!r}"
     )
 
