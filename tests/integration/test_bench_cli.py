@@ -101,14 +101,14 @@ def test_open_loop_through_a_broker_matches_results_to_events(tmp_path: Path, br
         assert done.returncode == 0, done.stderr
     finally:
         proc.terminate()
-        proc.communicate(timeout=60)
+        _, pipeline_err = proc.communicate(timeout=60)
         if broker == "redis":
             _redis_cleanup(src, dst)
         else:
             asyncio.run(_nats_streams("delete", src, dst))
     p = json.loads((tmp_path / "r.json").read_text())["points"][0]
     assert 900 <= p["events_sent"] <= 1100
-    assert p["events_ok"] == p["events_sent"] and p["errors"] == {}
+    assert p["events_ok"] == p["events_sent"] and p["errors"] == {}, pipeline_err.decode()[-2000:]
     assert 0 < p["latency_ms"]["p50"] <= p["latency_ms"]["max"]
 
 

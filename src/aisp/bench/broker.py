@@ -194,14 +194,14 @@ class JetStreamTarget(_BrokerTarget):
 
         self._nc = await nats.connect(f"nats://{self.host}:{self.port or 4222}", connect_timeout=5)
         js = self._nc.jetstream()
-        try:
-            await js.stream_info(self.stream)
-        except nats.js.errors.NotFoundError:
-            await js.add_stream(StreamConfig(name=self.stream, subjects=[f"{self.stream}.>"]))
-        try:
-            await js.stream_info(self.output)
-        except nats.js.errors.NotFoundError:
-            await js.add_stream(StreamConfig(name=self.output, subjects=[self.output_subject]))
+        for name, subjects in ((self.stream, [f"{self.stream}.>"]), (self.output, [self.output_subject])):
+            try:
+                await js.stream_info(name)
+            except nats.js.errors.NotFoundError:
+                try:
+                    await js.add_stream(StreamConfig(name=name, subjects=subjects))
+                except nats.js.errors.BadRequestError:  # the pipeline created it meanwhile
+                    await js.stream_info(name)
         self._js = js
         self._sub = await js.subscribe(
             self.output_subject, stream=self.output, ordered_consumer=True, deliver_policy=DeliverPolicy.NEW

@@ -66,11 +66,14 @@ class _JetStreamWriter(SinkPartition):
         try:
             await self._js.stream_info(cfg.stream)
         except nats.js.errors.NotFoundError:
-            await self._js.add_stream(
-                StreamConfig(
-                    name=cfg.stream, subjects=[self._subject], duplicate_window=cfg.duplicate_window_s
+            try:
+                await self._js.add_stream(
+                    StreamConfig(
+                        name=cfg.stream, subjects=[self._subject], duplicate_window=cfg.duplicate_window_s
+                    )
                 )
-            )
+            except nats.js.errors.BadRequestError:  # created meanwhile by someone else: use it
+                await self._js.stream_info(cfg.stream)
 
     async def _publish(
         self, ids: Sequence[object], lines: Sequence[bytes], traceparents: Mapping[Any, str]
