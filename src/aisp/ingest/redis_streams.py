@@ -85,7 +85,13 @@ class _RedisStreamPartition(SourcePartition):
 
         self._cfg, self._ctx = cfg, ctx
         self._errors = (redis.ConnectionError, redis.TimeoutError)
-        self._r: Any = redis.Redis(host=cfg.host, port=cfg.port, socket_timeout=max(5.0, cfg.block_ms / 500))
+        self._connects = 0  # (re)connections so far: a read that spans one may have lost its reply
+        self._r: Any = redis.Redis(
+            host=cfg.host,
+            port=cfg.port,
+            socket_timeout=max(5.0, cfg.block_ms / 500),
+            redis_connect_func=self._on_connect,  # type: ignore[arg-type]  # called with the connection
+        )
         self._decoder = ColumnarDecoder(cfg.schema)
         self._empty = Batch.from_columns(self._decoder.decode([]).columns)  # nothing new yet
         self._field = cfg.field.encode()
@@ -95,6 +101,10 @@ class _RedisStreamPartition(SourcePartition):
         self._call(self._setup)
 
     # -- connection ---------------------------------------------------------------------------
+    def _on_connect(self, connection: Any) -> None:
+        self._connects += 1
+        connection.on_connect()
+
     def _call(self, fn: Any, *args: Any) -> Any:
         cfg = self._cfg
         return call_with_retry(
@@ -131,9 +141,10 @@ class _RedisStreamPartition(SourcePartition):
                 break
         self._replay = sorted(pending + claimed, key=lambda e: _id_key(e[0]))
 
-    def _read_pending(self) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    def _read_pending(self, after: Any = "0") -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """This consumer's pending entries (delivered, not acknowledged) with ids after ``after``."""
         out: list[tuple[bytes, dict[bytes, bytes]]] = []
-        start: Any = "0"
+        start: Any = after
         while True:
             reply = self._r.xreadgroup(
                 self._cfg.group, self._cfg.consumer, {self._cfg.stream: start}, count=1000
@@ -151,10 +162,17 @@ class _RedisStreamPartition(SourcePartition):
             entries, self._replay = self._replay[:max_rows], self._replay[max_rows:]
         else:
             cfg = self._cfg
+            connects = self._connects
             reply = self._call(
                 self._r.xreadgroup, cfg.group, cfg.consumer, {cfg.stream: ">"}, max_rows, cfg.block_ms
             )
             entries = reply[0][1] if reply else []
+            if self._connects != connects:
+                # the client (re)connected during the read (redis-py also retries by itself): the
+                # server may have delivered entries whose reply was lost; they sit in this
+                # consumer's pending list, so take them, in order, from there
+                self._replay = self._call(self._read_pending, self._last or "0")
+                entries, self._replay = self._replay[:max_rows], self._replay[max_rows:]
         if not entries:
             if (
                 self._cfg.stop_when_idle_s is not None
