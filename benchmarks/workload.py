@@ -312,45 +312,28 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-def load_fraud_example() -> Any:
-    """The fraud example's pipeline module (``build``, ``Event``), imported from its file."""
+def _load_example(relative: str, name: str) -> Any:
+    """An example's module, imported from its file (once)."""
     import importlib.util
 
-    path = Path(__file__).resolve().parent.parent / "examples" / "fraud" / "pipeline.py"
-    spec = importlib.util.spec_from_file_location("aisp_example_fraud_pipeline", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # msgspec resolves the schema's annotations through it
-    spec.loader.exec_module(module)
-    return module
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parent.parent / "examples" / relative
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # msgspec resolves the schema's annotations through it
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def load_fraud_example() -> Any:
+    """The fraud example's pipeline module (``build``, ``Event``), imported from its file."""
+    return _load_example("fraud/pipeline.py", "aisp_example_fraud_pipeline")
 
 
 def mlp_model(path: Path, *, width: int = 1024, seed: int = 0) -> Path:
     """A compute-heavy MLP (``features`` [batch, 18] -> width -> width -> ``score`` [batch, 1],
-    random weights): milliseconds per call, so batching and queues matter."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    rng = np.random.default_rng(seed)
-    dims = [18, width, width, 1]
-    inits, nodes, prev = [], [], "features"
-    for i, (a, b) in enumerate(zip(dims, dims[1:], strict=False)):
-        inits.append(
-            numpy_helper.from_array((rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), f"w{i}")
-        )
-        out = "score" if b == 1 else f"a{i}"
-        nodes += [helper.make_node("MatMul", [prev, f"w{i}"], [f"h{i}"])]
-        nodes += [helper.make_node("Sigmoid" if b == 1 else "Relu", [f"h{i}"], [out])]
-        prev = out
-    graph = helper.make_graph(
-        nodes,
-        "mlp",
-        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", 18])],
-        [helper.make_tensor_value_info("score", TensorProto.FLOAT, ["batch", 1])],
-        initializer=inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    random weights): milliseconds per call, so batching and queues matter. The diagnosis
+    examples' ``write_mlp``."""
+    scenario = _load_example("diagnose/scenario.py", "aisp_example_diagnose_scenario")
+    return scenario.write_mlp(path, width=width, seed=seed)  # type: ignore[no-any-return]

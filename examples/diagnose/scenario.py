@@ -13,10 +13,13 @@ source runs as fast as the pipeline takes it, which plants the same bottleneck.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,14 +33,21 @@ COLUMNS = ["id", "user", "score", "n", "mean_amount"]
 
 
 def mlp_model(width: int, *, seed: int = 0) -> Path:
-    """A fully connected net over the 18 fraud features (18 -> width -> width -> 1, random
-    weights), written once to the temp directory: milliseconds per call from width 512 up."""
+    """``write_mlp`` once into the temp directory (the scenarios share it)."""
+    path = Path(tempfile.gettempdir()) / "aisp-examples" / f"mlp-{width}-{seed}.onnx"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = write_mlp(path.with_suffix(f".{os.getpid()}.tmp"), width=width, seed=seed)
+        tmp.replace(path)  # atomic: concurrent runs never read half a file
+    return path
+
+
+def write_mlp(path: Path, *, width: int = 1024, seed: int = 0) -> Path:
+    """A fully connected net over the 18 fraud features (``features`` [batch, 18] -> width ->
+    width -> ``score`` [batch, 1], random weights): milliseconds per call from width 512 up."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    path = Path(tempfile.gettempdir()) / "aisp-examples" / f"mlp-{width}-{seed}.onnx"
-    if path.exists():
-        return path
     rng = np.random.default_rng(seed)
     dims = [18, width, width, 1]
     inits, nodes, prev = [], [], "features"
@@ -58,19 +68,23 @@ def mlp_model(width: int, *, seed: int = 0) -> Path:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    onnx.save(model, str(tmp))
-    tmp.replace(path)  # atomic: concurrent runs never read half a file
+    onnx.save(model, str(path))
     return path
 
 
-def features(batch: Batch) -> Batch:
-    f = batch.numpy("f")
-    x = np.empty((batch.num_rows, 18), dtype=np.float32)
-    x[:, :16] = f
-    x[:, 16] = batch.numpy("n")
-    x[:, 17] = batch.numpy("mean_amount")
-    return batch.with_columns({"features": x})
+def _fraud_example() -> Any:
+    """The fraud example's module (its ``features``), imported from its file once."""
+    name = "aisp_example_fraud_pipeline"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, FRAUD / "pipeline.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # msgspec resolves the schema's annotations through it
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+features = _fraud_example().features
 
 
 def build_scenario(

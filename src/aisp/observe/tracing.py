@@ -126,6 +126,17 @@ def extract_parent(traceparent: str | None, tracestate: str | None = None) -> Sp
     return ctx if ctx.is_valid else None
 
 
+def _members(ids: npt.NDArray[np.int64], wanted: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """The ``ids`` that are in ``wanted`` (a few traced events, the usual case: plain compares)."""
+    if wanted.shape[0] > 8:
+        return ids[np.isin(ids, wanted)]
+    mask: npt.NDArray[np.bool_] = ids == wanted[0]
+    for eid in wanted[1:]:
+        mask |= ids == eid
+    found: npt.NDArray[np.int64] = ids[mask]
+    return found
+
+
 @dataclass
 class _Open:
     """A traced event in flight: its root span's identity, start, attributes and status, and
@@ -190,14 +201,7 @@ class EventTracer:
         open_ids = self._open_ids
         if not open_ids.shape[0] or not batch.num_rows:
             return open_ids[:0]
-        ids = batch.ids
-        if open_ids.shape[0] > 8:
-            return ids[np.isin(ids, open_ids)]
-        mask: npt.NDArray[np.bool_] = ids == open_ids[0]  # a few traces in flight: plain compares
-        for eid in open_ids[1:]:
-            mask |= ids == eid
-        found: npt.NDArray[np.int64] = ids[mask]
-        return found
+        return _members(batch.ids, open_ids)
 
     def _reindex(self) -> None:
         """Under the lock: refresh the array of open ids after a change."""
@@ -293,11 +297,7 @@ class EventTracer:
     def among(self, batch: Batch, traced: npt.NDArray[np.int64]) -> None:
         """Mark ``batch`` (an operator's output) with those of ``traced`` it carries."""
         if batch.traced is None and batch.num_rows:
-            ids = batch.ids
-            mask: npt.NDArray[np.bool_] = ids == traced[0]
-            for eid in traced[1:]:
-                mask |= ids == eid
-            found = ids[mask]
+            found = _members(batch.ids, traced)
             batch.traced = found if found.shape[0] else None
 
     def _claim_parents(self, ids: npt.NDArray[np.int64], chosen: dict[int, SpanContext | None]) -> None:

@@ -210,13 +210,6 @@ class KeyIndex:
         if not np.array_equal(codes, np.arange(len(keys))):
             raise ValueError("restored keys are not unique")
 
-    def keys_at(self, codes: npt.NDArray[np.int64]) -> list[Any]:
-        """Key values of ``codes``."""
-        if self._dict is not None:
-            every = list(self._dict)
-            return [every[c] for c in codes.tolist()]
-        return _unpack(self._kind, self._by_code[codes]) if self._kind else []
-
     def keys(self) -> list[Any]:
         """Key values in code order."""
         if self._dict is not None:
