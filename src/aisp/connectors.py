@@ -8,7 +8,8 @@
   30). Output options: ``field`` (``data``), ``dedupe_ttl_s`` (604800), ``retry_s`` (30).
 * ``kafka://HOST:PORT/TOPIC``: a Kafka topic of JSON events (``confluent-kafka``). Input options:
   ``group`` (default ``aisp``), ``idle_stop_s``, ``retry_s``. Output options: ``partitions`` (1;
-  the topic is created if missing), ``retry_s``.
+  the topic is created if missing), ``retry_s``, ``transactional_id`` (write in transactions,
+  one per checkpoint, with the source's offsets).
 * ``nats://HOST:PORT/STREAM``: a NATS JetStream stream of JSON events. Input options:
   ``durable`` (the pull consumer, default ``aisp``), ``subject`` (a filter), ``idle_stop_s``,
   ``retry_s``. Output options: ``subject`` (default ``STREAM.out``; the stream is created if
@@ -150,7 +151,7 @@ def sink_from_url(url: str, pipeline: Pipeline) -> Sink:
         from aisp.sinks.kafka import KafkaSink
 
         bootstrap, topic = _kafka_address(url)
-        opts = _options(url, {"partitions": int, "retry_s": float})
+        opts = _options(url, {"partitions": int, "retry_s": float, "transactional_id": str})
         return KafkaSink(topic=topic, bootstrap=bootstrap, columns=pipeline.output_columns, **opts)  # type: ignore[arg-type]
     if urlparse(url).scheme == "nats":
         from aisp.sinks.nats_jetstream import JetStreamSink

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from aisp.faults.chaos import fill_topic, read_topic, tansu_broker
@@ -26,7 +27,10 @@ def broker() -> Iterator[str]:
         yield bootstrap
 
 
-def test_kafka_in_and_out_exactly_once_across_sigkills(broker: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("transactions", [False, True], ids=["idempotent", "transactional"])
+def test_kafka_in_and_out_exactly_once_across_sigkills(
+    broker: str, tmp_path: Path, transactions: bool
+) -> None:
     data = tmp_path / "events.jsonl"
     write_events(data, EVENTS, seed=31, bad_every=401)
     ref = tmp_path / "ref.jsonl"
@@ -38,10 +42,10 @@ def test_kafka_in_and_out_exactly_once_across_sigkills(broker: str, tmp_path: Pa
     cmd = [
         sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--no-live",
         "--input", f"kafka://{broker}/{src}?group=g-{name}&idle_stop_s=2",
-        "--output", f"kafka://{broker}/{dst}",
+        "--output", f"kafka://{broker}/{dst}" + (f"?transactional_id=t-{name}" if transactions else ""),
         "--checkpoint-dir", str(tmp_path / "chk"), "--checkpoint-interval-s", "0.25", "--rate", "8000",
     ]  # fmt: skip
-    assert kill_and_restart(cmd, kills=5, seed=5) >= 4
+    assert kill_and_restart(cmd, kills=5, seed=5 + transactions) >= 4
     rows = [json.loads(x) for x in read_topic(broker, dst)]
     assert len(rows) == len({r["id"] for r in rows}), "an output was produced twice"
     assert sorted(rows, key=lambda r: r["id"]) == expected
@@ -110,3 +114,46 @@ def test_traceparent_headers_are_read_from_and_written_to_kafka_messages(broker:
     consumer.close()
     assert seen == 20
     assert sorted(tp.split("-")[1] for tp in found) == sorted(traces)
+
+
+def test_a_transactional_sink_commits_outputs_with_the_source_offsets_at_the_barrier(
+    broker: str, tmp_path: Path
+) -> None:
+    from confluent_kafka import Consumer, TopicPartition
+
+    from aisp.ingest.base import SourceContext
+    from aisp.ingest.kafka import KafkaSource
+    from aisp.sinks.kafka import KafkaSink
+
+    class Event(msgspec.Struct):
+        id: int
+        amount: float
+
+    name = uuid.uuid4().hex[:8]
+    src, dst, group = f"xin-{name}", f"xout-{name}", f"xg-{name}"
+    write_events(tmp_path / "in.jsonl", 300, seed=2)
+    fill_topic(broker, src, (tmp_path / "in.jsonl").read_bytes().splitlines())
+    source = KafkaSource(topic=src, schema=Event, bootstrap=broker, group=group).open(
+        SourceContext("src", lambda records: None)
+    )
+    sink = KafkaSink(topic=dst, bootstrap=broker, transactional_id=f"tx-{name}", columns=["id", "amount"])
+    part = sink.open()
+    part.bind_sources({"src": source})
+    rows, deadline = 0, time.monotonic() + 30
+    while rows < 300 and time.monotonic() < deadline:
+        batch = source.next_batch(100)
+        assert batch is not None
+        part.write(batch)
+        rows += batch.num_rows
+    assert rows == 300
+    part.flush()
+    assert read_topic(broker, dst) == [], "a read_committed reader saw an open transaction"
+    position = part.snapshot()  # the barrier: outputs and the group's offsets commit together
+    assert position == {"next": {"0": 300}}
+    assert len(read_topic(broker, dst)) == 300
+    consumer = Consumer({"bootstrap.servers": broker, "group.id": group})
+    (committed,) = consumer.committed([TopicPartition(src, 0)], timeout=10)
+    consumer.close()
+    assert committed.offset == 300  # not committed by the source: it was never told
+    part.close()
+    source.close()

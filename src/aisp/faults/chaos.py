@@ -94,7 +94,10 @@ class _Endpoints:
     def urls(self) -> tuple[str, str]:
         if self.via == "kafka":
             base = f"kafka://{self.kafka}"
-            return f"{base}/chaos-in-{self.tag}?group=chaos&idle_stop_s=2", f"{base}/chaos-out-{self.tag}"
+            return (  # outputs in transactions, committed with the input offsets
+                f"{base}/chaos-in-{self.tag}?group=chaos&idle_stop_s=2",
+                f"{base}/chaos-out-{self.tag}?transactional_id=chaos-{self.tag}",
+            )
         if self.via == "file":
             return str(self.data), str(self.work / "out.jsonl")
         if self.via == "redis":

@@ -32,7 +32,7 @@ from aisp.errors import SourceError
 from aisp.ingest.base import Source, SourceContext, SourcePartition, attach_traceparents
 from aisp.ingest.decode import ColumnarDecoder
 
-__all__ = ["KafkaSource", "kafka_event_id"]
+__all__ = ["KafkaSource", "KafkaSourcePartition", "kafka_event_id"]
 
 _OFFSET_BITS = 40
 
@@ -63,13 +63,15 @@ class KafkaSource(Source):
     decode_heavy: ClassVar[bool] = False
 
     def open(self, ctx: SourceContext, resume_from: Any = None) -> SourcePartition:
-        return _KafkaPartition(self, ctx, resume_from)
+        return KafkaSourcePartition(self, ctx, resume_from)
 
     def describe(self) -> str:
         return f"kafka://{self.bootstrap}/{self.topic}?group={self.group}"
 
 
-class _KafkaPartition(SourcePartition):
+class KafkaSourcePartition(SourcePartition):
+    """The live consumer of a ``KafkaSource``."""
+
     def __init__(self, cfg: KafkaSource, ctx: SourceContext, resume_from: Any) -> None:
         from confluent_kafka import Consumer
 
@@ -172,6 +174,19 @@ class _KafkaPartition(SourcePartition):
 
     def snapshot(self) -> Any:
         return {"offsets": {str(p): o for p, o in sorted({**self._resume, **self._next}.items())}}
+
+    @property
+    def bootstrap(self) -> str:
+        return self._cfg.bootstrap
+
+    def transaction_offsets(self) -> tuple[list[Any], Any]:
+        """The offsets after everything handed out and the consumer's group metadata, for a
+        transactional producer's ``send_offsets_to_transaction`` (the group's offsets then
+        move with the outputs)."""
+        from confluent_kafka import TopicPartition
+
+        offsets = [TopicPartition(self._cfg.topic, p, o) for p, o in sorted(self._next.items())]
+        return offsets, self._consumer.consumer_group_metadata()
 
     def commit(self, position: Any) -> None:
         from confluent_kafka import KafkaException, TopicPartition

@@ -695,6 +695,8 @@ class LocalExecutor:
             for part in self._source_parts.values():
                 part.close()
             raise
+        for sink in self._sink_parts.values():
+            sink.bind_sources(self._source_parts)
         for batcher in self.batchers.values():
             batcher.start()
         for sid, node in self._nodes.items():

@@ -10,8 +10,8 @@ position and ``Sink.resume(position)`` reopens there (the file sink truncates wh
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 import numpy as np
@@ -20,6 +20,9 @@ import pyarrow as pa
 
 from aisp.batch import META_COLUMNS, Batch
 from aisp.errors import SinkError
+
+if TYPE_CHECKING:
+    from aisp.ingest.base import SourcePartition
 
 __all__ = ["RowEncoder", "Sink", "SinkPartition", "user_columns"]
 
@@ -78,6 +81,10 @@ class SinkPartition(abc.ABC):
         checkpoint; ``Sink.resume(position)`` reopens there. None: the sink cannot resume."""
         self.flush()
         return None
+
+    def bind_sources(self, sources: Mapping[str, SourcePartition]) -> None:  # noqa: B027 - optional hook
+        """The pipeline's live sources, by step, once they are open: for a sink that commits
+        source positions together with its own writes (Kafka transactions)."""
 
     def sync(self) -> None:  # noqa: B027 - optional hook
         """Make everything up to the last ``snapshot()`` durable (may run while ``write`` goes

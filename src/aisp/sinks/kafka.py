@@ -1,18 +1,27 @@
-"""Kafka sink (``confluent-kafka``): an idempotent producer whose replays after a restart are
-skipped by position, so the topic holds each output once.
+"""Kafka sink (``confluent-kafka``): each output once in the topic, through an idempotent or a
+transactional producer whose replays after a restart are skipped by position.
 
 Rows are produced as JSON (the same line as the file sink), keyed by the engine id, to partition
-``engine id % partitions``; the producer is idempotent (no duplicates from its own retries). The
-sink's position is the next offset of each partition, learnt from delivery reports; a
-checkpoint flushes and records it. After a restart from that checkpoint, the sink counts the
-records that reached each partition after the checkpointed offset (they were produced after the
-cut, before the crash) and skips that many of the rows it is then given for the partition: the
-replay regenerates those same rows first, in the same order, as long as the pipeline emits a
-partition's rows in a deterministic order (one chain, one model instance: the fraud example and
-most pipelines). This needs no transactions, which the Tansu broker the tests use does not
-filter for ``read_committed`` readers; the topic is assumed to be written by this pipeline only.
-Counting consumes the records after the checkpoint (at most one checkpoint interval of output),
-and on a first start the whole partition, once.
+``engine id % partitions``. The sink's position is the next offset of each partition, learnt
+from delivery reports; a checkpoint flushes and records it.
+
+With ``transactional_id`` the rows of one checkpoint interval form one Kafka transaction,
+committed at the checkpoint's barrier together with the offsets of the pipeline's Kafka source
+(``send_offsets_to_transaction``, when it reads from the same cluster): a ``read_committed``
+reader sees an interval's outputs all at once and the consumer group's offsets move with them.
+A restart fences the previous producer (``init_transactions``), which aborts its open
+transaction. Without checkpoints a transaction is committed every ``transaction_max_s``.
+
+After a restart from a checkpoint, the sink counts the records a ``read_committed`` reader finds
+in each partition after the checkpointed offset and skips that many of the rows it is then
+given for the partition: the replay regenerates those rows first, in the same order, as long as
+the pipeline emits a partition's rows in a deterministic order (one chain, one model instance:
+the fraud example and most pipelines). With transactions on Apache Kafka there is nothing to
+count except when the process died between a transaction's commit and the checkpoint's
+manifest; the Tansu broker the tests use shows aborted and fenced transactions' records to
+``read_committed`` readers, and counting skips those too. The topic is assumed to be written by
+this pipeline only. Counting consumes the records after the checkpoint (at most one checkpoint
+interval of output), and on a first start the whole partition, once.
 """
 
 from __future__ import annotations
@@ -20,13 +29,16 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from aisp.batch import Batch
 from aisp.errors import SinkError
 from aisp.sinks.base import RowEncoder, Sink, SinkPartition
+
+if TYPE_CHECKING:
+    from aisp.ingest.base import SourcePartition
 
 __all__ = ["KafkaSink"]
 
@@ -43,6 +55,12 @@ class KafkaSink(Sink):
     flush_timeout_s: float = 30.0
     retry_s: float = 30.0
     """How long a record may wait for an unreachable broker before the sink fails."""
+    transactional_id: str | None = None
+    """Write in Kafka transactions under this id, one per checkpoint interval (see the module
+    docstring); None: an idempotent producer without transactions."""
+    transaction_max_s: float = 10.0
+    """Commit an open transaction after this long even without a checkpoint (the broker aborts
+    transactions older than ``transaction.timeout.ms``, 60 s by default)."""
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def open(self) -> SinkPartition:
@@ -61,7 +79,14 @@ def _count_records(bootstrap: str, topic: str, partition: int, start: int, idle_
     be used; a short idle time undercounts on a loaded machine)."""
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "aisp-count", "enable.auto.commit": False})
+    c = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": "aisp-count",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+        }
+    )
     try:
         c.assign([TopicPartition(topic, partition, start if start > 0 else OFFSET_BEGINNING)])
         n, last = 0, time.monotonic()
@@ -90,6 +115,21 @@ class _KafkaWriter(SinkPartition):
                 except Exception as exc:
                     if "already exists" not in str(exc).lower():
                         raise SinkError(f"cannot create kafka topic {cfg.topic!r}: {exc}") from exc
+        self._errors: list[str] = []
+        self._producer = Producer(
+            {
+                "bootstrap.servers": cfg.bootstrap,
+                "enable.idempotence": True,
+                "linger.ms": 5,
+                "message.timeout.ms": int(cfg.retry_s * 1000),  # then a clear error, not a hang
+                **({"transactional.id": cfg.transactional_id} if cfg.transactional_id else {}),
+                **cfg.options,
+            }
+        )
+        self._txn_since: float | None = None  # when the open transaction began
+        self._sources: list[Any] = []  # Kafka source partitions whose offsets go with a commit
+        if cfg.transactional_id:  # fences an earlier producer (its open transaction is aborted)
+            self._call("init_transactions", cfg.retry_s)
         self._next: dict[int, int] = {}
         self._skip: dict[int, int] = {}
         for p in range(cfg.partitions):
@@ -98,18 +138,51 @@ class _KafkaWriter(SinkPartition):
             self._next[p] = start + found
             if resume is not None:
                 self._skip[p] = found  # produced after the checkpoint: the replay makes them again
-        self._errors: list[str] = []
-        self._producer = Producer(
-            {
-                "bootstrap.servers": cfg.bootstrap,
-                "enable.idempotence": True,
-                "linger.ms": 5,
-                "message.timeout.ms": int(cfg.retry_s * 1000),  # then a clear error, not a hang
-                **cfg.options,
-            }
-        )
         self._encoder = RowEncoder(cfg.columns)
         self.skipped = 0
+        self.transactions = 0
+
+    def _call(self, method: str, *args: Any) -> None:
+        """A transactional producer call; a failure that leaves the transaction unusable fails
+        the sink (the run restarts from its last checkpoint), a retriable one is retried."""
+        from confluent_kafka import KafkaException
+
+        deadline = time.monotonic() + self._cfg.retry_s
+        while True:
+            try:
+                getattr(self._producer, method)(*args)
+                return
+            except KafkaException as exc:
+                err = exc.args[0]
+                if err.retriable() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    continue
+                if err.txn_requires_abort():
+                    self._producer.abort_transaction(self._cfg.flush_timeout_s)
+                    self._txn_since = None
+                raise SinkError(f"kafka {self._cfg.topic!r}: {method} failed: {err.str()}") from exc
+
+    def bind_sources(self, sources: Mapping[str, SourcePartition]) -> None:
+        from aisp.ingest.kafka import KafkaSourcePartition
+
+        self._sources = [
+            part
+            for part in sources.values()
+            if isinstance(part, KafkaSourcePartition) and part.bootstrap == self._cfg.bootstrap
+        ]
+
+    def _commit(self, *, with_offsets: bool) -> None:
+        """Commit the open transaction, with the Kafka sources' offsets when at a barrier."""
+        if self._txn_since is None:
+            return
+        if with_offsets:
+            for part in self._sources:
+                offsets, group = part.transaction_offsets()
+                if offsets:
+                    self._call("send_offsets_to_transaction", offsets, group, self._cfg.flush_timeout_s)
+        self._call("commit_transaction", self._cfg.flush_timeout_s)
+        self._txn_since = None
+        self.transactions += 1
 
     def _delivered(self, err: Any, msg: Any) -> None:
         if err is not None:
@@ -130,6 +203,9 @@ class _KafkaWriter(SinkPartition):
                 self._skip[p] -= 1
                 self.skipped += 1
                 continue
+            if self._cfg.transactional_id and self._txn_since is None:
+                self._call("begin_transaction")
+                self._txn_since = time.monotonic()
             while True:
                 try:
                     self._producer.produce(
@@ -146,6 +222,9 @@ class _KafkaWriter(SinkPartition):
         self._producer.poll(0)
         if self._errors:
             raise SinkError(f"kafka {self._cfg.topic!r}: delivery failed: {self._errors[0]}")
+        if self._txn_since is not None and time.monotonic() - self._txn_since >= self._cfg.transaction_max_s:
+            self.flush()
+            self._commit(with_offsets=False)
 
     def flush(self) -> None:
         left = self._producer.flush(self._cfg.flush_timeout_s)
@@ -157,7 +236,9 @@ class _KafkaWriter(SinkPartition):
 
     def snapshot(self) -> Any:
         self.flush()
+        self._commit(with_offsets=True)
         return {"next": {str(p): o for p, o in sorted(self._next.items())}}
 
     def close(self) -> None:
         self.flush()
+        self._commit(with_offsets=True)
