@@ -56,6 +56,10 @@ class RunOptions:
     state_store: bool = False
     """With ``checkpoint_dir``: keep keyed state in an LMDB store there (``state/``), written
     incrementally at checkpoints (only keys that changed), instead of whole in each checkpoint."""
+    state_max_keys: int = 0
+    """With ``state_store``: keep about this many keys per key space in memory (0: all); the
+    least recently seen are evicted at checkpoints and read back from the store when seen again,
+    so keyed state may be larger than memory."""
     dashboard_port: int | None = None
     """Serve the live dashboard on 127.0.0.1 at this port while the run lasts (0: a free port,
     announced on stderr as ``dashboard http://127.0.0.1:PORT/``)."""
@@ -89,6 +93,8 @@ class RunSummary:
     """The latency target: ``RunOptions.slo_ms``, else the pipeline's latency bound."""
     slo_attainment: float = 0.0
     """The share of the events written within ``slo_ms``."""
+    state: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per key space: keys in memory at the end, keys evicted and read back (``state_max_keys``)."""
 
     def to_json(self) -> bytes:
         return msgspec.json.format(msgspec.json.encode(self), indent=2)
@@ -115,6 +121,7 @@ def summarize(ex: LocalExecutor) -> RunSummary:
         dead_letters_by_step=dict(ex.dead_letter.by_step),
         stages=[s.as_dict() for s in st.stages.values()],
         models=models,
+        state=ex.state_stats(),
     )
 
 
@@ -151,6 +158,8 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
         latest.meta.get("dead_letter_bytes") if latest is not None else None
     )
     state_store = None
+    if opts.state_max_keys and not opts.state_store:
+        raise ConfigError("a bound on the keys in memory needs the state store (--state-store)")
     if opts.state_store:
         if opts.checkpoint_dir is None:
             raise ConfigError("a state store needs --checkpoint-dir (it lives there)")
@@ -168,6 +177,7 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
             rate_events_per_s=opts.rate_events_per_s,
             offload_sources=opts.offload_sources,
             offload_sinks=opts.offload_sinks,
+            state_max_keys=opts.state_max_keys,
         ),
     )
     restore = _install_signals(ex) if opts.handle_signals else None
@@ -207,7 +217,8 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
                     watcher.poll()
                     checkpoints.poll()
         else:
-            while not ex.join(timeout_s=0.25):
+            tick = 0.05 if opts.state_max_keys else 0.25  # a bounded hot layer is watched closely
+            while not ex.join(timeout_s=tick):
                 watcher.poll()
                 if opts.on_progress is not None:
                     opts.on_progress(ex)
@@ -242,18 +253,26 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
 
 
 class _Checkpointer:
-    """Takes a checkpoint every ``interval_s`` (when the run has a checkpoint store)."""
+    """Takes a checkpoint every ``interval_s`` (when the run has a checkpoint store), and sooner
+    when the keyed state's hot layer outgrew its bound (a checkpoint is where keys are evicted),
+    but not within ``min_gap_s`` of the previous one."""
 
-    def __init__(self, ex: LocalExecutor, store: CheckpointStore | None, interval_s: float) -> None:
+    def __init__(
+        self, ex: LocalExecutor, store: CheckpointStore | None, interval_s: float, min_gap_s: float = 0.1
+    ) -> None:
         self._ex, self._store, self._interval = ex, store, interval_s
-        self._next = time.monotonic() + interval_s
+        self._min_gap = min(min_gap_s, interval_s)
+        self._last = time.monotonic()
 
     def poll(self) -> None:
-        if self._store is None or time.monotonic() < self._next or self._ex.stopping:
+        if self._store is None or self._ex.stopping:
+            return
+        since = time.monotonic() - self._last
+        if since < self._interval and not (since >= self._min_gap and self._ex.state_over_bound()):
             return
         if self._ex.checkpoint(self._store) is None:
             log.warning("checkpoint skipped: the pipeline did not go quiet in time")
-        self._next = time.monotonic() + self._interval
+        self._last = time.monotonic()
 
 
 class _VersionWatcher:

@@ -69,23 +69,48 @@ def kill_and_restart(cmd: list[str], kills: int, seed: int, corrupt_latest: Path
         return done
 
 
-@pytest.mark.parametrize("store", [False, True], ids=["state-in-checkpoints", "state-store"])
+STATE_LAYOUTS = {
+    "state-in-checkpoints": [],
+    "state-store": ["--state-store"],
+    # about 45k users in the input: most keys are evicted and many read back from the store
+    "state-store-bounded": ["--state-store", "--state-max-keys", "2000"],
+}
+
+
+@pytest.mark.parametrize("state", list(STATE_LAYOUTS))
 def test_sigkill_at_random_moments_gives_exactly_once_outputs(
-    tmp_path: Path, reference: tuple[Path, list[dict[str, object]], int], store: bool
+    tmp_path: Path, reference: tuple[Path, list[dict[str, object]], int], state: str
 ) -> None:
     data, expected, dead = reference
     out = tmp_path / "out.jsonl"
     cmd = aisp_run(data, out, "--checkpoint-dir", str(tmp_path / "chk"), "--checkpoint-interval-s", "0.25")
-    cmd += ["--state-store"] if store else []
+    cmd += STATE_LAYOUTS[state]
     cmd += ["--rate", "20000"]  # 3 s of input: most kills land mid-run
     assert kill_and_restart(cmd, kills=5, seed=1) >= 4
     assert outputs(out) == expected  # one line per valid input id, with the same state-dependent values
     assert len(out.with_suffix(".dl").read_text().splitlines()) == dead
 
 
-@pytest.mark.parametrize("store", [False, True], ids=["state-in-checkpoints", "state-store"])
+def test_a_bounded_hot_layer_evicts_and_reads_state_back_with_the_same_results(
+    tmp_path: Path, reference: tuple[Path, list[dict[str, object]], int]
+) -> None:
+    data, expected, _ = reference
+    out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
+    cmd = aisp_run(data, out, "--checkpoint-dir", str(tmp_path / "chk"), "--checkpoint-interval-s", "0.1")
+    cmd += [*STATE_LAYOUTS["state-store-bounded"], "--rate", "30000", "--summary-json", str(summary)]
+    subprocess.run(cmd, env=ENV, check=True, capture_output=True)
+    assert outputs(out) == expected
+    state = json.loads(summary.read_text())["state"]["by_user"]
+    assert state["evicted"] > 20_000 and state["reloaded"] > 1_000, state
+    # the bound plus the keys seen since the last checkpoint (never evicted), far below ~45k users
+    assert state["keys"] < 12_000, state
+    newest = sorted((tmp_path / "chk").glob("chk-*"))[-1]
+    assert not list(newest.glob("keys.*")), "keys in the checkpoint files: the state store holds them"
+
+
+@pytest.mark.parametrize("state", list(STATE_LAYOUTS))
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(
-    tmp_path: Path, reference: tuple[Path, list[dict[str, object]], int], store: bool
+    tmp_path: Path, reference: tuple[Path, list[dict[str, object]], int], state: str
 ) -> None:
     data, expected, _ = reference
     out = tmp_path / "out.jsonl"
@@ -93,7 +118,7 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(
     cmd = aisp_run(
         data, out, "--checkpoint-dir", str(chk), "--checkpoint-interval-s", "0.25", "--rate", "30000"
     )
-    cmd += ["--state-store"] if store else []
+    cmd += STATE_LAYOUTS[state]
     kill_and_restart(cmd, kills=1, seed=2, corrupt_latest=chk)
     assert outputs(out) == expected
 

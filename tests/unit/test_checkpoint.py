@@ -85,6 +85,8 @@ def test_state_store_reads_each_key_as_of_a_version(tmp_path: Path) -> None:
         store.write(2, names, values)
         names, values, _ = encode_rows(b"op\x1f", ["u3"], {"n": np.array([1]), "s": np.array([9.0])})
         store.write(3, names, values)
+        names, values, _ = encode_rows(b"op\x1f", ["u2"], {"n": np.array([2]), "s": np.array([3.0])})
+        store.write(4, names, values, before=1)  # kept checkpoints start at 1: u2's 1 stays
 
         def state(version: int) -> dict[str, tuple[int, float]]:
             keys, cols = decode_rows(b"op\x1f", list(store.read(version, b"op\x1f")), descr)
@@ -93,10 +95,12 @@ def test_state_store_reads_each_key_as_of_a_version(tmp_path: Path) -> None:
         assert state(1) == {"u1": (1, 0.5), "u2": (1, 2.0)}
         assert state(2) == {"u1": (2, 1.5), "u2": (1, 2.0)}
         assert state(3) == {"u1": (2, 1.5), "u2": (1, 2.0), "u3": (1, 9.0)}
-        assert store.prune(before=2) == 1  # u1's version 1 is superseded at 2
-        assert state(3) == {"u1": (2, 1.5), "u2": (1, 2.0), "u3": (1, 9.0)}
-        assert store.discard_after(2) == 1  # a restart from checkpoint 2 abandons version 3
-        assert state(9) == {"u1": (2, 1.5), "u2": (1, 2.0)}
+        assert state(4) == {"u1": (2, 1.5), "u2": (2, 3.0), "u3": (1, 9.0)}
+        names, values, _ = encode_rows(b"op\x1f", ["u1"], {"n": np.array([3]), "s": np.array([4.0])})
+        store.write(5, names, values, before=3)  # u1's 1 is superseded by its 2, which 3 still reads
+        assert state(1) == {"u2": (1, 2.0)} and state(3)["u1"] == (2, 1.5)
+        assert store.discard_after(3) == 2  # a restart from checkpoint 3 abandons versions 4 and 5
+        assert state(9) == {"u1": (2, 1.5), "u2": (1, 2.0), "u3": (1, 9.0)}
     finally:
         store.close()
 

@@ -58,6 +58,13 @@ def run(
         bool,
         typer.Option(help="Keep keyed state in an LMDB store in --checkpoint-dir, written incrementally."),
     ] = False,
+    state_max_keys: Annotated[
+        int,
+        typer.Option(
+            help="With --state-store: keep about this many keys per key space in memory (0: all); the"
+            " least recently seen are evicted at checkpoints and read back when seen again."
+        ),
+    ] = 0,
     param: Annotated[
         list[str] | None, typer.Option("--param", help="KEY=VALUE passed to the file's build() (repeatable).")
     ] = None,
@@ -102,6 +109,7 @@ def run(
                 checkpoint_dir=checkpoint_dir,
                 checkpoint_interval_s=checkpoint_interval_s,
                 state_store=state_store,
+                state_max_keys=state_max_keys,
                 metrics_port=metrics_port,
                 trace=_trace_config(trace_sample, trace_endpoint, trace_max_per_s),
                 slo_ms=slo_ms,

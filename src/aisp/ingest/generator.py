@@ -28,6 +28,9 @@ class WorkloadFSource(Source):
     events: int = 1_000_000
     seed: int = 0
     users: int = 100_000
+    zipf: float = 0.0
+    """Above 1: users drawn from a Zipf law of this exponent (user 0 the most frequent), for
+    hot keys and a long tail; else uniformly (the reference workload)."""
 
     def open(self, ctx: SourceContext, resume_from: Any = None) -> SourcePartition:
         return _WorkloadFPartition(self, int(resume_from or 0))
@@ -49,8 +52,11 @@ class _WorkloadFPartition(SourcePartition):
     def _load_block(self, block_no: int) -> None:
         rng = np.random.default_rng([self._cfg.seed, block_no])
         n = self._BLOCK
+        users = self._cfg.users
         self._block = {
-            "user": rng.integers(0, self._cfg.users, n),
+            "user": (rng.zipf(self._cfg.zipf, n) - 1) % users
+            if self._cfg.zipf > 1
+            else rng.integers(0, users, n),
             "amount": np.round(rng.lognormal(3.0, 1.0, n), 2),
             "f": np.round(rng.normal(size=(n, 16)), 6),
         }

@@ -15,6 +15,7 @@ batch's rows to the dead-letter sink with the step and the cause, and the pipeli
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -43,7 +44,7 @@ from aisp.sinks.deadletter import DeadLetterWriter
 from aisp.sinks.process import ProcessSink
 from aisp.state.checkpoint import Checkpoint, CheckpointStore
 from aisp.state.keyed import KeyIndex
-from aisp.state.store import LmdbStateStore, decode_rows
+from aisp.state.store import LmdbStateStore, decode_keys, decode_rows
 from aisp.transform.operators import Checkpointable, Emit, IncrementalState, Operator, OperatorContext
 
 if TYPE_CHECKING:
@@ -67,6 +68,10 @@ class ExecutorOptions:
     paced_linger_ms: float = 1.0
     offload_sources: bool = True
     offload_sinks: bool = False
+    state_max_keys: int = 0
+    """With a state store: keep about this many keys per key space in memory (0: all); at a
+    checkpoint, keys not seen for the longest are evicted (their state is in the store) and
+    read back from the store when seen again."""
 
 
 class Lineage(Protocol):
@@ -477,7 +482,7 @@ class LocalExecutor:
         read_started = time.monotonic_ns()
         while not self._stop.is_set():
             if held is None or held.num_rows == 0:
-                if self._pause:
+                if self._pause or self._state_full():
                     self._wait_while_paused()
                     continue
                 t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
@@ -535,9 +540,15 @@ class LocalExecutor:
         with self._flight:
             self._sources_waiting += 1
             self._flight.notify_all()
-            while self._pause and not self._stop.is_set():
-                self._flight.wait(0.1)
+            while (self._pause or self._state_full()) and not self._stop.is_set():
+                self._flight.wait(0.05)
             self._sources_waiting -= 1
+
+    def _state_full(self) -> bool:
+        """Backpressure from a bounded hot layer: a key space holds half again as many keys as
+        ``state_max_keys`` (checkpoints, which evict, fell behind), so sources wait for one."""
+        bound = self.options.state_max_keys
+        return bool(bound) and any(2 * len(index) > 3 * bound for index in self._key_indexes.values())
 
     def _quiesce(self, timeout_s: float) -> bool:
         """Pause the sources between batches and wait until no row is in flight."""
@@ -578,8 +589,12 @@ class LocalExecutor:
                     if isinstance(op, IncrementalState):
                         codes, columns = op.take_dirty()
                         dirty[sid] = (op.index.frozen_keys(codes), columns)
+                if self.options.state_max_keys:
+                    self._evict(self.options.state_max_keys)
             else:
                 key_views = {space: index.frozen_keys() for space, index in self._key_indexes.items()}
+            for index in self._key_indexes.values():
+                index.advance()
             for sid, op in self._ops.items():
                 if isinstance(op, Checkpointable) and sid not in dirty:
                     columns_of[sid] = op.snapshot()
@@ -601,11 +616,10 @@ class LocalExecutor:
             sink.sync()
         self.dead_letter.sync()
         checkpoint_id = store.next_id()
-        if self.state_store is not None:
-            meta["state_store"] = self._write_state(checkpoint_id, changed)
+        if self.state_store is not None:  # values no kept checkpoint reads are dropped
+            kept = store.ids()
+            meta["state_store"] = self._write_state(checkpoint_id, changed, kept[0] if kept else 0)
         store.write(checkpoint_id, tables, meta)
-        if self.state_store is not None and checkpoint_id % 10 == 0:  # drop what no kept one needs
-            self.state_store.prune(before=store.ids()[0])
         for sid, part in self._source_parts.items():
             part.commit(sources[sid])
         self.stats.checkpoints += 1
@@ -622,12 +636,41 @@ class LocalExecutor:
         for part in self._source_parts.values():
             part.commit(part.snapshot())
 
+    def state_over_bound(self) -> bool:
+        """Whether a key space holds more keys than ``state_max_keys`` (a checkpoint evicts)."""
+        bound = self.options.state_max_keys
+        return bool(bound) and any(len(index) > bound for index in self._key_indexes.values())
+
+    def _evict(self, max_keys: int) -> None:
+        """Shrink each key space over ``max_keys`` to 80% of it (the keys not seen for the
+        longest go; their state is in the store), under the checkpoint's pause, after the dirty
+        state was taken."""
+        for space, index in self._key_indexes.items():
+            if len(index) <= max_keys:
+                continue
+            survivors = index.evict(keep=max_keys * 4 // 5)
+            if survivors is None:
+                continue
+            for op in self._ops.values():
+                if isinstance(op, IncrementalState) and op.space == space:
+                    op.evict(survivors)
+
+    def state_stats(self) -> dict[str, dict[str, int]]:
+        """Per key space: keys in memory, keys evicted and read back so far."""
+        out = {space: {"keys": len(index), "evicted": index.evicted, "reloaded": 0}
+               for space, index in self._key_indexes.items()}  # fmt: skip
+        for op in self._ops.values():
+            if isinstance(op, IncrementalState) and op.space in out:
+                out[op.space]["reloaded"] += getattr(op, "reloaded", 0)
+        return out
+
     def _write_state(
-        self, version: int, changed: dict[str, tuple[pa.Array, dict[str, Any]]]
+        self, version: int, changed: dict[str, tuple[pa.Array, dict[str, Any]]], before: int
     ) -> dict[str, Any]:
         """Write the changed keys' state at ``version`` (before the manifest); what restore needs."""
         assert self.state_store is not None
-        layout = self.state_store.write_rows(version, {f"{sid}\x1f": part for sid, part in changed.items()})
+        parts = {f"{sid}\x1f": part for sid, part in changed.items()}
+        layout = self.state_store.write_rows(version, parts, before)
         return {"version": version, "ops": {prefix[:-1]: descr for prefix, descr in layout.items()}}
 
     def _restore_from_store(self, checkpoint: Checkpoint) -> None:
@@ -640,6 +683,11 @@ class LocalExecutor:
                     f"checkpoint {checkpoint.id} has keyed state for step {sid!r}, which this pipeline lacks"
                 )
             prefix = f"{sid}\x1f".encode()
+            if self.options.state_max_keys:  # nothing loaded: each key is read back when seen
+                names = (name for name, _ in self.state_store.read(layout["version"], prefix))
+                while chunk := list(itertools.islice(names, 65536)):
+                    op.index.mark_evicted(pa.array(decode_keys(prefix, chunk)))
+                continue
             entries = list(self.state_store.read(layout["version"], prefix))
             if not entries:
                 continue
@@ -685,6 +733,10 @@ class LocalExecutor:
         self._build()
         if self.state_store is not None:  # what came after the restored checkpoint never happened
             self.state_store.discard_after(self._restore.id if self._restore is not None else 0)
+            if self.options.state_max_keys:
+                for sid, op in self._ops.items():
+                    if isinstance(op, IncrementalState):
+                        op.page_from(self.state_store, f"{sid}\x1f".encode())
         if self._restore is not None:
             self._restore_state(self._restore)
         try:

@@ -131,6 +131,47 @@ class _HashTable:
         self.size += keys.shape[0]
 
 
+class _SortedRuns:
+    """A set of uint64 values as sorted runs of geometrically growing sizes (a log-structured
+    merge): adding costs amortised O(log n) per value without resorting everything, a lookup is a
+    binary search per run, and memory is 8 bytes a value.
+
+    >>> r = _SortedRuns()
+    >>> r.add(np.array([5, 3], np.uint64)); r.add(np.array([9, 3], np.uint64))
+    >>> r.contains(np.array([3, 4, 9], np.uint64)).tolist(), len(r)
+    ([True, False, True], 3)
+    """
+
+    def __init__(self) -> None:
+        self._runs: list[npt.NDArray[np.uint64]] = []  # the largest first
+
+    def __len__(self) -> int:
+        return sum(run.shape[0] for run in self._runs)
+
+    def add(self, values: npt.NDArray[np.uint64]) -> None:
+        run = np.unique(values)
+        while self._runs and self._runs[-1].shape[0] <= 2 * run.shape[0]:
+            run = np.union1d(self._runs.pop(), run)
+        if run.size:
+            self._runs.append(run)
+
+    def contains(self, values: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
+        out = np.zeros(values.shape[0], dtype=bool)
+        for run in self._runs:
+            pos = np.minimum(np.searchsorted(run, values), run.shape[0] - 1)
+            out |= run[pos] == values
+        return out
+
+    def values(self) -> npt.NDArray[np.uint64]:
+        return np.unique(np.concatenate(self._runs)) if self._runs else np.empty(0, np.uint64)
+
+
+def _hashes(keys: list[Any]) -> npt.NDArray[np.uint64]:
+    """Python hashes of keys, as uint64 (a set of them may report a key that is not there, on a
+    collision: harmless where it only costs a state store read)."""
+    return np.array([hash(k) for k in keys], dtype=np.int64).view(np.uint64)
+
+
 class KeyIndex:
     """Maps key values to dense int64 codes, assigning new codes in first-seen order.
 
@@ -143,6 +184,20 @@ class KeyIndex:
     [0, 1, 0]
     >>> idx.encode(pa.array(["c", "a"])).tolist(), len(idx)
     ([2, 0], 3)
+
+    A bounded hot layer (``evict``) forgets the keys seen least recently: the survivors get
+    dense codes again, and a forgotten key that comes back gets a new code that
+    ``was_evicted`` reports, so its state can be read back from the state store.
+
+    >>> idx.advance()  # a checkpoint: "a", "b", "c" were all seen before it
+    >>> idx.encode(pa.array(["c"])).tolist()
+    [2]
+    >>> idx.evict(keep=1).tolist()  # the survivors' old codes, in their new code order
+    [2]
+    >>> idx.keys(), idx.encode(pa.array(["a", "d"])).tolist()
+    (['c'], [1, 2])
+    >>> idx.was_evicted(np.array([0, 1, 2])).tolist()
+    [False, True, False]
     """
 
     def __init__(self) -> None:
@@ -151,6 +206,13 @@ class KeyIndex:
         self._by_code = np.empty(1024, dtype=np.uint64)
         self._n = 0
         self._dict: dict[Any, int] | None = None
+        self._dict_keys: list[Any] = []  # the dict path's keys in code order
+        self.epoch = 0
+        """Checkpoints so far (``advance``); each code remembers the epoch it was last seen in."""
+        self._seen = np.zeros(1024, dtype=np.int64)
+        self._evicted = _SortedRuns()  # packed keys evicted so far (the dict path: their hashes)
+        self.evicted = 0
+        """Keys evicted so far (a key evicted twice counts twice)."""
 
     def __len__(self) -> int:
         return self._n
@@ -163,8 +225,15 @@ class KeyIndex:
         packed = pack_keys(keys) if self._dict is None else None
         if packed is not None and self._kind in (None, packed[0]):
             self._kind = packed[0]
-            return self._encode_packed(packed[1])
-        return self._encode_dict(keys)
+            codes = self._encode_packed(packed[1])
+        else:
+            codes = self._encode_dict(keys)
+        if self._n > self._seen.shape[0]:
+            grown = np.zeros(max(self._n, 2 * self._seen.shape[0]), dtype=np.int64)
+            grown[: self._seen.shape[0]] = self._seen
+            self._seen = grown
+        self._seen[codes] = self.epoch
+        return codes
 
     def _encode_packed(self, packed: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
         codes = self._table.find(packed)
@@ -191,16 +260,87 @@ class KeyIndex:
 
     def _encode_dict(self, keys: pa.Array) -> npt.NDArray[np.int64]:
         if self._dict is None:  # switch once: existing packed keys keep their codes
-            self._dict = dict(zip(self.keys(), range(self._n), strict=True)) if self._kind else {}
+            self._dict_keys = self.keys()
+            self._dict = dict(zip(self._dict_keys, range(self._n), strict=True))
+            if self._kind and len(self._evicted):
+                gone = self._evicted.values()
+                self._evicted = _SortedRuns()
+                self._evicted.add(_hashes(_unpack(self._kind, gone)))
         table = self._dict
         values = keys.to_pylist()
         get = table.get
         codes = [get(v, -1) for v in values]
         if -1 in codes:
             for i in np.flatnonzero(np.asarray(codes) < 0).tolist():
-                codes[i] = table.setdefault(values[i], len(table))
+                code = table.setdefault(values[i], len(table))
+                if code == len(self._dict_keys):
+                    self._dict_keys.append(values[i])
+                codes[i] = code
             self._n = len(table)
         return np.array(codes, dtype=np.int64)
+
+    # -- a bounded hot layer ------------------------------------------------------------------
+    def advance(self) -> None:
+        """Start a new epoch (at a checkpoint): what is seen from now on is recent."""
+        self.epoch += 1
+
+    def evict(self, keep: int) -> npt.NDArray[np.int64] | None:
+        """Forget the keys seen least recently, and none seen since the last ``advance``, until
+        at most ``keep`` remain (fewer are forgotten when more were seen since). Survivors are
+        renumbered densely in their old order; returns their old codes (new code ``i`` was
+        ``survivors[i]``), or None when nothing was forgotten. Only safe when no code is in use
+        anywhere (a checkpoint's pause)."""
+        n = self._n
+        seen = self._seen[:n]
+        cold = np.flatnonzero(seen < self.epoch)
+        count = min(n - keep, cold.size)
+        if count <= 0:
+            return None
+        victims = cold if count == cold.size else cold[np.argpartition(seen[cold], count - 1)[:count]]
+        alive = np.ones(n, dtype=bool)
+        alive[victims] = False
+        survivors = np.flatnonzero(alive)
+        m = survivors.shape[0]
+        if self._dict is not None:
+            self._evicted.add(_hashes([self._dict_keys[i] for i in victims.tolist()]))
+            self._dict_keys = [self._dict_keys[i] for i in survivors.tolist()]
+            self._dict = dict(zip(self._dict_keys, range(m), strict=True))
+        else:
+            packed = self._by_code[:n]
+            self._evicted.add(packed[victims])
+            by_code = np.empty(max(1024, 2 * m), dtype=np.uint64)  # new arrays: views stay valid
+            by_code[:m] = packed[survivors]
+            self._by_code = by_code
+            self._table = _HashTable()
+            self._table.insert(by_code[:m], np.arange(m, dtype=np.int64))
+        kept_seen = np.zeros(max(1024, 2 * m), dtype=np.int64)
+        kept_seen[:m] = seen[survivors]
+        self._seen = kept_seen
+        self._n = m
+        self.evicted += int(count)
+        return survivors
+
+    def was_evicted(self, codes: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+        """For each code, whether its key was evicted before (or ``mark_evicted``): its state
+        may be in the state store. Long keys are remembered by hash, so a collision may answer
+        True for a key never evicted (a store read that finds nothing)."""
+        if not len(self._evicted):
+            return np.zeros(codes.shape[0], dtype=bool)
+        if self._dict is not None:
+            return self._evicted.contains(_hashes(self.keys_of(codes)))
+        return self._evicted.contains(self._by_code[codes])
+
+    def mark_evicted(self, keys: pa.Array) -> None:
+        """Treat ``keys`` as evicted (a restore that leaves the state in the store: each key's
+        state is read back when the key is seen again)."""
+        packed = pack_keys(keys) if self._dict is None else None
+        if packed is not None and self._kind in (None, packed[0]):
+            self._kind = packed[0]
+            self._evicted.add(packed[1])
+        else:
+            if self._dict is None:
+                self._encode_dict(pa.array([], keys.type))  # switch to the dict path
+            self._evicted.add(_hashes(keys.to_pylist()))
 
     def restore(self, keys: pa.Array) -> None:
         """Load ``keys`` (``keys()`` of a snapshot, in code order) into this empty index."""
@@ -213,8 +353,15 @@ class KeyIndex:
     def keys(self) -> list[Any]:
         """Key values in code order."""
         if self._dict is not None:
-            return list(self._dict)
+            return list(self._dict_keys)
         return _unpack(self._kind, self._by_code[: self._n]) if self._kind else []
+
+    def keys_of(self, codes: npt.NDArray[np.int64]) -> list[Any]:
+        """The key values of ``codes``."""
+        if self._dict is not None:
+            every = self._dict_keys
+            return [every[c] for c in codes.tolist()]
+        return _unpack(self._kind, self._by_code[codes]) if self._kind else []
 
     def frozen_keys(self, codes: npt.NDArray[np.int64] | None = None) -> Callable[[], pa.Array]:
         """The keys (of ``codes``, or all in code order) as of now, as an Arrow array made
@@ -222,8 +369,8 @@ class KeyIndex:
         a view of the packed keys is a snapshot that costs nothing to take (a checkpoint takes
         it while the sources are paused, and converts after they resume)."""
         if self._dict is not None:
-            every = list(self._dict)
-            return lambda: pa.array(every if codes is None else [every[c] for c in codes.tolist()])
+            chosen = list(self._dict_keys) if codes is None else self.keys_of(codes)
+            return lambda: pa.array(chosen)
         if not self._kind:
             return lambda: pa.array([], pa.string())
         kind, packed = self._kind, self._by_code[: self._n]
@@ -271,3 +418,15 @@ class KeyedState:
     def snapshot(self, size: int) -> dict[str, npt.NDArray[Any]]:
         """Copies of the first ``size`` entries of every column."""
         return {name: arr[:size].copy() for name, arr in self._columns.items()}
+
+    def take(self, rows: npt.NDArray[np.int64]) -> KeyedState:
+        """A new state holding ``rows`` of this one, as entries ``0..len(rows)-1``."""
+        out = KeyedState(max(1024, 2 * rows.shape[0]))
+        for name, arr in self._columns.items():
+            out.declare(name, arr.dtype, self._defaults[name])
+            out._columns[name][: rows.shape[0]] = arr[rows]
+        return out
+
+    def row_dtype(self) -> np.dtype[Any]:
+        """One row of every column, in ``names`` order (the state store's value layout)."""
+        return np.dtype([(name, self._columns[name].dtype) for name in self.names])

@@ -5,8 +5,8 @@ disk); at each checkpoint only the keys whose state changed since the previous o
 as one LMDB transaction under the checkpoint's id (its *version*): checkpoints cost what changed,
 not the whole state. Every value is stored under ``name + version``, so the state of any kept
 checkpoint can be read back (``read(version)``: the newest value of each key at or before it) —
-which is what lets a restore fall back to an older checkpoint when the newest is corrupt.
-``prune(before)`` drops values superseded before the oldest kept checkpoint.
+which is what lets a restore fall back to an older checkpoint when the newest is corrupt. A write
+also drops the written keys' values that no kept checkpoint can read any more.
 
 A checkpoint hands the changed rows over as Arrow (``write_rows``); with ``writer_process``
 a forked child builds and writes the entries, off the pipeline's GIL.
@@ -34,7 +34,7 @@ import pyarrow as pa
 
 from aisp.errors import StateError
 
-__all__ = ["LmdbStateStore", "decode_rows", "encode_rows"]
+__all__ = ["LmdbStateStore", "decode_keys", "decode_rows", "encode_rows"]
 
 log = logging.getLogger("aisp.state")
 _VERSION = struct.Struct(">Q")
@@ -47,13 +47,30 @@ def _open(path: str | Path, map_size: int) -> Any:
     return lmdb.open(str(path), map_size=map_size, sync=True, metasync=True)
 
 
-def _put(env: Any, version: int, names: Sequence[bytes], values: Sequence[bytes]) -> None:
+def _put(env: Any, version: int, names: Sequence[bytes], values: Sequence[bytes], before: int = 0) -> None:
+    """Write ``values`` at ``version``; with ``before`` (the oldest checkpoint still kept), also
+    drop each written name's values that its newest value at or before ``before`` supersedes
+    (no kept checkpoint reads them): the store holds about one value per name and kept
+    checkpoint, without a scan of the whole store."""
     suffix = _VERSION.pack(version)
     with env.begin(write=True) as txn:
-        txn.cursor().putmulti([(n + suffix, v) for n, v in zip(names, values, strict=True)])
+        cursor = txn.cursor()
+        cursor.putmulti([(n + suffix, v) for n, v in zip(names, values, strict=True)])
+        if before <= 0:
+            return
+        for name in names:
+            old: list[bytes] = []  # this name's keys at or before ``before``, oldest first
+            if cursor.set_range(name):
+                for key in cursor.iternext(values=False):
+                    if not key.startswith(name) or _VERSION.unpack(key[-_VERSION.size :])[0] > before:
+                        break
+                    if len(key) == len(name) + _VERSION.size:
+                        old.append(key)
+            for key in old[:-1]:
+                txn.delete(key)
 
 
-def _put_rows(env: Any, version: int, parts: dict[str, pa.RecordBatch]) -> None:
+def _put_rows(env: Any, version: int, parts: dict[str, pa.RecordBatch], before: int = 0) -> None:
     """``write_rows``'s work: each part's rows (a ``key`` column and state columns) as entries."""
     names: list[bytes] = []
     values: list[bytes] = []
@@ -62,7 +79,7 @@ def _put_rows(env: Any, version: int, parts: dict[str, pa.RecordBatch]) -> None:
         n, v, _ = encode_rows(prefix.encode(), rb.column("key").to_pylist(), columns)
         names += n
         values += v
-    _put(env, version, names, values)
+    _put(env, version, names, values, before)
 
 
 def _writer_main(path: str, map_size: int, conn: Connection, parent_end: Connection) -> None:
@@ -75,8 +92,8 @@ def _writer_main(path: str, map_size: int, conn: Connection, parent_end: Connect
         while True:
             message = conn.recv_bytes()
             try:
-                version, parts = _decode_parts(message)
-                _put_rows(env, version, parts)
+                version, before, parts = _decode_parts(message)
+                _put_rows(env, version, parts, before)
             except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
                 report_error(conn, exc)
                 continue
@@ -88,25 +105,25 @@ def _writer_main(path: str, map_size: int, conn: Connection, parent_end: Connect
         conn.close()
 
 
-def _encode_parts(version: int, parts: dict[str, pa.RecordBatch]) -> bytes:
+def _encode_parts(version: int, before: int, parts: dict[str, pa.RecordBatch]) -> bytes:
     blobs = []
     for prefix, rb in parts.items():
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, rb.schema) as writer:
             writer.write_batch(rb)
         blobs.append((prefix, sink.getvalue().to_pybytes()))
-    header = msgspec.json.encode([version, [[prefix, len(blob)] for prefix, blob in blobs]])
+    header = msgspec.json.encode([version, before, [[prefix, len(blob)] for prefix, blob in blobs]])
     return _SIZE.pack(len(header)) + header + b"".join(blob for _, blob in blobs)
 
 
-def _decode_parts(message: bytes) -> tuple[int, dict[str, pa.RecordBatch]]:
+def _decode_parts(message: bytes) -> tuple[int, int, dict[str, pa.RecordBatch]]:
     (size,) = _SIZE.unpack_from(message)
-    version, layout = msgspec.json.decode(message[_SIZE.size : _SIZE.size + size])
+    version, before, layout = msgspec.json.decode(message[_SIZE.size : _SIZE.size + size])
     at, parts = _SIZE.size + size, {}
     for prefix, length in layout:
         parts[prefix] = pa.ipc.open_stream(pa.py_buffer(message[at : at + length])).read_next_batch()
         at += length
-    return int(version), parts
+    return int(version), int(before), parts
 
 
 class LmdbStateStore:
@@ -140,14 +157,17 @@ class LmdbStateStore:
             child.close()
         self._env: Any = _open(path, map_size)
 
-    def write(self, version: int, names: Sequence[bytes], values: Sequence[bytes]) -> None:
-        """Store ``values`` under ``names`` at ``version``, atomically and durably."""
-        _put(self._env, version, names, values)
+    def write(self, version: int, names: Sequence[bytes], values: Sequence[bytes], before: int = 0) -> None:
+        """Store ``values`` under ``names`` at ``version``, atomically and durably; ``before``:
+        the oldest version still needed (older values of these names are dropped, see ``_put``)."""
+        _put(self._env, version, names, values, before)
 
-    def write_rows(self, version: int, parts: dict[str, tuple[pa.Array, dict[str, Any]]]) -> dict[str, Any]:
+    def write_rows(
+        self, version: int, parts: dict[str, tuple[pa.Array, dict[str, Any]]], before: int = 0
+    ) -> dict[str, Any]:
         """Store each part's rows (by prefix: the keys and their state columns) at ``version``,
-        atomically and durably, as ``encode_rows`` entries; returns each part's row layout (for
-        ``decode_rows``)."""
+        atomically and durably, as ``encode_rows`` entries (dropping what ``before`` makes
+        superseded, as ``write``); returns each part's row layout (for ``decode_rows``)."""
         batches = {
             prefix: pa.RecordBatch.from_arrays(
                 [keys, *map(pa.array, columns.values())], names=["key", *columns]
@@ -155,9 +175,9 @@ class LmdbStateStore:
             for prefix, (keys, columns) in parts.items()
         }
         if self._conn is None:
-            _put_rows(self._env, version, batches)
+            _put_rows(self._env, version, batches, before)
         else:
-            self._conn.send_bytes(_encode_parts(version, batches))
+            self._conn.send_bytes(_encode_parts(version, before, batches))
             reply = self._conn.recv_bytes()
             if reply != b"OK":
                 raise StateError(f"state writer failed: {reply[1:].decode(errors='replace')}")
@@ -184,19 +204,23 @@ class LmdbStateStore:
             if last_name is not None and last_value is not None:
                 yield last_name, last_value
 
-    def prune(self, before: int) -> int:
-        """Delete values superseded by a newer one at or before ``before``; returns how many."""
-        dropped = 0
-        with self._env.begin(write=True) as txn:
+    def latest(self, names: Sequence[bytes]) -> list[bytes | None]:
+        """The newest value of each name (None: never written), read in one transaction: what
+        a bounded hot layer reads back for a key it evicted (values after the newest complete
+        checkpoint cannot be there for such a key: it was not seen since it was written)."""
+        out: list[bytes | None] = []
+        with self._env.begin() as txn:
             cursor = txn.cursor()
-            previous: bytes | None = None
-            for key in list(cursor.iternext(values=False)):
-                name, (ver,) = key[:-8], _VERSION.unpack(key[-8:])
-                if previous is not None and previous[:-8] == name and ver <= before:
-                    txn.delete(previous)
-                    dropped += 1
-                previous = key
-        return dropped
+            for name in names:
+                value = None
+                if cursor.set_range(name):  # a name's versions follow it, oldest first
+                    for key, v in cursor:
+                        if not key.startswith(name):
+                            break
+                        if len(key) == len(name) + _VERSION.size:
+                            value = v
+                out.append(value)
+        return out
 
     def discard_after(self, version: int) -> int:
         """Delete every value written after ``version`` (an abandoned timeline: the run restarted
@@ -238,7 +262,12 @@ def decode_rows(
 ) -> tuple[list[Any], dict[str, Any]]:
     """The keys and columns of ``entries`` written by ``encode_rows``."""
     dtype = np.dtype([(str(name), str(code)) for name, code in descr])
-    decode = msgspec.msgpack.decode
-    keys = [decode(name[len(prefix) :]) for name, _ in entries]
+    keys = decode_keys(prefix, [name for name, _ in entries])
     rows = np.frombuffer(b"".join(v for _, v in entries), dtype=dtype)
     return keys, {name: rows[name].copy() for name in dtype.names or ()}
+
+
+def decode_keys(prefix: bytes, names: Sequence[bytes]) -> list[Any]:
+    """The keys of store names written by ``encode_rows``."""
+    decode = msgspec.msgpack.decode
+    return [decode(name[len(prefix) :]) for name in names]

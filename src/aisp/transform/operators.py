@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -22,6 +22,9 @@ from aisp.batch import KEY, META_COLUMNS, TIER, Batch
 from aisp.errors import ConfigError
 from aisp.graph import DEFAULT_PORT
 from aisp.state.keyed import KeyIndex
+
+if TYPE_CHECKING:
+    from aisp.state.store import LmdbStateStore
 
 __all__ = [
     "AssignTier",
@@ -75,6 +78,10 @@ class IncrementalState(Protocol):
     def take_dirty(self) -> tuple[npt.NDArray[np.int64], dict[str, npt.NDArray[Any]]]: ...
 
     def restore_rows(self, codes: npt.NDArray[np.int64], columns: Mapping[str, npt.NDArray[Any]]) -> None: ...
+
+    def page_from(self, store: LmdbStateStore, prefix: bytes) -> None: ...
+
+    def evict(self, survivors: npt.NDArray[np.int64]) -> None: ...
 
 
 @dataclass

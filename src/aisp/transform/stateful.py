@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -13,6 +14,9 @@ from aisp.batch import KEY, Batch
 from aisp.graph import DEFAULT_PORT
 from aisp.state.keyed import KeyedState, KeyIndex
 from aisp.transform.operators import Emit, Operator, OperatorContext
+
+if TYPE_CHECKING:
+    from aisp.state.store import LmdbStateStore
 
 __all__ = ["RunningStats", "StateView", "Stateful", "occurrence_rank"]
 
@@ -83,6 +87,11 @@ class _StatefulOp:
         for name, dtype, default in decls:
             self._state.declare(name, dtype, default)
         self._dirty = np.zeros(1024, dtype=bool)  # keys changed since the last take_dirty()
+        self._store: LmdbStateStore | None = None  # where evicted keys' state is read back
+        self._prefix = b""
+        self._known = 0  # codes below this have their state in memory
+        self.reloaded = 0
+        """Keys whose state was read back from the store (evicted before, seen again)."""
 
     @property
     def state(self) -> KeyedState:
@@ -94,8 +103,39 @@ class _StatefulOp:
         self._state.ensure(n)
         if n > self._dirty.shape[0]:
             self._dirty = np.concatenate([self._dirty, np.zeros(max(n, self._dirty.shape[0]), dtype=bool)])
+        if self._store is not None and n > self._known:
+            self._reload(np.arange(self._known, n))
+            self._known = n
         self._dirty[codes] = True
         return [(DEFAULT_PORT, self._fn(batch, StateView(self._state, codes)))]
+
+    def page_from(self, store: LmdbStateStore, prefix: bytes) -> None:
+        """Read the state of keys the index evicted back from ``store`` (entries under
+        ``prefix``, as checkpoints write them) when they are seen again."""
+        self._store, self._prefix = store, prefix
+
+    def _reload(self, codes: npt.NDArray[np.int64]) -> None:
+        assert self._store is not None
+        back = codes[self._index.was_evicted(codes)]
+        if not back.size:
+            return
+        encode = msgspec.msgpack.encode
+        keys = self._index.keys_of(back)
+        values = self._store.latest([self._prefix + encode(k) for k in keys])
+        found = [i for i, v in enumerate(values) if v is not None]
+        if found:
+            rows = np.frombuffer(b"".join(values[i] for i in found), dtype=self._state.row_dtype())  # type: ignore[misc]
+            at = back[found]
+            for name in self._state.names:
+                self._state.column(name)[at] = rows[name]
+        self.reloaded += int(back.size)
+
+    def evict(self, survivors: npt.NDArray[np.int64]) -> None:
+        """Keep only ``survivors``' state, renumbered as the index did (``KeyIndex.evict``); the
+        rest is in the store already (called right after ``take_dirty``)."""
+        self._state = self._state.take(survivors)
+        self._dirty = np.zeros(max(1024, 2 * survivors.shape[0]), dtype=bool)
+        self._known = survivors.shape[0]
 
     @property
     def index(self) -> KeyIndex:
