@@ -47,17 +47,21 @@ def _open(path: str | Path, map_size: int) -> Any:
     return lmdb.open(str(path), map_size=map_size, sync=True, metasync=True)
 
 
-def _put(env: Any, version: int, names: Sequence[bytes], values: Sequence[bytes], before: int = 0) -> None:
-    """Write ``values`` at ``version``; with ``before`` (the oldest checkpoint still kept), also
-    drop each written name's values that its newest value at or before ``before`` supersedes
-    (no kept checkpoint reads them): the store holds about one value per name and kept
-    checkpoint, without a scan of the whole store."""
+def _put(env: Any, version: int, names: Sequence[bytes], values: Sequence[bytes]) -> None:
     suffix = _VERSION.pack(version)
     with env.begin(write=True) as txn:
+        txn.cursor().putmulti([(n + suffix, v) for n, v in zip(names, values, strict=True)])
+
+
+def _drop_superseded(env: Any, names: Sequence[bytes], before: int) -> None:
+    """Drop each name's values that its newest value at or before ``before`` (the oldest
+    checkpoint still kept) supersedes: no kept checkpoint reads them. Done for the names a write
+    just wrote, the store holds about one value per name and kept checkpoint without a scan of
+    the whole store."""
+    if before <= 0:
+        return
+    with env.begin(write=True) as txn:
         cursor = txn.cursor()
-        cursor.putmulti([(n + suffix, v) for n, v in zip(names, values, strict=True)])
-        if before <= 0:
-            return
         for name in names:
             old: list[bytes] = []  # this name's keys at or before ``before``, oldest first
             if cursor.set_range(name):
@@ -70,8 +74,9 @@ def _put(env: Any, version: int, names: Sequence[bytes], values: Sequence[bytes]
                 txn.delete(key)
 
 
-def _put_rows(env: Any, version: int, parts: dict[str, pa.RecordBatch], before: int = 0) -> None:
-    """``write_rows``'s work: each part's rows (a ``key`` column and state columns) as entries."""
+def _put_rows(env: Any, version: int, parts: dict[str, pa.RecordBatch]) -> list[bytes]:
+    """``write_rows``'s work: each part's rows (a ``key`` column and state columns) as entries;
+    returns the names written."""
     names: list[bytes] = []
     values: list[bytes] = []
     for prefix, rb in parts.items():
@@ -79,7 +84,8 @@ def _put_rows(env: Any, version: int, parts: dict[str, pa.RecordBatch], before: 
         n, v, _ = encode_rows(prefix.encode(), rb.column("key").to_pylist(), columns)
         names += n
         values += v
-    _put(env, version, names, values, before)
+    _put(env, version, names, values)
+    return names
 
 
 def _writer_main(path: str, map_size: int, conn: Connection, parent_end: Connection) -> None:
@@ -93,11 +99,12 @@ def _writer_main(path: str, map_size: int, conn: Connection, parent_end: Connect
             message = conn.recv_bytes()
             try:
                 version, before, parts = _decode_parts(message)
-                _put_rows(env, version, parts, before)
+                names = _put_rows(env, version, parts)
             except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
                 report_error(conn, exc)
                 continue
             conn.send_bytes(b"OK")
+            _drop_superseded(env, names, before)  # after the reply: off the checkpoint's path
     except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
         return  # the parent closed the pipe: done
     finally:
@@ -159,8 +166,10 @@ class LmdbStateStore:
 
     def write(self, version: int, names: Sequence[bytes], values: Sequence[bytes], before: int = 0) -> None:
         """Store ``values`` under ``names`` at ``version``, atomically and durably; ``before``:
-        the oldest version still needed (older values of these names are dropped, see ``_put``)."""
-        _put(self._env, version, names, values, before)
+        the oldest version still needed (older values of these names are dropped, see
+        ``_drop_superseded``)."""
+        _put(self._env, version, names, values)
+        _drop_superseded(self._env, names, before)
 
     def write_rows(
         self, version: int, parts: dict[str, tuple[pa.Array, dict[str, Any]]], before: int = 0
@@ -175,7 +184,7 @@ class LmdbStateStore:
             for prefix, (keys, columns) in parts.items()
         }
         if self._conn is None:
-            _put_rows(self._env, version, batches, before)
+            _drop_superseded(self._env, _put_rows(self._env, version, batches), before)
         else:
             self._conn.send_bytes(_encode_parts(version, before, batches))
             reply = self._conn.recv_bytes()
