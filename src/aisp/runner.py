@@ -19,6 +19,7 @@ import msgspec
 
 from aisp.connectors import dead_letter_sink
 from aisp.errors import ConfigError
+from aisp.graph import Graph
 from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.versions import ServedModel
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
@@ -148,7 +149,17 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
     """Build, start and drain ``pipeline``; SIGINT/SIGTERM (when handled) trigger a clean drain."""
     opts = options or RunOptions()
     graph = pipeline.build()
-    store = CheckpointStore(opts.checkpoint_dir, keep=opts.checkpoint_keep) if opts.checkpoint_dir else None
+    if opts.checkpoint_dir is None:
+        return _run(graph, opts, None)
+    store = CheckpointStore(opts.checkpoint_dir, keep=opts.checkpoint_keep)
+    store.lock()  # one process per checkpoint directory
+    try:
+        return _run(graph, opts, store)
+    finally:
+        store.unlock()
+
+
+def _run(graph: Graph, opts: RunOptions, store: CheckpointStore | None) -> RunSummary:
     latest = store.latest() if store is not None else None
     if latest is not None and latest.meta.get("pipeline") != graph.name:
         raise ConfigError(

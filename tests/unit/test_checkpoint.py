@@ -138,3 +138,27 @@ def test_state_store_writes_rows_in_a_writer_process_the_same(tmp_path: Path, wr
     assert result["state"] == {"u1": [1, 0.5], "u2": [2, 3.0]}
     if writer_process:
         assert result["exit"] is not None  # the writer is gone with the store
+
+
+def test_a_checkpoint_directory_is_claimed_by_one_process_until_it_ends(tmp_path: Path) -> None:
+    from aisp.errors import AispError
+
+    code = (
+        "import sys, time; from aisp.state.checkpoint import CheckpointStore;"
+        " CheckpointStore(sys.argv[1]).lock(); print('locked', flush=True); time.sleep(60)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        with pytest.raises(AispError, match=f"in use by another process \\(pid {holder.pid}\\)"):
+            CheckpointStore(tmp_path).lock()
+    finally:
+        holder.kill()  # SIGKILL: the lock goes with the process
+        holder.communicate()
+    store = CheckpointStore(tmp_path)
+    store.lock()
+    with pytest.raises(AispError, match="in use"):  # nor twice in one process
+        CheckpointStore(tmp_path).lock()
+    store.unlock()
+    store.lock()
+    store.unlock()

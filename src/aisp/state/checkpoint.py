@@ -13,6 +13,7 @@ Nothing is unpickled: Arrow and JSON only.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -32,6 +33,7 @@ __all__ = ["Checkpoint", "CheckpointStore"]
 log = logging.getLogger("aisp.checkpoint")
 MANIFEST = "manifest.json"
 _PREFIX = "chk-"
+_LOCKED: set[str] = set()  # lock files this process holds
 
 
 class CorruptCheckpoint(AispError):
@@ -73,6 +75,38 @@ class CheckpointStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep = keep
+        self._lock_fd: int | None = None
+
+    def lock(self) -> None:
+        """Claim the directory for this process (until ``unlock`` or the process ends, however it
+        ends): a second pipeline writing checkpoints here would interleave with this one's and
+        corrupt both, so it gets a clear error instead. A POSIX record lock: forked workers do
+        not inherit it, so none can keep it after a SIGKILL of the pipeline."""
+        path = (self.root / ".lock").resolve()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        held = str(path) in _LOCKED  # record locks are per process: check this process too
+        if not held:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except (BlockingIOError, PermissionError):
+                held = True
+        if held:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise AispError(
+                f"checkpoint directory {self.root} is in use by another process (pid {holder});"
+                " give each pipeline process its own --checkpoint-dir"
+            )
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        _LOCKED.add(str(path))
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            _LOCKED.discard(str((self.root / ".lock").resolve()))
+            os.close(self._lock_fd)  # closing releases the lock
+            self._lock_fd = None
 
     def ids(self) -> list[int]:
         """Ids of the checkpoint directories present (complete or not), ascending."""
