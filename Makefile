@@ -49,9 +49,11 @@ chaos: $(STAMP)
 	  $(BIN)/aisp chaos kill examples/fraud/pipeline.py --data out/chaos/events.jsonl --via $$via \
 	    --kills 6 --seed 1 --workdir out/chaos/kill-$$via --json out/chaos/kill-$$via.json || exit 1; \
 	done
-	for via in redis nats; do \
+	for via in redis nats kafka; do \
 	  $(BIN)/aisp chaos outage examples/fraud/pipeline.py --data out/chaos/events.jsonl --via $$via \
 	    --down-s 3 --workdir out/chaos/outage-$$via --json out/chaos/outage-$$via.json || exit 1; \
+	done
+	for via in redis nats; do \
 	  $(BIN)/aisp chaos restart examples/fraud/pipeline.py --data out/chaos/events.jsonl --via $$via \
 	    --down-s 2 --workdir out/chaos/restart-$$via --json out/chaos/restart-$$via.json || exit 1; \
 	done

@@ -34,7 +34,9 @@ def test_sigkills_through_a_broker_lose_nothing_and_write_nothing_twice(
     assert report.passed and len(report.recover_s) >= report.faults - 1
 
 
-@pytest.mark.parametrize(("via", "mode"), [("redis", "refuse"), ("nats", "blackhole"), ("redis", "slow")])
+@pytest.mark.parametrize(
+    ("via", "mode"), [("redis", "refuse"), ("nats", "blackhole"), ("redis", "slow"), ("kafka", "blackhole")]
+)
 def test_a_broker_outage_is_ridden_out_with_exactly_once_output(
     data: Path, tmp_path: Path, via: str, mode: str
 ) -> None:

