@@ -57,6 +57,10 @@ class RunOptions:
     state_store: bool = False
     """With ``checkpoint_dir``: keep keyed state in an LMDB store there (``state/``), written
     incrementally at checkpoints (only keys that changed), instead of whole in each checkpoint."""
+    partition_state_dir: str | None = None
+    """With ``checkpoint_dir`` and a Kafka input: checkpoint keyed state per input partition in
+    this directory, shared by the processes of the consumer group, so the state moves with the
+    partitions when the group rebalances (each process keeps its own ``checkpoint_dir``)."""
     state_max_keys: int = 0
     """With ``state_store``: keep about this many keys per key space in memory (0: all); the
     least recently seen are evicted at checkpoints and read back from the store when seen again,
@@ -168,6 +172,13 @@ def _run(graph: Graph, opts: RunOptions, store: CheckpointStore | None) -> RunSu
     writer = dead_letter_sink(opts.dead_letter).open(
         latest.meta.get("dead_letter_bytes") if latest is not None else None
     )
+    partition_states = None
+    if opts.partition_state_dir is not None:
+        if store is None:
+            raise ConfigError("state that follows partitions is checkpointed: it needs --checkpoint-dir too")
+        from aisp.state.partitions import PartitionStates
+
+        partition_states = PartitionStates(opts.partition_state_dir, keep=opts.checkpoint_keep)
     state_store = None
     if opts.state_max_keys and not opts.state_store:
         raise ConfigError("a bound on the keys in memory needs the state store (--state-store)")
@@ -180,6 +191,7 @@ def _run(graph: Graph, opts: RunOptions, store: CheckpointStore | None) -> RunSu
     ex = LocalExecutor(
         graph,
         state_store=state_store,
+        partition_states=partition_states,
         restore=latest,
         dead_letter=writer,
         options=ExecutorOptions(
@@ -243,6 +255,8 @@ def _run(graph: Graph, opts: RunOptions, store: CheckpointStore | None) -> RunSu
             dashboard_server.shutdown()
         if state_store is not None:
             state_store.close()
+        if partition_states is not None:
+            partition_states.close()
         if restore is not None:
             restore()
         if gc_restore is not None:

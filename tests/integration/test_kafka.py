@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -157,3 +158,90 @@ def test_a_transactional_sink_commits_outputs_with_the_source_offsets_at_the_bar
     assert committed.offset == 300  # not committed by the source: it was never told
     part.close()
     source.close()
+
+
+def test_keyed_state_moves_with_partitions_between_the_processes_of_a_group(
+    broker: str, tmp_path: Path
+) -> None:
+    """Two processes share a consumer group over a two-partition topic keyed by user: the second
+    joining takes a partition over with its state; the first, SIGKILLed, leaves both to the
+    second, which takes the dead one's partition from its last partition checkpoint. The Redis
+    output (one entry per event id) equals an uninterrupted single run, state-dependent values
+    (running count and mean per user) included."""
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+    from tests.integration.test_exactly_once import drop_streams, redis_client
+
+    data = tmp_path / "events.jsonl"
+    write_events(data, 24_000, seed=41, bad_every=997)
+    ref = tmp_path / "ref.jsonl"
+    subprocess.run(aisp_run(data, ref), env=ENV, check=True, capture_output=True)
+    expected = outputs(ref)
+    name = uuid.uuid4().hex[:8]
+    src, dst = f"pin-{name}", f"aisp-test-pout-{name}"
+    admin = AdminClient({"bootstrap.servers": broker})
+    for f in admin.create_topics([NewTopic(src, 2, 1)]).values():
+        f.result(10)
+    producer = Producer({"bootstrap.servers": broker, "enable.idempotence": True, "linger.ms": 5})
+    for line in data.read_bytes().splitlines():  # partitioned by the key, as the state needs
+        user = json.loads(line).get("user") if line.startswith(b"{") and line.endswith(b"}") else None
+        producer.produce(src, value=line, partition=int(user[1:]) % 2 if isinstance(user, str) else 0)
+        producer.poll(0)
+    assert producer.flush(30) == 0
+
+    def worker(tag: str) -> subprocess.Popen[bytes]:
+        cmd = [
+            sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--no-live",
+            "--input", f"kafka://{broker}/{src}?group=g-{name}&idle_stop_s=15",
+            "--output", f"redis://127.0.0.1:6379/{dst}", "--dead-letter", str(tmp_path / f"{tag}.dl"),
+            "--checkpoint-dir", str(tmp_path / f"chk-{tag}"), "--partition-state", str(tmp_path / "parts"),
+            "--checkpoint-interval-s", "0.25", "--rate", "2000",
+        ]  # fmt: skip
+        return subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    r: Any = redis_client()
+    try:
+        first = worker("a")
+        time.sleep(4.0)
+        second = worker("b")
+        time.sleep(5.0)  # the group rebalances: each process owns one partition
+        assert first.poll() is None and second.poll() is None
+        assert len(list((tmp_path / "parts").glob("p-*/chk-*"))) >= 2  # both partitions checkpointed
+        first.kill()
+        first.communicate()
+        _, err = second.communicate(timeout=180)
+        assert second.returncode == 0, err.decode()[-3000:]
+        rows = [json.loads(fields[b"data"]) for _, fields in r.xrange(dst)]
+        assert len(rows) == len({row["id"] for row in rows}), "an output was written twice"
+        assert sorted(rows, key=lambda row: row["id"]) == expected
+    finally:
+        drop_streams(r, dst, dst)
+
+
+def test_state_that_follows_partitions_refuses_an_input_not_partitioned_by_the_key(
+    broker: str, tmp_path: Path
+) -> None:
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+    data = tmp_path / "events.jsonl"
+    write_events(data, 400, seed=5)
+    src = f"rr-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": broker})
+    for f in admin.create_topics([NewTopic(src, 2, 1)]).values():
+        f.result(10)
+    producer = Producer({"bootstrap.servers": broker})
+    for line in data.read_bytes().splitlines():  # each user on both partitions
+        producer.produce(src, value=line, partition=0)
+        producer.produce(src, value=line, partition=1)
+    assert producer.flush(30) == 0
+    cmd = [
+        sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--no-live",
+        "--input", f"kafka://{broker}/{src}?group=g-{src}&idle_stop_s=3",
+        "--output", str(tmp_path / "out.jsonl"), "--checkpoint-dir", str(tmp_path / "chk"),
+        "--partition-state", str(tmp_path / "parts"),
+    ]  # fmt: skip
+    res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "arrives from input partitions" in res.stderr and "partitioned by the key" in res.stderr

@@ -117,3 +117,37 @@ def test_latest_reads_the_newest_value_of_each_name(tmp_path: Path, writer_proce
         b"3", b"2", b"4", None, None, None,
     ]  # fmt: skip
     store.close()
+
+
+def test_keys_are_tagged_with_their_input_partition_and_dropped_by_it() -> None:
+    from aisp.state.keyed import KeyPartitionError
+
+    idx = KeyIndex()
+    codes = idx.encode(pa.array(["a", "b", "c"]))
+    idx.tag(codes, np.array([0, 1, 0]))
+    assert idx.codes_in([0]).tolist() == [0, 2] and idx.codes_in([1, 5]).tolist() == [1]
+    with pytest.raises(KeyPartitionError, match="key 'b' arrives from input partitions 1 and 0"):
+        idx.tag(idx.encode(pa.array(["b"])), np.array([0]))
+    survivors = idx.drop(idx.codes_in([0]), remember=False)
+    assert survivors.tolist() == [1] and idx.keys() == ["b"] and idx.codes_in([1]).tolist() == [0]
+    assert not idx.was_evicted(idx.encode(pa.array(["a"]))).any()  # forgotten, not in a store
+
+
+def test_a_partition_is_claimed_by_one_owner_at_a_time(tmp_path: Path) -> None:
+    import threading
+
+    from aisp.errors import StateError
+    from aisp.state.partitions import PartitionStates
+
+    first = PartitionStates(tmp_path, claim_timeout_s=0.3)
+    assert first.claim(3) is None  # no state yet
+    assert first.write(3, {"keys.k": pa.table({"key": ["a"]})}, {"offset": 7})
+    second = PartitionStates(tmp_path, claim_timeout_s=0.3)
+    with pytest.raises(StateError, match="input partition 3's state stayed locked"):
+        second.claim(3)
+    second = PartitionStates(tmp_path, claim_timeout_s=10)
+    threading.Timer(0.3, first.release, args=(3,)).start()  # the owner lets go: the claim goes on
+    checkpoint = second.claim(3)
+    assert checkpoint is not None and checkpoint.meta["offset"] == 7 and second.owned == [3]
+    assert not first.write(3, {}, {"offset": 8})  # released: an old owner writes nothing
+    second.close()

@@ -58,6 +58,13 @@ def run(
         bool,
         typer.Option(help="Keep keyed state in an LMDB store in --checkpoint-dir, written incrementally."),
     ] = False,
+    partition_state: Annotated[
+        str | None,
+        typer.Option(
+            help="With a Kafka --input and --checkpoint-dir: checkpoint keyed state per input partition"
+            " in this directory, shared by the group's processes, so it moves with rebalanced partitions."
+        ),
+    ] = None,
     state_max_keys: Annotated[
         int,
         typer.Option(
@@ -110,6 +117,7 @@ def run(
                 checkpoint_interval_s=checkpoint_interval_s,
                 state_store=state_store,
                 state_max_keys=state_max_keys,
+                partition_state_dir=partition_state,
                 metrics_port=metrics_port,
                 trace=_trace_config(trace_sample, trace_endpoint, trace_max_per_s),
                 slo_ms=slo_ms,

@@ -37,6 +37,12 @@ class SourceContext:
     step_id: str
     dead_letter: Callable[[list[DeadLetterRecord]], None]
     batch_rows: int = 512
+    on_assign: Callable[[list[int]], dict[int, int]] | None = None
+    """For a source whose partitions are assigned by a group (Kafka): called with partitions
+    newly assigned, before any of their records is read; returns the position to start each at
+    (partitions left out start where the group says)."""
+    on_revoke: Callable[[list[int]], None] | None = None
+    """Called with partitions about to be taken away, after the last of their records was read."""
 
 
 class SourcePartition(abc.ABC):

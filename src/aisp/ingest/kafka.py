@@ -11,8 +11,10 @@ followed: a revoked partition's position is dropped, an assigned one starts at t
 offset if the checkpoint has it, else at the group's committed offset, else at the earliest).
 The position is the next offset per partition after the records handed to the pipeline;
 ``commit(position)`` commits those offsets to the group once the checkpoint holding them is
-durable. Keyed state lives in this process, so one pipeline process per group is the supported
-layout. While every broker is unreachable the source waits (librdkafka reconnects) and does not
+durable. Several processes of one group need keyed state that moves with the partitions
+(``aisp run --partition-state DIR``): the engine then says where each newly assigned partition
+starts (``SourceContext.on_assign``, from the partition's own checkpoint) and flushes the state
+of revoked ones (``on_revoke``). While every broker is unreachable the source waits (librdkafka reconnects) and does not
 count the time as idle input; after ``retry_s`` it fails with a clear error. Compatibility is
 tested against the Tansu broker (Kafka protocol), see the README.
 """
@@ -26,6 +28,7 @@ from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from aisp.batch import Batch
 from aisp.errors import SourceError
@@ -64,6 +67,11 @@ class KafkaSource(Source):
 
     def open(self, ctx: SourceContext, resume_from: Any = None) -> SourcePartition:
         return KafkaSourcePartition(self, ctx, resume_from)
+
+    @staticmethod
+    def partition_of(ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """The input partition of engine ids (``kafka_event_id``)."""
+        return ids >> _OFFSET_BITS
 
     def describe(self) -> str:
         return f"kafka://{self.bootstrap}/{self.topic}?group={self.group}"
@@ -109,6 +117,9 @@ class KafkaSourcePartition(SourcePartition):
             self._down_since = None
 
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
+        if self._ctx.on_assign is not None:  # the engine says where (state moves with partitions)
+            for p, offset in self._ctx.on_assign([tp.partition for tp in partitions]).items():
+                self._resume[p] = offset
         for tp in partitions:
             if tp.partition in self._resume:
                 tp.offset = self._resume[tp.partition]
@@ -117,8 +128,11 @@ class KafkaSourcePartition(SourcePartition):
         self._idle_since = time.monotonic()
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
-        for tp in partitions:
+        if self._ctx.on_revoke is not None:
+            self._ctx.on_revoke([tp.partition for tp in partitions])
+        for tp in partitions:  # no longer this consumer's to commit
             self._next.pop(tp.partition, None)
+            self._resume.pop(tp.partition, None)
 
     def next_batch(self, max_rows: int) -> Batch | None:
         msgs = self._consumer.consume(num_messages=max_rows, timeout=self._cfg.poll_timeout_s)

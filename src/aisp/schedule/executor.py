@@ -29,7 +29,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from aisp.batch import INGEST_NS, Batch
-from aisp.errors import AispError, SinkError
+from aisp.errors import AispError, ConfigError, SinkError, StateError
 from aisp.graph import Graph, Node, split_ref
 from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.stage import InferSpec, build_batcher
@@ -44,6 +44,7 @@ from aisp.sinks.deadletter import DeadLetterWriter
 from aisp.sinks.process import ProcessSink
 from aisp.state.checkpoint import Checkpoint, CheckpointStore
 from aisp.state.keyed import KeyIndex
+from aisp.state.partitions import PartitionStates
 from aisp.state.store import LmdbStateStore, decode_keys, decode_rows
 from aisp.transform.operators import Checkpointable, Emit, IncrementalState, Operator, OperatorContext
 
@@ -176,6 +177,7 @@ class LocalExecutor:
         restore: Checkpoint | None = None,
         state_store: LmdbStateStore | None = None,
         tracer: EventTracer | None = None,
+        partition_states: PartitionStates | None = None,
     ) -> None:
         graph.validate()
         self.lineage = lineage
@@ -202,6 +204,9 @@ class LocalExecutor:
         self.state_store = state_store
         """Keyed state goes here at checkpoints (only what changed), instead of into the
         checkpoint's files."""
+        self.partition_states = partition_states
+        """Keyed state checkpointed per input partition (it moves with the partitions of a Kafka
+        input between the processes of a group), instead of into the checkpoint's files."""
         # checkpoints: rows in flight (read, not yet written, dropped or dead-lettered), and a
         # pause that sources obey between batches
         self._in_flight = 0
@@ -355,8 +360,8 @@ class LocalExecutor:
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         try:
             outs = self._ops[sid].process(batch)
-        except SinkError:
-            raise  # a sink that gave up (its broker stayed away): the pipeline stops with it
+        except (SinkError, StateError):
+            raise  # a sink that gave up (its broker stayed away), state that cannot be kept: fatal
         except Exception as exc:  # noqa: BLE001 - rows go to the dead-letter sink, the pipeline goes on
             st.errors += 1
             self._dead_letter_rows(batch, sid, f"{type(exc).__name__}: {exc}")
@@ -452,8 +457,14 @@ class LocalExecutor:
         spec: Source = node.spec
         if self.options.offload_sources and spec.decode_heavy and _can_fork(node.step_id):
             spec = ProcessSource(inner=spec)
-        ctx = SourceContext(node.step_id, self._source_dead_letters, self.options.source_batch_rows)
         position = self._restore.meta["sources"].get(node.step_id) if self._restore is not None else None
+        if self.partition_states is not None:  # positions come with each partition's state
+            ctx = SourceContext(
+                node.step_id, self._source_dead_letters, self.options.source_batch_rows,
+                on_assign=self._partitions_assigned, on_revoke=self._partitions_revoked,
+            )  # fmt: skip
+            return spec.open(ctx, resume_from=None)
+        ctx = SourceContext(node.step_id, self._source_dead_letters, self.options.source_batch_rows)
         return spec.open(ctx, resume_from=position)
 
     def _source_dead_letters(self, records: list[DeadLetterRecord]) -> None:
@@ -591,14 +602,18 @@ class LocalExecutor:
                         dirty[sid] = (op.index.frozen_keys(codes), columns)
                 if self.options.state_max_keys:
                     self._evict(self.options.state_max_keys)
-            else:
+            elif self.partition_states is None:
                 key_views = {space: index.frozen_keys() for space, index in self._key_indexes.items()}
             for index in self._key_indexes.values():
                 index.advance()
             for sid, op in self._ops.items():
-                if isinstance(op, Checkpointable) and sid not in dirty:
+                keyed_elsewhere = self.partition_states is not None and isinstance(op, IncrementalState)
+                if isinstance(op, Checkpointable) and sid not in dirty and not keyed_elsewhere:
                     columns_of[sid] = op.snapshot()
             sources = {sid: part.snapshot() for sid, part in self._source_parts.items()}
+            partitions = (
+                self._capture_partitions(self.partition_states.owned) if self.partition_states else {}
+            )
             meta = {
                 "pipeline": self.graph.name,
                 "sources": sources,
@@ -621,6 +636,9 @@ class LocalExecutor:
             before = kept[0] if kept and checkpoint_id % 10 == 0 else 0
             meta["state_store"] = self._write_state(checkpoint_id, changed, before)
         store.write(checkpoint_id, tables, meta)
+        if partitions:  # after the local manifest: the outputs they cover are durable
+            (offsets,) = (position["offsets"] for position in sources.values())
+            self._write_partitions(partitions, offsets)
         for sid, part in self._source_parts.items():
             part.commit(sources[sid])
         self.stats.checkpoints += 1
@@ -636,6 +654,110 @@ class LocalExecutor:
         brokers get their acks, at-least-once)."""
         for part in self._source_parts.values():
             part.commit(part.snapshot())
+
+    # -- keyed state that follows input partitions ---------------------------------------------
+    def _follow_partitions(self) -> None:
+        sources = [n.spec for n in self._nodes.values() if n.kind == "source"]
+        partition_of = getattr(sources[0], "partition_of", None) if len(sources) == 1 else None
+        if partition_of is None:
+            raise ConfigError("keyed state that follows input partitions needs a single Kafka input")
+        if self.state_store is not None:
+            raise ConfigError("keyed state follows input partitions or lives in a state store, not both")
+        for index in self._key_indexes.values():
+            index.partition_of = partition_of
+
+    def _drain_in_flight(self) -> None:
+        """Wait until every row read so far is written, dropped or dead-lettered (called by the
+        only source, which reads nothing meanwhile)."""
+        with self._flight:
+            while self._in_flight > 0 and not self._stop.is_set():
+                self._flight.wait(0.05)
+
+    def _capture_partitions(self, partitions: list[int]) -> dict[int, list[tuple[str, Any, Any]]]:
+        """The keys and state of each partition, as copies or views that stay valid (no row may
+        be in flight): per partition, (space, keys view, {step: columns})."""
+        out: dict[int, list[tuple[str, Any, Any]]] = {}
+        for partition in partitions:
+            out[partition] = []
+            for space, index in self._key_indexes.items():
+                codes = index.codes_in([partition])
+                columns = {sid: op.rows(codes) for sid, op in self._ops.items()
+                           if isinstance(op, IncrementalState) and op.space == space}  # fmt: skip
+                out[partition].append((space, index.frozen_keys(codes), columns))
+        return out
+
+    def _write_partitions(
+        self, captured: dict[int, list[tuple[str, Any, Any]]], offsets: dict[str, int]
+    ) -> None:
+        assert self.partition_states is not None
+        for partition, spaces in captured.items():
+            offset = offsets.get(str(partition))
+            if offset is None:  # nothing read from it yet: its state is what it was claimed with
+                continue
+            tables: dict[str, pa.Table] = {}
+            for space, keys, columns in spaces:
+                tables[f"keys.{space}"] = pa.table({"key": keys()})
+                tables.update({f"op.{sid}": pa.table(cols) for sid, cols in columns.items()})
+            meta = {"pipeline": self.graph.name, "partition": partition, "offset": offset}
+            self.partition_states.write(partition, tables, meta)
+
+    def _partitions_assigned(self, partitions: list[int]) -> dict[int, int]:
+        """Claim newly assigned partitions and load their state; where to start each."""
+        assert self.partition_states is not None
+        self._drain_in_flight()
+        offsets: dict[int, int] = {}
+        log.info("input partitions %s assigned", partitions)
+        for partition in partitions:
+            checkpoint = self.partition_states.claim(partition)
+            if checkpoint is None:
+                continue
+            if checkpoint.meta.get("pipeline") != self.graph.name:
+                raise ConfigError(
+                    f"{checkpoint.path} holds state of pipeline {checkpoint.meta.get('pipeline')!r},"
+                    f" not {self.graph.name!r}"
+                )
+            codes_of: dict[str, npt.NDArray[np.int64]] = {}
+            for name, table in checkpoint.tables.items():
+                kind, _, target = name.partition(".")
+                if kind == "keys" and target in self._key_indexes:
+                    index = self._key_indexes[target]
+                    codes = index.encode(table.column("key").combine_chunks())
+                    index.tag(codes, np.full(codes.shape[0], partition, dtype=np.int64))
+                    codes_of[target] = codes
+            for name, table in checkpoint.tables.items():
+                kind, _, target = name.partition(".")
+                op = self._ops.get(target)
+                if kind == "op" and isinstance(op, IncrementalState) and op.space in codes_of:
+                    op.restore_rows(
+                        codes_of[op.space], {c: table.column(c).to_numpy() for c in table.column_names}
+                    )
+            offsets[partition] = int(checkpoint.meta["offset"])
+            log.info(
+                "input partition %d: state of %d keys taken over from %s, from offset %d",
+                partition, sum(c.shape[0] for c in codes_of.values()), checkpoint.path, offsets[partition],
+            )  # fmt: skip
+        return offsets
+
+    def _partitions_revoked(self, partitions: list[int]) -> None:
+        """Flush the state of partitions taken away (outputs first), release them, drop their
+        keys."""
+        assert self.partition_states is not None
+        self._drain_in_flight()
+        for sink in self._sink_parts.values():
+            sink.snapshot()  # the outputs their state covers are durable (a Kafka sink commits)
+        (source,) = self._source_parts.values()
+        owned = [p for p in partitions if p in self.partition_states.owned]
+        self._write_partitions(self._capture_partitions(owned), source.snapshot()["offsets"])
+        for partition in owned:
+            self.partition_states.release(partition)
+        log.info("input partitions %s revoked: their state is checkpointed and released", partitions)
+        for space, index in self._key_indexes.items():
+            victims = index.codes_in(partitions)
+            if victims.size:
+                survivors = index.drop(victims, remember=False)
+                for op in self._ops.values():
+                    if isinstance(op, IncrementalState) and op.space == space:
+                        op.evict(survivors)
 
     def state_over_bound(self) -> bool:
         """Whether a key space holds more keys than ``state_max_keys`` (a checkpoint evicts)."""
@@ -732,6 +854,8 @@ class LocalExecutor:
     def start(self) -> None:
         """Open sources (forking source processes while this is the only thread), then start."""
         self._build()
+        if self.partition_states is not None:
+            self._follow_partitions()
         if self.state_store is not None:  # what came after the restored checkpoint never happened
             self.state_store.discard_after(self._restore.id if self._restore is not None else 0)
             if self.options.state_max_keys:

@@ -7,14 +7,21 @@ fancy-indexing operation instead of a dict lookup per event.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-__all__ = ["KeyIndex", "KeyedState"]
+from aisp.errors import StateError
+
+__all__ = ["KeyIndex", "KeyPartitionError", "KeyedState"]
+
+
+class KeyPartitionError(StateError):
+    """A key arrived from two input partitions while its state follows partitions."""
+
 
 _MAX_PACKED_BYTES = 7  # strings up to 7 bytes pack, with their length, into one uint64
 
@@ -166,6 +173,13 @@ class _SortedRuns:
         return np.unique(np.concatenate(self._runs)) if self._runs else np.empty(0, np.uint64)
 
 
+def _grown(arr: npt.NDArray[Any], size: int, fill: Any) -> npt.NDArray[Any]:
+    """``arr`` in a new array of ``size`` entries, the rest ``fill``."""
+    out = np.full(size, fill, dtype=arr.dtype)
+    out[: arr.shape[0]] = arr
+    return out
+
+
 def _hashes(keys: list[Any]) -> npt.NDArray[np.uint64]:
     """Python hashes of keys, as uint64 (a set of them may report a key that is not there, on a
     collision: harmless where it only costs a state store read)."""
@@ -210,6 +224,9 @@ class KeyIndex:
         self.epoch = 0
         """Checkpoints so far (``advance``); each code remembers the epoch it was last seen in."""
         self._seen = np.zeros(1024, dtype=np.int64)
+        self._part = np.full(1024, -1, dtype=np.int64)  # each key's input partition (``tag``)
+        self.partition_of: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.int64]] | None = None
+        """Set when keyed state follows input partitions: engine ids -> partition (key-by tags)."""
         self._evicted = _SortedRuns()  # packed keys evicted so far (the dict path: their hashes)
         self.evicted = 0
         """Keys evicted so far (a key evicted twice counts twice)."""
@@ -229,11 +246,30 @@ class KeyIndex:
         else:
             codes = self._encode_dict(keys)
         if self._n > self._seen.shape[0]:
-            grown = np.zeros(max(self._n, 2 * self._seen.shape[0]), dtype=np.int64)
-            grown[: self._seen.shape[0]] = self._seen
-            self._seen = grown
+            size = max(self._n, 2 * self._seen.shape[0])
+            self._seen = _grown(self._seen, size, 0)
+            self._part = _grown(self._part, size, -1)
         self._seen[codes] = self.epoch
         return codes
+
+    # -- keys by input partition (state that moves with the partitions of a Kafka input) -----
+    def tag(self, codes: npt.NDArray[np.int64], partitions: npt.NDArray[np.int64]) -> None:
+        """Record the input partition of each key; a key arriving from two partitions is an
+        error (state can only move with partitions when the input is partitioned by the key)."""
+        known = self._part[codes]
+        clash = np.flatnonzero((known >= 0) & (known != partitions))
+        if clash.size:
+            i = int(clash[0])
+            key = self.keys_of(codes[i : i + 1])[0]
+            raise KeyPartitionError(
+                f"key {key!r} arrives from input partitions {int(known[i])} and {int(partitions[i])}:"
+                " keyed state follows partitions only when the input topic is partitioned by the key"
+            )
+        self._part[codes] = partitions
+
+    def codes_in(self, partitions: Sequence[int]) -> npt.NDArray[np.int64]:
+        """The codes of keys tagged with one of ``partitions``, ascending."""
+        return np.flatnonzero(np.isin(self._part[: self._n], np.asarray(partitions, dtype=np.int64)))
 
     def _encode_packed(self, packed: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
         codes = self._table.find(packed)
@@ -297,27 +333,35 @@ class KeyIndex:
         if count <= 0:
             return None
         victims = cold if count == cold.size else cold[np.argpartition(seen[cold], count - 1)[:count]]
+        return self.drop(victims, remember=True)
+
+    def drop(self, victims: npt.NDArray[np.int64], *, remember: bool) -> npt.NDArray[np.int64]:
+        """Forget the keys of ``victims`` (codes); ``remember``: report them in ``was_evicted``
+        (their state is in a store). Survivors are renumbered densely in their old order; returns
+        their old codes. Only safe when no code is in use anywhere (a pause)."""
+        n = self._n
         alive = np.ones(n, dtype=bool)
         alive[victims] = False
         survivors = np.flatnonzero(alive)
         m = survivors.shape[0]
         if self._dict is not None:
-            self._evicted.add(_hashes([self._dict_keys[i] for i in victims.tolist()]))
+            if remember:
+                self._evicted.add(_hashes([self._dict_keys[i] for i in victims.tolist()]))
             self._dict_keys = [self._dict_keys[i] for i in survivors.tolist()]
             self._dict = dict(zip(self._dict_keys, range(m), strict=True))
         else:
             packed = self._by_code[:n]
-            self._evicted.add(packed[victims])
+            if remember:
+                self._evicted.add(packed[victims])
             by_code = np.empty(max(1024, 2 * m), dtype=np.uint64)  # new arrays: views stay valid
             by_code[:m] = packed[survivors]
             self._by_code = by_code
             self._table = _HashTable()
             self._table.insert(by_code[:m], np.arange(m, dtype=np.int64))
-        kept_seen = np.zeros(max(1024, 2 * m), dtype=np.int64)
-        kept_seen[:m] = seen[survivors]
-        self._seen = kept_seen
+        self._seen = _grown(self._seen[survivors], max(1024, 2 * m), 0)
+        self._part = _grown(self._part[survivors], max(1024, 2 * m), -1)
         self._n = m
-        self.evicted += int(count)
+        self.evicted += int(victims.shape[0]) if remember else 0
         return survivors
 
     def was_evicted(self, codes: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:

@@ -77,6 +77,8 @@ class IncrementalState(Protocol):
 
     def take_dirty(self) -> tuple[npt.NDArray[np.int64], dict[str, npt.NDArray[Any]]]: ...
 
+    def rows(self, codes: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]]: ...
+
     def restore_rows(self, codes: npt.NDArray[np.int64], columns: Mapping[str, npt.NDArray[Any]]) -> None: ...
 
     def page_from(self, store: LmdbStateStore, prefix: bytes) -> None: ...
@@ -206,6 +208,8 @@ class _KeyByOp:
 
     def process(self, batch: Batch) -> Emit:
         codes = self._index.encode(batch.column(self._column))
+        if self._index.partition_of is not None:  # state that moves with input partitions
+            self._index.tag(codes, self._index.partition_of(batch.ids))
         return [(DEFAULT_PORT, batch.with_columns({KEY: codes}))]
 
     def flush(self) -> Emit:

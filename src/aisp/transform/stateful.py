@@ -147,6 +147,11 @@ class _StatefulOp:
         self._dirty[:] = False
         return codes, {name: self._state.column(name)[codes].copy() for name in self._state.names}
 
+    def rows(self, codes: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]]:
+        """Copies of the state of ``codes``."""
+        self._state.ensure(len(self._index))  # keys the index has that never reached this step
+        return {name: self._state.column(name)[codes].copy() for name in self._state.names}
+
     def restore_rows(self, codes: npt.NDArray[np.int64], columns: Mapping[str, npt.NDArray[Any]]) -> None:
         """Put ``columns`` back at ``codes`` (a restore from the state store)."""
         if codes.size:
