@@ -35,7 +35,14 @@ def test_sigkills_through_a_broker_lose_nothing_and_write_nothing_twice(
 
 
 @pytest.mark.parametrize(
-    ("via", "mode"), [("redis", "refuse"), ("nats", "blackhole"), ("redis", "slow"), ("kafka", "blackhole")]
+    ("via", "mode"),
+    [
+        ("redis", "refuse"),
+        ("nats", "blackhole"),
+        ("redis", "slow"),
+        ("kafka", "blackhole"),
+        ("nats", "flaky"),
+    ],
 )
 def test_a_broker_outage_is_ridden_out_with_exactly_once_output(
     data: Path, tmp_path: Path, via: str, mode: str

@@ -196,7 +196,7 @@ def test_keyed_state_moves_with_partitions_between_the_processes_of_a_group(
             "--input", f"kafka://{broker}/{src}?group=g-{name}&idle_stop_s=15",
             "--output", f"redis://127.0.0.1:6379/{dst}", "--dead-letter", str(tmp_path / f"{tag}.dl"),
             "--checkpoint-dir", str(tmp_path / f"chk-{tag}"), "--partition-state", str(tmp_path / "parts"),
-            "--checkpoint-interval-s", "0.25", "--rate", "2000",
+            "--checkpoint-interval-s", "0.25", "--rate", "1500",
         ]  # fmt: skip
         return subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 

@@ -77,3 +77,13 @@ def test_refuse_resets_new_connections(echo: int) -> None:
 def test_blackhole_never_answers(echo: int) -> None:
     with FaultProxy(("127.0.0.1", echo), faults=Faults(blackhole=True)) as proxy, pytest.raises(TimeoutError):
         roundtrip(proxy.port, timeout=0.3)
+
+
+def test_dropped_connections_are_reset_and_new_ones_work_again(echo: int) -> None:
+    with FaultProxy(("127.0.0.1", echo), faults=Faults(drop=1.0)) as proxy:
+        with pytest.raises(OSError):  # reset: the chunk went with the connection
+            got = roundtrip(proxy.port)
+            if not got:
+                raise ConnectionResetError("closed")
+        proxy.set(drop=0.0)
+        assert roundtrip(proxy.port, b"y" * 10_000) == b"y" * 10_000

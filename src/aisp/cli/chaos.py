@@ -80,7 +80,10 @@ def chaos_outage(
     workdir: Annotated[str, typer.Option(help="Scratch directory (outputs, checkpoints).")] = "chaos-work",
     json_out: Annotated[str | None, typer.Option("--json", help="Write the report here.")] = None,
     mode: Annotated[
-        str, typer.Option(help="refuse, blackhole, slow (delay + jitter) or narrow (bandwidth).")
+        str,
+        typer.Option(
+            help="refuse, blackhole, slow (delay + jitter), narrow (bandwidth) or flaky (dropped links)."
+        ),
     ] = "refuse",
 ) -> None:
     """Cut the run off its broker for a while through a fault proxy, and check that it resumes

@@ -440,7 +440,8 @@ def outage_scenario(
     """Degrade the path to the broker for ``down_s`` seconds, ``after_s`` into processing; the run
     must ride it out and end with exactly-once output. ``mode``: ``refuse`` (refuse and reset
     every connection), ``blackhole`` (accept and swallow everything), ``slow`` (50 ms delay with
-    50 ms jitter per chunk each way) or ``narrow`` (64 KB/s each way)."""
+    50 ms jitter per chunk each way), ``narrow`` (64 KB/s each way) or ``flaky`` (2% of the
+    chunks forwarded drop their connection)."""
     from aisp.faults.proxy import FaultProxy
 
     if via not in ("redis", "nats", "kafka"):
@@ -450,6 +451,7 @@ def outage_scenario(
         "blackhole": {"blackhole": True},
         "slow": {"delay_ms": 50.0, "jitter_ms": 50.0},
         "narrow": {"bandwidth_bytes_per_s": 65536.0},
+        "flaky": {"drop": 0.02},
     }
     if mode not in faults:
         raise ConfigError(f"mode must be one of {sorted(faults)}, got {mode!r}")

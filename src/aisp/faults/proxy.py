@@ -1,9 +1,10 @@
 """An asyncio TCP fault proxy, placed between a client and a server (a broker, a remote model).
 
 It forwards bytes both ways and applies the current ``Faults``: added latency with jitter per
-chunk, a bandwidth limit, refusing new connections (reset), resetting open ones, or a blackhole
-(accept and read, forward nothing). Faults can be changed while it runs; ``FaultProxy`` runs its
-own event loop in a thread so synchronous tests and tools can drive it.
+chunk, a bandwidth limit, connections dropped at random (a flaky link), refusing new connections
+(reset), resetting open ones, or a blackhole (accept and read, forward nothing). Faults can be
+changed while it runs; ``FaultProxy`` runs its own event loop in a thread so synchronous tests
+and tools can drive it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class Faults:
         delay_ms: latency added to every chunk forwarded, each way.
         jitter_ms: uniform extra latency in ``[0, jitter_ms]``.
         bandwidth_bytes_per_s: throughput cap per direction (0: none).
+        drop: the chance, per chunk forwarded, that the connection is dropped instead (both
+            peers see a reset; what was in the chunk is lost with it).
         refuse: reset new connections at once.
         blackhole: accept, read and drop everything; never answer.
     """
@@ -34,6 +37,7 @@ class Faults:
     delay_ms: float = 0.0
     jitter_ms: float = 0.0
     bandwidth_bytes_per_s: float = 0.0
+    drop: float = 0.0
     refuse: bool = False
     blackhole: bool = False
 
@@ -120,20 +124,30 @@ class FaultProxy:
             _abort(writer)
             return
         self._conns.update((writer, up_writer))
+        pair = (writer, up_writer)
         try:
-            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+            await asyncio.gather(self._pipe(reader, up_writer, pair), self._pipe(up_reader, writer, pair))
         finally:
             for w in (writer, up_writer):
                 self._conns.discard(w)
                 with contextlib.suppress(Exception):
                     w.close()
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        pair: tuple[asyncio.StreamWriter, asyncio.StreamWriter],
+    ) -> None:
         try:
             while data := await reader.read(65536):
                 f = self.faults
                 if f.blackhole:
                     continue
+                if f.drop and random.random() < f.drop:  # noqa: S311 - a fault, not a secret
+                    for w in pair:
+                        _abort(w)
+                    return
                 wait = f.delay_ms / 1000 + (random.uniform(0, f.jitter_ms) / 1000 if f.jitter_ms else 0.0)  # noqa: S311
                 if f.bandwidth_bytes_per_s > 0:
                     wait += len(data) / f.bandwidth_bytes_per_s

@@ -1,5 +1,5 @@
-"""Kafka source (``confluent-kafka``): a consumer group, offsets committed once a checkpoint
-covers them, positions restored from the checkpoint after a restart.
+"""Kafka source (``confluent-kafka``): a consumer group, offsets committed once a checkpoint covers
+them, positions restored from the checkpoint after a restart.
 
 Each record's value is one event as JSON, decoded with the pipeline's schema; a record that does
 not parse is dead-lettered with its partition, offset and the reason (its offset is committed
@@ -11,12 +11,12 @@ followed: a revoked partition's position is dropped, an assigned one starts at t
 offset if the checkpoint has it, else at the group's committed offset, else at the earliest).
 The position is the next offset per partition after the records handed to the pipeline;
 ``commit(position)`` commits those offsets to the group once the checkpoint holding them is
-durable. Several processes of one group need keyed state that moves with the partitions
-(``aisp run --partition-state DIR``): the engine then says where each newly assigned partition
-starts (``SourceContext.on_assign``, from the partition's own checkpoint) and flushes the state
-of revoked ones (``on_revoke``). While every broker is unreachable the source waits (librdkafka reconnects) and does not
-count the time as idle input; after ``retry_s`` it fails with a clear error. Compatibility is
-tested against the Tansu broker (Kafka protocol), see the README.
+durable. Several processes of one group need keyed state that moves with the partitions (``aisp
+run --partition-state DIR``): the engine then says where each newly assigned partition starts
+(``SourceContext.on_assign``, from the partition's own checkpoint) and flushes the state of
+revoked ones (``on_revoke``). While every broker is unreachable the source waits (librdkafka
+reconnects) and does not count the time as idle input; after ``retry_s`` it fails with a clear
+error. Compatibility is tested against the Tansu broker (Kafka protocol), see the README.
 """
 
 from __future__ import annotations
