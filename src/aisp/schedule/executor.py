@@ -15,7 +15,6 @@ batch's rows to the dead-letter sink with the step and the cause, and the pipeli
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -38,6 +37,7 @@ from aisp.ingest.process import ProcessSource
 from aisp.observe.drift import DriftConfig, DriftMonitor
 from aisp.observe.stats import RunStats, StageStats
 from aisp.schedule.channel import Channel
+from aisp.schedule.keyed_state import KeyedStateKeeper
 from aisp.schedule.pacing import Pacer
 from aisp.sinks.base import Sink, SinkPartition
 from aisp.sinks.deadletter import DeadLetterWriter
@@ -45,7 +45,7 @@ from aisp.sinks.process import ProcessSink
 from aisp.state.checkpoint import Checkpoint, CheckpointStore
 from aisp.state.keyed import KeyIndex
 from aisp.state.partitions import PartitionStates
-from aisp.state.store import LmdbStateStore, decode_keys, decode_rows
+from aisp.state.store import LmdbStateStore
 from aisp.transform.operators import Checkpointable, Emit, IncrementalState, Operator, OperatorContext
 
 if TYPE_CHECKING:
@@ -207,6 +207,11 @@ class LocalExecutor:
         self.partition_states = partition_states
         """Keyed state checkpointed per input partition (it moves with the partitions of a Kafka
         input between the processes of a group), instead of into the checkpoint's files."""
+        self.keyed = KeyedStateKeeper(
+            graph.name, self._key_indexes, self._ops, state_store=state_store,
+            partition_states=partition_states, max_keys=self.options.state_max_keys,
+        )  # fmt: skip
+        """Keyed state outside the hot path (checkpoints, a bounded hot layer, partitions)."""
         # checkpoints: rows in flight (read, not yet written, dropped or dead-lettered), and a
         # pause that sources obey between batches
         self._in_flight = 0
@@ -493,7 +498,7 @@ class LocalExecutor:
         read_started = time.monotonic_ns()
         while not self._stop.is_set():
             if held is None or held.num_rows == 0:
-                if self._pause or self._state_full():
+                if self._pause or self.keyed.full():
                     self._wait_while_paused()
                     continue
                 t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
@@ -551,15 +556,9 @@ class LocalExecutor:
         with self._flight:
             self._sources_waiting += 1
             self._flight.notify_all()
-            while (self._pause or self._state_full()) and not self._stop.is_set():
+            while (self._pause or self.keyed.full()) and not self._stop.is_set():
                 self._flight.wait(0.05)
             self._sources_waiting -= 1
-
-    def _state_full(self) -> bool:
-        """Backpressure from a bounded hot layer: a key space holds half again as many keys as
-        ``state_max_keys`` (checkpoints, which evict, fell behind), so sources wait for one."""
-        bound = self.options.state_max_keys
-        return bool(bound) and any(2 * len(index) > 3 * bound for index in self._key_indexes.values())
 
     def _quiesce(self, timeout_s: float) -> bool:
         """Pause the sources between batches and wait until no row is in flight."""
@@ -601,7 +600,7 @@ class LocalExecutor:
                         codes, columns = op.take_dirty()
                         dirty[sid] = (op.index.frozen_keys(codes), columns)
                 if self.options.state_max_keys:
-                    self._evict(self.options.state_max_keys)
+                    self.keyed.evict()
             elif self.partition_states is None:
                 key_views = {space: index.frozen_keys() for space, index in self._key_indexes.items()}
             for index in self._key_indexes.values():
@@ -612,7 +611,7 @@ class LocalExecutor:
                     columns_of[sid] = op.snapshot()
             sources = {sid: part.snapshot() for sid, part in self._source_parts.items()}
             partitions = (
-                self._capture_partitions(self.partition_states.owned) if self.partition_states else {}
+                self.keyed.capture_partitions(self.partition_states.owned) if self.partition_states else {}
             )
             meta = {
                 "pipeline": self.graph.name,
@@ -634,11 +633,11 @@ class LocalExecutor:
         if self.state_store is not None:  # every 10th drops what no kept checkpoint reads
             kept = store.ids()
             before = kept[0] if kept and checkpoint_id % 10 == 0 else 0
-            meta["state_store"] = self._write_state(checkpoint_id, changed, before)
+            meta["state_store"] = self.keyed.write_to_store(checkpoint_id, changed, before)
         store.write(checkpoint_id, tables, meta)
         if partitions:  # after the local manifest: the outputs they cover are durable
             (offsets,) = (position["offsets"] for position in sources.values())
-            self._write_partitions(partitions, offsets)
+            self.keyed.write_partitions(partitions, offsets)
         for sid, part in self._source_parts.items():
             part.commit(sources[sid])
         self.stats.checkpoints += 1
@@ -661,10 +660,7 @@ class LocalExecutor:
         partition_of = getattr(sources[0], "partition_of", None) if len(sources) == 1 else None
         if partition_of is None:
             raise ConfigError("keyed state that follows input partitions needs a single Kafka input")
-        if self.state_store is not None:
-            raise ConfigError("keyed state follows input partitions or lives in a state store, not both")
-        for index in self._key_indexes.values():
-            index.partition_of = partition_of
+        self.keyed.follow_partitions(partition_of)
 
     def _drain_in_flight(self) -> None:
         """Wait until every row read so far is written, dropped or dead-lettered (called by the
@@ -673,69 +669,16 @@ class LocalExecutor:
             while self._in_flight > 0 and not self._stop.is_set():
                 self._flight.wait(0.05)
 
-    def _capture_partitions(self, partitions: list[int]) -> dict[int, list[tuple[str, Any, Any]]]:
-        """The keys and state of each partition, as copies or views that stay valid (no row may
-        be in flight): per partition, (space, keys view, {step: columns})."""
-        out: dict[int, list[tuple[str, Any, Any]]] = {}
-        for partition in partitions:
-            out[partition] = []
-            for space, index in self._key_indexes.items():
-                codes = index.codes_in([partition])
-                columns = {sid: op.rows(codes) for sid, op in self._ops.items()
-                           if isinstance(op, IncrementalState) and op.space == space}  # fmt: skip
-                out[partition].append((space, index.frozen_keys(codes), columns))
-        return out
-
-    def _write_partitions(
-        self, captured: dict[int, list[tuple[str, Any, Any]]], offsets: dict[str, int]
-    ) -> None:
-        assert self.partition_states is not None
-        for partition, spaces in captured.items():
-            offset = offsets.get(str(partition))
-            if offset is None:  # nothing read from it yet: its state is what it was claimed with
-                continue
-            tables: dict[str, pa.Table] = {}
-            for space, keys, columns in spaces:
-                tables[f"keys.{space}"] = pa.table({"key": keys()})
-                tables.update({f"op.{sid}": pa.table(cols) for sid, cols in columns.items()})
-            meta = {"pipeline": self.graph.name, "partition": partition, "offset": offset}
-            self.partition_states.write(partition, tables, meta)
-
     def _partitions_assigned(self, partitions: list[int]) -> dict[int, int]:
         """Claim newly assigned partitions and load their state; where to start each."""
         assert self.partition_states is not None
         self._drain_in_flight()
-        offsets: dict[int, int] = {}
         log.info("input partitions %s assigned", partitions)
+        offsets: dict[int, int] = {}
         for partition in partitions:
             checkpoint = self.partition_states.claim(partition)
-            if checkpoint is None:
-                continue
-            if checkpoint.meta.get("pipeline") != self.graph.name:
-                raise ConfigError(
-                    f"{checkpoint.path} holds state of pipeline {checkpoint.meta.get('pipeline')!r},"
-                    f" not {self.graph.name!r}"
-                )
-            codes_of: dict[str, npt.NDArray[np.int64]] = {}
-            for name, table in checkpoint.tables.items():
-                kind, _, target = name.partition(".")
-                if kind == "keys" and target in self._key_indexes:
-                    index = self._key_indexes[target]
-                    codes = index.encode(table.column("key").combine_chunks())
-                    index.tag(codes, np.full(codes.shape[0], partition, dtype=np.int64))
-                    codes_of[target] = codes
-            for name, table in checkpoint.tables.items():
-                kind, _, target = name.partition(".")
-                op = self._ops.get(target)
-                if kind == "op" and isinstance(op, IncrementalState) and op.space in codes_of:
-                    op.restore_rows(
-                        codes_of[op.space], {c: table.column(c).to_numpy() for c in table.column_names}
-                    )
-            offsets[partition] = int(checkpoint.meta["offset"])
-            log.info(
-                "input partition %d: state of %d keys taken over from %s, from offset %d",
-                partition, sum(c.shape[0] for c in codes_of.values()), checkpoint.path, offsets[partition],
-            )  # fmt: skip
+            if checkpoint is not None:
+                offsets[partition] = self.keyed.load_partition(partition, checkpoint)
         return offsets
 
     def _partitions_revoked(self, partitions: list[int]) -> None:
@@ -747,95 +690,19 @@ class LocalExecutor:
             sink.snapshot()  # the outputs their state covers are durable (a Kafka sink commits)
         (source,) = self._source_parts.values()
         owned = [p for p in partitions if p in self.partition_states.owned]
-        self._write_partitions(self._capture_partitions(owned), source.snapshot()["offsets"])
+        self.keyed.write_partitions(self.keyed.capture_partitions(owned), source.snapshot()["offsets"])
         for partition in owned:
             self.partition_states.release(partition)
         log.info("input partitions %s revoked: their state is checkpointed and released", partitions)
-        for space, index in self._key_indexes.items():
-            victims = index.codes_in(partitions)
-            if victims.size:
-                survivors = index.drop(victims, remember=False)
-                for op in self._ops.values():
-                    if isinstance(op, IncrementalState) and op.space == space:
-                        op.evict(survivors)
+        self.keyed.drop_partitions(partitions)
 
     def state_over_bound(self) -> bool:
         """Whether a key space holds more keys than ``state_max_keys`` (a checkpoint evicts)."""
-        bound = self.options.state_max_keys
-        return bool(bound) and any(len(index) > bound for index in self._key_indexes.values())
-
-    def _evict(self, max_keys: int) -> None:
-        """Shrink each key space over ``max_keys`` to 80% of it (the keys not seen for the
-        longest go; their state is in the store), under the checkpoint's pause, after the dirty
-        state was taken."""
-        for space, index in self._key_indexes.items():
-            if len(index) <= max_keys:
-                continue
-            survivors = index.evict(keep=max_keys * 4 // 5)
-            if survivors is None:
-                continue
-            for op in self._ops.values():
-                if isinstance(op, IncrementalState) and op.space == space:
-                    op.evict(survivors)
+        return self.keyed.over_bound()
 
     def state_stats(self) -> dict[str, dict[str, int]]:
         """Per key space: keys in memory, keys evicted and read back so far."""
-        out = {space: {"keys": len(index), "evicted": index.evicted, "reloaded": 0}
-               for space, index in self._key_indexes.items()}  # fmt: skip
-        for op in self._ops.values():
-            if isinstance(op, IncrementalState) and op.space in out:
-                out[op.space]["reloaded"] += getattr(op, "reloaded", 0)
-        return out
-
-    def _write_state(
-        self, version: int, changed: dict[str, tuple[pa.Array, dict[str, Any]]], before: int
-    ) -> dict[str, Any]:
-        """Write the changed keys' state at ``version`` (before the manifest); what restore needs."""
-        assert self.state_store is not None
-        parts = {f"{sid}\x1f": part for sid, part in changed.items()}
-        layout = self.state_store.write_rows(version, parts, before)
-        return {"version": version, "ops": {prefix[:-1]: descr for prefix, descr in layout.items()}}
-
-    def _restore_from_store(self, checkpoint: Checkpoint) -> None:
-        assert self.state_store is not None
-        layout = checkpoint.meta["state_store"]
-        for sid, descr in layout["ops"].items():
-            op = self._ops.get(sid)
-            if not isinstance(op, IncrementalState):
-                raise AispError(
-                    f"checkpoint {checkpoint.id} has keyed state for step {sid!r}, which this pipeline lacks"
-                )
-            prefix = f"{sid}\x1f".encode()
-            if self.options.state_max_keys:  # nothing loaded: each key is read back when seen
-                names = (name for name, _ in self.state_store.read(layout["version"], prefix))
-                while chunk := list(itertools.islice(names, 65536)):
-                    op.index.mark_evicted(pa.array(decode_keys(prefix, chunk)))
-                continue
-            entries = list(self.state_store.read(layout["version"], prefix))
-            if not entries:
-                continue
-            keys, columns = decode_rows(prefix, entries, descr)
-            op.restore_rows(op.index.encode(pa.array(keys)), columns)
-
-    def _restore_state(self, checkpoint: Checkpoint) -> None:
-        if "state_store" in checkpoint.meta:
-            if self.state_store is None:
-                raise AispError(f"checkpoint {checkpoint.id} keeps its keyed state in a state store; open it")
-            self._restore_from_store(checkpoint)
-        for name, table in checkpoint.tables.items():
-            kind, _, target = name.partition(".")
-            if kind == "keys":
-                self._key_indexes.setdefault(target, KeyIndex()).restore(table.column("key").combine_chunks())
-        for name, table in checkpoint.tables.items():
-            kind, _, target = name.partition(".")
-            if kind == "op":
-                op = self._ops.get(target)
-                if not isinstance(op, Checkpointable):
-                    raise AispError(
-                        f"checkpoint {checkpoint.id} has state for step {target!r}, which this pipeline"
-                        " does not have (or has no state): was the pipeline changed?"
-                    )
-                op.restore({c: table.column(c).to_numpy() for c in table.column_names})
+        return self.keyed.stats()
 
     # -- control ------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -858,12 +725,9 @@ class LocalExecutor:
             self._follow_partitions()
         if self.state_store is not None:  # what came after the restored checkpoint never happened
             self.state_store.discard_after(self._restore.id if self._restore is not None else 0)
-            if self.options.state_max_keys:
-                for sid, op in self._ops.items():
-                    if isinstance(op, IncrementalState):
-                        op.page_from(self.state_store, f"{sid}\x1f".encode())
+            self.keyed.page_from_store()
         if self._restore is not None:
-            self._restore_state(self._restore)
+            self.keyed.restore(self._restore)
         try:
             for sid, node in self._nodes.items():
                 if node.kind == "source":
