@@ -22,6 +22,7 @@ from aisp.errors import ConfigError
 from aisp.graph import Graph
 from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.versions import ServedModel
+from aisp.observe.clock import wall_ms
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
 from aisp.state.checkpoint import CheckpointStore
 
@@ -98,6 +99,11 @@ class RunSummary:
     """The latency target: ``RunOptions.slo_ms``, else the pipeline's latency bound."""
     slo_attainment: float = 0.0
     """The share of the events written within ``slo_ms``."""
+    active_seconds: float = 0.0
+    """From the first event read to the last row written (``seconds`` also holds the waits for
+    input to begin and to end: a consumer group forming, an idle timeout)."""
+    active_from_ms: int = 0
+    """Wall-clock time (Unix ms) of the first event read, to line up several processes' runs."""
     state: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per key space: keys in memory at the end, keys evicted and read back (``state_max_keys``)."""
 
@@ -127,6 +133,8 @@ def summarize(ex: LocalExecutor) -> RunSummary:
         stages=[s.as_dict() for s in st.stages.values()],
         models=models,
         state=ex.state_stats(),
+        active_seconds=round(st.active_seconds(), 3),
+        active_from_ms=wall_ms(st.first_read_ns) if st.first_read_ns is not None else 0,
     )
 
 

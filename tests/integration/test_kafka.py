@@ -100,6 +100,8 @@ def test_traceparent_headers_are_read_from_and_written_to_kafka_messages(broker:
     with otlp_receiver() as (endpoint, received):
         summary = run(pipeline, RunOptions(trace=TraceConfig(sample_ratio=0.0, endpoint=endpoint)))
     assert summary.events_out == 20
+    # the group forming and the 2 s idle wait count in seconds, not in the active window
+    assert 0 < summary.active_seconds <= summary.seconds - 2.0 and summary.active_from_ms > 0
     roots = [s for s in received.snapshot() if s.name == "aisp.event"]
     assert sorted(r.trace_id.hex() for r in roots) == sorted(traces)
     assert {r.parent_span_id.hex() for r in roots} == {"b7ad6b7169203331"}

@@ -78,6 +78,10 @@ class RunStats:
 
     started_ns: int = field(default_factory=time.monotonic_ns)
     ended_ns: int | None = None
+    first_read_ns: int | None = None
+    """When the first event was read (a broker's input may come long after the start)."""
+    last_written_ns: int | None = None
+    """When the last output row was written."""
     events_in: int = 0
     events_out: int = 0
     checkpoints: int = 0
@@ -87,6 +91,13 @@ class RunStats:
     def seconds(self) -> float:
         end = self.ended_ns if self.ended_ns is not None else time.monotonic_ns()
         return (end - self.started_ns) / 1e9
+
+    def active_seconds(self) -> float:
+        """From the first event read to the last row written: the time input kept the pipeline
+        busy, without waiting for input to begin (a consumer group forming) or to end."""
+        if self.first_read_ns is None or self.last_written_ns is None:
+            return 0.0
+        return max(0, self.last_written_ns - self.first_read_ns) / 1e9
 
     def stage(self, step_id: str, kind: str) -> StageStats:
         return self.stages.setdefault(step_id, StageStats(step_id, kind))

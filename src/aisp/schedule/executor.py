@@ -116,6 +116,7 @@ class _SinkOp:
     def _written(self, ingest_ns: npt.NDArray[np.int64], written_ns: int) -> None:
         self._run.e2e.record(written_ns - ingest_ns)
         self._run.events_out += ingest_ns.shape[0]
+        self._run.last_written_ns = written_ns
 
     def process(self, batch: Batch) -> Emit:
         if not batch.num_rows:
@@ -510,6 +511,8 @@ class LocalExecutor:
                 if held.traceparents and self.tracer is not None:  # the producers' traces
                     self.tracer.parent_ids(held.traceparents)
                 if held.num_rows:  # reading and decoding; an empty read is idle, not busy
+                    if self.stats.first_read_ns is None:
+                        self.stats.first_read_ns = read_started
                     st.busy_ns += read_ns
                     st.cpu_ns += time.thread_time_ns() - c0
                     st.phase("serialize", read_ns)
