@@ -18,10 +18,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ROOT / "examples" / "diagnose"
 RATES = {
-    "slow_model": 3500,
+    "slow_model": 7000,
     "small_batches": 20_000,
     "serialization": 20_000,
-    "row_udf": 20_000,
+    "row_udf": 30_000,
     "slow_sink": 20_000,
     "admission_overload": 60_000,
 }
