@@ -689,11 +689,14 @@ class LocalExecutor:
         keys."""
         assert self.partition_states is not None
         self._drain_in_flight()
-        for sink in self._sink_parts.values():
-            sink.snapshot()  # the outputs their state covers are durable (a Kafka sink commits)
-        (source,) = self._source_parts.values()
         owned = [p for p in partitions if p in self.partition_states.owned]
-        self.keyed.write_partitions(self.keyed.capture_partitions(owned), source.snapshot()["offsets"])
+        with self._flight:  # a failed run (or a stop that cut the drain short) writes nothing:
+            consistent = not self._errors and self._in_flight == 0  # the last checkpoint stands
+        if consistent:
+            for sink in self._sink_parts.values():
+                sink.snapshot()  # the outputs their state covers are durable (a Kafka sink commits)
+            (source,) = self._source_parts.values()
+            self.keyed.write_partitions(self.keyed.capture_partitions(owned), source.snapshot()["offsets"])
         for partition in owned:
             self.partition_states.release(partition)
         log.info("input partitions %s revoked: their state is checkpointed and released", partitions)
