@@ -20,7 +20,7 @@ SCENARIOS = ROOT / "examples" / "diagnose"
 RATES = {
     "slow_model": 7000,
     "small_batches": 20_000,
-    "serialization": 20_000,
+    "serialization": 30_000,
     "row_udf": 30_000,
     "slow_sink": 20_000,
     "admission_overload": 60_000,
