@@ -132,7 +132,7 @@ def summarize(ex: LocalExecutor) -> RunSummary:
         dead_letters_by_step=dict(ex.dead_letter.by_step),
         stages=[s.as_dict() for s in st.stages.values()],
         models=models,
-        state=ex.state_stats(),
+        state=ex.keyed.stats(),
         active_seconds=round(st.active_seconds(), 3),
         active_from_ms=wall_ms(st.first_read_ns) if st.first_read_ns is not None else 0,
     )
@@ -301,7 +301,7 @@ class _Checkpointer:
         if self._store is None or self._ex.stopping:
             return
         since = time.monotonic() - self._last
-        if since < self._interval and not (since >= self._min_gap and self._ex.state_over_bound()):
+        if since < self._interval and not (since >= self._min_gap and self._ex.keyed.over_bound()):
             return
         if self._ex.checkpoint(self._store) is None:
             log.warning("checkpoint skipped: the pipeline did not go quiet in time")

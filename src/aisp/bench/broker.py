@@ -192,16 +192,12 @@ class JetStreamTarget(_BrokerTarget):
         import nats
         from nats.js.api import DeliverPolicy, StreamConfig
 
+        from aisp.sinks.nats_jetstream import ensure_stream
+
         self._nc = await nats.connect(f"nats://{self.host}:{self.port or 4222}", connect_timeout=5)
         js = self._nc.jetstream()
         for name, subjects in ((self.stream, [f"{self.stream}.>"]), (self.output, [self.output_subject])):
-            try:
-                await js.stream_info(name)
-            except nats.js.errors.NotFoundError:
-                try:
-                    await js.add_stream(StreamConfig(name=name, subjects=subjects))
-                except nats.js.errors.BadRequestError:  # the pipeline created it meanwhile
-                    await js.stream_info(name)
+            await ensure_stream(js, StreamConfig(name=name, subjects=subjects))
         self._js = js
         self._sub = await js.subscribe(
             self.output_subject, stream=self.output, ordered_consumer=True, deliver_policy=DeliverPolicy.NEW

@@ -177,16 +177,15 @@ class _Stream:
         self.reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
+        error: Exception = RuntimeError("stream ended")  # the server ended it (a refusal)
         try:
             async for answer in self.call:
                 self.pending.popleft().set_result(bytes(answer))
         except Exception as exc:  # noqa: BLE001 - every request waiting on this stream fails with it
-            self.dead = True
-            while self.pending:
-                self.pending.popleft().set_exception(exc)
+            error = exc
         self.dead = True
-        while self.pending:  # the server ended the stream (a refusal): the rest fail
-            self.pending.popleft().set_exception(RuntimeError("stream ended"))
+        while self.pending:
+            self.pending.popleft().set_exception(error)
 
     async def send(self, body: bytes) -> bytes:
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()

@@ -702,14 +702,6 @@ class LocalExecutor:
         log.info("input partitions %s revoked: their state is checkpointed and released", partitions)
         self.keyed.drop_partitions(partitions)
 
-    def state_over_bound(self) -> bool:
-        """Whether a key space holds more keys than ``state_max_keys`` (a checkpoint evicts)."""
-        return self.keyed.over_bound()
-
-    def state_stats(self) -> dict[str, dict[str, int]]:
-        """Per key space: keys in memory, keys evicted and read back so far."""
-        return self.keyed.stats()
-
     # -- control ------------------------------------------------------------------------------
     def request_stop(self) -> None:
         """Stop reading sources; everything already read is processed and written (a drain)."""

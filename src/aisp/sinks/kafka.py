@@ -140,7 +140,6 @@ class _KafkaWriter(SinkPartition):
                 self._skip[p] = found  # produced after the checkpoint: the replay makes them again
         self._encoder = RowEncoder(cfg.columns)
         self.skipped = 0
-        self.transactions = 0
 
     def _call(self, method: str, *args: Any) -> None:
         """A transactional producer call; a failure that leaves the transaction unusable fails
@@ -182,7 +181,6 @@ class _KafkaWriter(SinkPartition):
                     self._call("send_offsets_to_transaction", offsets, group, self._cfg.flush_timeout_s)
         self._call("commit_transaction", self._cfg.flush_timeout_s)
         self._txn_since = None
-        self.transactions += 1
 
     def _delivered(self, err: Any, msg: Any) -> None:
         if err is not None:

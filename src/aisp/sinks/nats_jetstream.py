@@ -21,7 +21,21 @@ from aisp.errors import SinkError
 from aisp.retry import call_with_retry
 from aisp.sinks.base import RowEncoder, Sink, SinkPartition
 
-__all__ = ["JetStreamSink"]
+__all__ = ["JetStreamSink", "ensure_stream"]
+
+
+async def ensure_stream(js: Any, config: Any) -> None:
+    """Create the JetStream stream ``config`` describes unless it exists (also when someone else
+    creates it between the lookup and the create: then theirs is used)."""
+    import nats
+
+    try:
+        await js.stream_info(config.name)
+    except nats.js.errors.NotFoundError:
+        try:
+            await js.add_stream(config)
+        except nats.js.errors.BadRequestError:  # created meanwhile
+            await js.stream_info(config.name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,23 +71,15 @@ class _JetStreamWriter(SinkPartition):
         )
 
     async def _connect(self) -> None:
-        import nats
         from nats.js.api import StreamConfig
 
         cfg = self._cfg
         self._nc = await connect_nats(cfg.servers)
         self._js = self._nc.jetstream()
-        try:
-            await self._js.stream_info(cfg.stream)
-        except nats.js.errors.NotFoundError:
-            try:
-                await self._js.add_stream(
-                    StreamConfig(
-                        name=cfg.stream, subjects=[self._subject], duplicate_window=cfg.duplicate_window_s
-                    )
-                )
-            except nats.js.errors.BadRequestError:  # created meanwhile by someone else: use it
-                await self._js.stream_info(cfg.stream)
+        await ensure_stream(
+            self._js,
+            StreamConfig(name=cfg.stream, subjects=[self._subject], duplicate_window=cfg.duplicate_window_s),
+        )
 
     async def _publish(
         self, ids: Sequence[object], lines: Sequence[bytes], traceparents: Mapping[Any, str]

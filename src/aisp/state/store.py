@@ -34,7 +34,7 @@ import pyarrow as pa
 
 from aisp.errors import StateError
 
-__all__ = ["LmdbStateStore", "decode_keys", "decode_rows", "encode_rows"]
+__all__ = ["LmdbStateStore", "decode_keys", "decode_rows", "encode_names", "encode_rows"]
 
 log = logging.getLogger("aisp.state")
 _VERSION = struct.Struct(">Q")
@@ -261,9 +261,13 @@ def encode_rows(
         rows[name] = col
     blob, size = rows.tobytes(), dtype.itemsize
     values = [blob[i * size : (i + 1) * size] for i in range(len(keys))]
+    return encode_names(prefix, keys), values, [[name, dtype[name].str] for name in dtype.names or ()]
+
+
+def encode_names(prefix: bytes, keys: Sequence[Any]) -> list[bytes]:
+    """The store names of ``keys`` under ``prefix`` (``decode_keys`` reverses it)."""
     encode = msgspec.msgpack.encode
-    names = [prefix + encode(k) for k in keys]
-    return names, values, [[name, dtype[name].str] for name in dtype.names or ()]
+    return [prefix + encode(k) for k in keys]
 
 
 def decode_rows(

@@ -6,7 +6,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -119,9 +118,9 @@ class _StatefulOp:
         back = codes[self._index.was_evicted(codes)]
         if not back.size:
             return
-        encode = msgspec.msgpack.encode
-        keys = self._index.keys_of(back)
-        values = self._store.latest([self._prefix + encode(k) for k in keys])
+        from aisp.state.store import encode_names
+
+        values = self._store.latest(encode_names(self._prefix, self._index.keys_of(back)))
         found = [i for i, v in enumerate(values) if v is not None]
         if found:
             rows = np.frombuffer(b"".join(values[i] for i in found), dtype=self._state.row_dtype())  # type: ignore[misc]
@@ -145,7 +144,7 @@ class _StatefulOp:
         """The codes whose state changed since the last call, and their state; resets the marks."""
         codes = np.flatnonzero(self._dirty[: len(self._index)])
         self._dirty[:] = False
-        return codes, {name: self._state.column(name)[codes].copy() for name in self._state.names}
+        return codes, self.rows(codes)
 
     def rows(self, codes: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]]:
         """Copies of the state of ``codes``."""
