@@ -232,7 +232,8 @@ def is_valid_event(ev: Any) -> bool:
         return False
     f = ev.get("f")
     return (
-        _is_int64(ev.get("id"))
+        _INVALID not in ev.values()
+        and _is_int64(ev.get("id"))
         and type(ev.get("user")) is str
         and _is_finite_number(ev.get("amount"))
         and _is_int64(ev.get("ts"))
@@ -242,13 +243,59 @@ def is_valid_event(ev: Any) -> bool:
     )
 
 
+_INVALID = object()
+_RULES = {
+    "id": _is_int64,
+    "user": lambda x: type(x) is str,
+    "amount": _is_finite_number,
+    "ts": _is_int64,
+    "f": lambda x: type(x) is list and len(x) == N_F and finite_numbers(x),
+}
+
+
+def _fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's keys; a field given twice takes its last value, and every value it was given
+    must be valid (as the engine's decoder checks each occurrence)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out and key in _RULES and not _RULES[key](out[key]):
+            out[key] = _INVALID
+            continue
+        if out.get(key) is not _INVALID:
+            out[key] = value
+    return out
+
+
+def _valid_unicode(ev: Any) -> bool:
+    """No string anywhere in ``ev`` holds a lone surrogate (JSON escapes allow one; UTF-8 does not)."""
+    stack = [ev]
+    while stack:
+        x = stack.pop()
+        if type(x) is str:
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+        elif type(x) is dict:
+            stack += x.keys()
+            stack += x.values()
+        elif type(x) is list:
+            stack += x
+    return True
+
+
 def parse_valid(line: str | bytes) -> dict[str, Any] | None:
-    """Parse one line with ``json.loads``; return the event if it is valid, else ``None``."""
+    """Parse one line with ``json.loads``; return the event if it is valid, else ``None``.
+
+    The text must be UTF-8 and its strings valid Unicode; nesting past the interpreter's
+    recursion limit makes a line invalid (the engine dead-letters it too).
+    """
     try:
-        ev = json.loads(line)
-    except ValueError:
+        text = line.decode("utf-8") if isinstance(line, bytes) else line
+        ev = json.loads(text, object_pairs_hook=_fields)
+    except (ValueError, RecursionError):
         return None
-    return ev if is_valid_event(ev) else None
+    return ev if is_valid_event(ev) and _valid_unicode(ev) else None
 
 
 def reference_outputs(path: str | Path, model_path: str | Path) -> dict[int, dict[str, Any]]:

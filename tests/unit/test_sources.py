@@ -79,3 +79,52 @@ def test_dead_letters_carry_line_numbers(tmp_path: Path) -> None:
     assert b is not None and b.numpy("id").tolist() == [1, 4]
     assert [(d["line"], d["step"]) for d in dead] == [(2, "src"), (3, "src")]
     assert dead[1]["reason"] == "empty line" and np.all(b.numpy("_id") == [1, 4])
+
+
+def _read_all(src: JsonlFileSource, rows: int) -> tuple[list[int], list[dict[str, object]], int]:
+    """(ids read, dead letters, final offset), reading ``rows`` at a time and resuming from a
+    snapshot after every batch (as a restart from a checkpoint would)."""
+    dead: list[dict[str, object]] = []
+    ids: list[int] = []
+    pos = None
+    while True:
+        part = src.open(SourceContext("src", dead.extend, rows), resume_from=pos)
+        b = part.next_batch(rows)
+        pos = part.snapshot()
+        part.close()
+        if b is None:
+            return ids, dead, int(pos["offset"]) if pos else 0
+        ids += b.numpy("id").tolist()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 512])
+def test_blank_and_whitespace_lines_anywhere_are_dead_letters(tmp_path: Path, rows: int) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'\n  \n{"id": 3}\n\t\r\n{"id": 5}\n\n')  # ends in two newlines
+    ids, dead, offset = _read_all(JsonlFileSource(path=str(path), schema=Ev), rows)
+    assert ids == [3, 5]
+    assert [(d["line"], d["reason"]) for d in dead] == [(n, "empty line") for n in (1, 2, 4, 6)]
+    assert offset == path.stat().st_size
+
+
+@pytest.mark.parametrize("block", [5, 64, 1 << 20])
+def test_a_line_longer_than_the_limit_is_skipped_without_holding_it(tmp_path: Path, block: int) -> None:
+    path = tmp_path / "in.jsonl"
+    long_value = b'{"id": 2, "pad": "' + b"x" * 5000 + b'"}'  # valid JSON, but over the limit
+    path.write_bytes(b'{"id": 1}\n' + long_value + b'\n{"id": 3}\n' + b"y" * 3000 + b'\n{"id": 5}')
+    src = JsonlFileSource(path=str(path), schema=Ev, read_block_bytes=block, max_line_bytes=2000)
+    for rows in (1, 2, 10):
+        ids, dead, offset = _read_all(src, rows)
+        assert ids == [1, 3, 5]
+        assert [d["line"] for d in dead] == [2, 4]
+        assert "longer than max_line_bytes (2000)" in str(dead[0]["reason"])
+        assert f"line of {len(long_value)} bytes" in str(dead[0]["reason"])
+        assert len(str(dead[1]["raw"])) <= 1024
+        assert offset in (path.stat().st_size, path.stat().st_size + 1)  # no newline at the end
+
+
+def test_a_byte_order_mark_at_the_start_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"id": 1}\n{"id": 2}\n')
+    ids, dead, offset = _read_all(JsonlFileSource(path=str(path), schema=Ev), 1)
+    assert ids == [1, 2] and not dead and offset == path.stat().st_size

@@ -1,10 +1,22 @@
-"""Decode JSON lines straight into typed columns, one C call per chunk on the fast path.
+"""Decode JSON lines straight into typed columns, with one result per line whatever the input.
 
 The schema is a ``msgspec.Struct``: msgspec validates types, required fields and constraints
-(``Annotated[list[float], Meta(min_length=16, max_length=16)]``) while decoding, so a valid chunk
-costs one ``decode`` call and the columns are then built with one numpy/Arrow conversion per
-field. A chunk with any invalid line falls back to line-by-line decoding, which pins the error on
-its line; only that chunk pays the slower path.
+(``Annotated[list[float], Meta(min_length=16, max_length=16)]``) while decoding. Each field has
+an Arrow type derived from its declared type (``_arrow_type``), so a column's type never depends
+on the values in a chunk.
+
+The fast path decodes every line with one C call each (``map``; as fast as joining the chunk
+into one JSON array, and unlike that it cannot be misled by a line holding two values, half a
+value or none) and builds each column with one numpy/Arrow conversion. Whatever it cannot take
+falls back per line with the same result for the good lines:
+
+* a line that does not decode (malformed JSON, a missing or mistyped field, two values on one
+  line, a blank or whitespace-only line, a value nested deeper than the interpreter's recursion
+  limit of about 1,000 levels) is an error pinned on its index with the reason;
+* a row whose values decode but do not convert to the columns (an ``int`` beyond int64) is an
+  error on its index too, found by converting the chunk's rows one at a time.
+
+``decode`` never raises on input: rows plus errors always account for every line.
 """
 
 from __future__ import annotations
@@ -25,6 +37,10 @@ __all__ = ["ColumnarDecoder", "DecodeError", "Decoded"]
 
 Converter = Callable[[Sequence[Any]], pa.Array]
 
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
+# what building a column from values msgspec accepted can still raise (an int past int64, ...)
+_CONVERT_ERRORS = (pa.ArrowException, OverflowError, ValueError, TypeError, UnicodeError, RecursionError)
+
 
 @dataclass(frozen=True)
 class DecodeError:
@@ -43,6 +59,37 @@ class Decoded:
     errors: list[DecodeError]
 
 
+_SCALARS: dict[type, pa.DataType] = {
+    msgspec.inspect.IntType: pa.int64(),
+    msgspec.inspect.FloatType: pa.float64(),
+    msgspec.inspect.BoolType: pa.bool_(),
+    msgspec.inspect.StrType: pa.string(),
+}
+
+
+def _arrow_type(t: msgspec.inspect.Type) -> pa.DataType | None:
+    """The Arrow type of a declared field type; None for types with no Arrow equivalent (``Any``,
+    unions of different kinds, ...), whose values become JSON text."""
+    for kind, arrow in _SCALARS.items():
+        if isinstance(t, kind):
+            return arrow
+    if isinstance(t, msgspec.inspect.ListType | msgspec.inspect.VarTupleType | msgspec.inspect.SetType):
+        item = _arrow_type(t.item_type)
+        return None if item is None else pa.list_(item)
+    if isinstance(t, msgspec.inspect.UnionType):
+        others = [x for x in t.types if not isinstance(x, msgspec.inspect.NoneType)]
+        return _arrow_type(others[0]) if len(others) == 1 else None
+    if isinstance(t, msgspec.inspect.StructType):
+        fields = [(f.name, _arrow_type(f.type)) for f in t.fields]
+        if any(a is None for _, a in fields):
+            return None
+        return pa.struct(fields)
+    if isinstance(t, msgspec.inspect.DictType) and isinstance(t.key_type, msgspec.inspect.StrType):
+        value = _arrow_type(t.value_type)
+        return None if value is None else pa.map_(pa.string(), value)
+    return None
+
+
 def _converter(t: msgspec.inspect.Type) -> Converter:
     """Column builder for one field type.
 
@@ -50,7 +97,7 @@ def _converter(t: msgspec.inspect.Type) -> Converter:
     numbers beyond the float64 range ("Number out of range"), and columns stay float64.
     """
     if isinstance(t, msgspec.inspect.IntType):
-        return lambda v: pa.array(np.array(v, dtype=np.int64))
+        return lambda v: pa.array(np.array(v, dtype=np.int64))  # OverflowError past int64
     if isinstance(t, msgspec.inspect.FloatType):
         return lambda v: pa.array(np.array(v, dtype=np.float64))
     if isinstance(t, msgspec.inspect.BoolType):
@@ -71,7 +118,11 @@ def _converter(t: msgspec.inspect.Type) -> Converter:
             return matrix_column(flat.reshape(len(v), width))
 
         return fixed
-    return lambda v: pa.array(v)
+    arrow = _arrow_type(t)
+    if arrow is None:
+        encode = msgspec.json.encode
+        return lambda v: pa.array([encode(x).decode() for x in v], type=pa.string())
+    return lambda v: pa.array(msgspec.to_builtins(list(v)), type=arrow)
 
 
 class ColumnarDecoder:
@@ -91,20 +142,21 @@ class ColumnarDecoder:
         self.schema = schema
         self.fields = [f.name for f in info.fields]
         self._converters = [_converter(f.type) for f in info.fields]
-        self._many = msgspec.json.Decoder(list[schema])  # type: ignore[valid-type]
         self._one = msgspec.json.Decoder(schema)
         self._getter = attrgetter(*self.fields)
 
     def decode(self, lines: Sequence[bytes]) -> Decoded:
+        """Rows of the lines that are valid, errors for the others (see the module docstring)."""
         try:
-            items = self._many.decode(b"[" + b",".join(lines) + b"]")
-            kept = None
-            errors: list[DecodeError] = []
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            items, kept, errors = self._decode_each(lines)
-        return Decoded(self._columns(items), kept, errors)
+            items = list(map(self._one.decode, lines))
+        except _DECODE_ERRORS:
+            return self._decode_each(lines)
+        try:
+            return Decoded(self._columns(items), None, [])
+        except _CONVERT_ERRORS:
+            return self._isolate(items, np.arange(len(items), dtype=np.int64), [])
 
-    def _decode_each(self, lines: Sequence[bytes]) -> tuple[list[Any], np.ndarray, list[DecodeError]]:
+    def _decode_each(self, lines: Sequence[bytes]) -> Decoded:
         items: list[Any] = []
         kept: list[int] = []
         errors: list[DecodeError] = []
@@ -117,7 +169,38 @@ class ColumnarDecoder:
                 kept.append(i)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 errors.append(DecodeError(i, str(exc)))
-        return items, np.asarray(kept, dtype=np.int64), errors
+            except RecursionError:
+                errors.append(DecodeError(i, "JSON is nested too deeply"))
+        index = np.asarray(kept, dtype=np.int64)
+        try:
+            return Decoded(self._columns(items), index, errors)
+        except _CONVERT_ERRORS:
+            return self._isolate(items, index, errors)
+
+    def _isolate(self, items: list[Any], index: np.ndarray, errors: list[DecodeError]) -> Decoded:
+        """Columns of the rows that convert one by one; an error for each row that does not."""
+        good: list[Any] = []
+        kept: list[int] = []
+        for item, i in zip(items, index.tolist(), strict=True):
+            reason = self._convert_error(item)
+            if reason is None:
+                good.append(item)
+                kept.append(i)
+            else:
+                errors.append(DecodeError(i, reason))
+        errors.sort(key=lambda e: e.index)
+        return Decoded(self._columns(good), np.asarray(kept, dtype=np.int64), errors)
+
+    def _convert_error(self, item: Any) -> str | None:
+        values = self._getter(item) if len(self.fields) > 1 else (self._getter(item),)
+        for name, conv, value in zip(self.fields, self._converters, values, strict=True):
+            try:
+                conv([value])
+            except OverflowError:
+                return f"field `{name}`: a number is out of range for its column ({_short(value)})"
+            except _CONVERT_ERRORS as exc:
+                return f"field `{name}`: value does not fit its column ({type(exc).__name__}: {exc})"
+        return None
 
     def _columns(self, items: list[Any]) -> dict[str, pa.Array]:
         if not items:
@@ -129,3 +212,8 @@ class ColumnarDecoder:
         return {
             name: conv(vals) for name, conv, vals in zip(self.fields, self._converters, values, strict=True)
         }
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
