@@ -39,12 +39,28 @@ def test_every_planted_scenario_is_tested() -> None:
 
 @pytest.mark.parametrize("cause", sorted(RATES))
 def test_diagnose_names_the_planted_cause_first(cause: str, tmp_path: Path) -> None:
+    """At the scenario's rate, or, on a machine fast enough to keep up with it (``healthy`` is
+    then the right answer), at the first of 2x and 4x that rate where it does not."""
+    for factor in (1, 2, 4):
+        findings = _diagnose(cause, int(RATES[cause] * factor), tmp_path)
+        if findings[0]["cause"] != "healthy":
+            break
+    for f in findings:
+        assert set(f) >= {"cause", "stage", "evidence", "suggestion"}
+        assert f["suggestion"]
+        assert isinstance(f["evidence"], dict)
+    summary = [(f["cause"], f["stage"], f["score"]) for f in findings]
+    assert findings[0]["cause"] == cause, summary
+
+
+def _diagnose(cause: str, rate: int, tmp_path: Path) -> list[dict[str, object]]:
     pipeline = SCENARIOS / cause / "pipeline.py"
-    cmd = _aisp("run", str(pipeline), "--rate", str(RATES[cause]), "--no-live", "--metrics-port", "0")
-    log = (tmp_path / "run.log").open("w+")
+    cmd = _aisp("run", str(pipeline), "--rate", str(rate), "--no-live", "--metrics-port", "0")
+    log_path = tmp_path / f"run-{rate}.log"
+    log = log_path.open("w+")
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=log, text=True)
     try:
-        url = _metrics_url(tmp_path / "run.log", proc)
+        url = _metrics_url(log_path, proc)
         time.sleep(2.0)  # past start-up: queues and batch sizes settle
         done = subprocess.run(
             _aisp("diagnose", "--url", url, "--window-s", "2.5", "--json"),
@@ -59,14 +75,9 @@ def test_diagnose_names_the_planted_cause_first(cause: str, tmp_path: Path) -> N
         proc.wait(timeout=60)
         log.close()
     assert done.returncode == 0, done.stderr
-    findings = json.loads(done.stdout)
+    findings: list[dict[str, object]] = json.loads(done.stdout)
     assert findings, "no findings"
-    for f in findings:
-        assert set(f) >= {"cause", "stage", "evidence", "suggestion"}
-        assert f["suggestion"]
-        assert isinstance(f["evidence"], dict)
-    summary = [(f["cause"], f["stage"], f["score"]) for f in findings]
-    assert findings[0]["cause"] == cause, summary
+    return findings
 
 
 def _metrics_url(log: Path, proc: subprocess.Popen[str]) -> str:
