@@ -2,8 +2,8 @@
 
 * ``hello``: answers ``POST /v2/models/{m}/infer`` with a fixed OIP response after reading the
   body: the HTTP stack's ceiling (no decoding, no model).
-* ``unbatched``: the same OIP JSON decoding and encoding as ``aisp serve``, but one ONNX Runtime
-  call per request, in the request's own handler (no batcher).
+* ``unbatched``: the same OIP request parsing and response encoding as ``aisp serve``, but one
+  ONNX Runtime call per request, in the request's own handler (no batcher).
 
 Run one: ``python benchmarks/serve_apps.py hello|unbatched PORT [uvicorn|granian] [MODEL]``; it prints
 ``http 127.0.0.1:PORT`` once it listens.
@@ -44,18 +44,23 @@ def unbatched(model: Path = MODEL) -> Any:
     from starlette.responses import Response
     from starlette.routing import Route
 
-    from aisp.serve.http import HEADER_LENGTH, decode_request, encode_response
-    from aisp.serve.models import InferResult
+    from aisp.serve.oip import Signature, TensorSignature
+    from aisp.serve.oip_http import HEADER_LENGTH, encode_response, parse_request
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     opts.inter_op_num_threads = 1
     session = ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
 
+    sig = Signature(
+        "fraud", 512, (TensorSignature("features", "FP32", (18,)),), (TensorSignature("score", "FP32", (1,)),)
+    )
+
     async def infer(request: Request) -> Response:
-        req, inputs = decode_request(await request.body(), request.headers.get(HEADER_LENGTH))
-        (score,) = session.run(["score"], {"features": inputs["features"]})
-        return encode_response(req, InferResult("fraud", "1", {"score": score}))
+        req = parse_request(await request.body(), request.headers.get(HEADER_LENGTH), sig)
+        (score,) = session.run(["score"], {"features": req.inputs[0].array})
+        body, headers = encode_response(req, sig, "1", {"score": score})
+        return Response(body, headers=headers)
 
     return Starlette(routes=[Route("/v2/models/{model}/infer", infer, methods=["POST"])])
 

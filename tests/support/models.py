@@ -52,3 +52,90 @@ def fraud_repository(root: Path, versions: dict[int, float], config: str = FRAUD
 def expected_score(features: np.ndarray, scale: float) -> np.ndarray:
     z = features.astype(np.float32).sum(axis=1) * np.float32(scale)
     return (1.0 / (1.0 + np.exp(-z.astype(np.float64)))).astype(np.float32)
+
+
+_ONNX_TYPES = {
+    "INT32": TensorProto.INT32,
+    "INT8": TensorProto.INT8,
+    "UINT8": TensorProto.UINT8,
+    "INT64": TensorProto.INT64,
+    "FP16": TensorProto.FLOAT16,
+    "FP32": TensorProto.FLOAT,
+    "FP64": TensorProto.DOUBLE,
+    "BOOL": TensorProto.BOOL,
+    "BYTES": TensorProto.STRING,
+}
+_CONFIG_TYPES = {k: f"TYPE_{'STRING' if k == 'BYTES' else k}" for k in _ONNX_TYPES}
+
+
+def _save(graph: onnx.GraphProto, path: Path) -> Path:
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def _dims(dims: list[int]) -> list[str | int]:
+    return ["batch", *(d if d >= 0 else f"d{i}" for i, d in enumerate(dims))]
+
+
+def simple_repository_model(root: Path, *, max_batch_size: int = 8) -> None:
+    """Triton's QA model ``simple``: INT32 INPUT0, INPUT1 [16] -> OUTPUT0 = sum, OUTPUT1 = difference."""
+    shape = _dims([16])
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
+            helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"]),
+        ],
+        "simple",
+        [helper.make_tensor_value_info(n, TensorProto.INT32, shape) for n in ("INPUT0", "INPUT1")],
+        [helper.make_tensor_value_info(n, TensorProto.INT32, shape) for n in ("OUTPUT0", "OUTPUT1")],
+    )
+    _save(graph, root / "simple" / "1" / "model.onnx")
+    tensors = ", ".join(f'{{ name: "{n}" data_type: TYPE_INT32 dims: [ 16 ] }}' for n in ("INPUT0", "INPUT1"))
+    outputs = ", ".join(
+        f'{{ name: "{n}" data_type: TYPE_INT32 dims: [ 16 ] }}' for n in ("OUTPUT0", "OUTPUT1")
+    )
+    (root / "simple" / "config.pbtxt").write_text(
+        f'name: "simple"\nplatform: "onnxruntime_onnx"\nmax_batch_size: {max_batch_size}\n'
+        f"input [ {tensors} ]\noutput [ {outputs} ]\n"
+    )
+
+
+def identity_repository_model(
+    root: Path, name: str, datatype: str, dims: list[int], *, max_batch_size: int = 8
+) -> None:
+    """``name``: OUTPUT0 = INPUT0, of ``datatype`` and ``dims`` (-1: any) after the batch."""
+    shape = _dims(dims)
+    t = _ONNX_TYPES[datatype]
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])],
+        name,
+        [helper.make_tensor_value_info("INPUT0", t, shape)],
+        [helper.make_tensor_value_info("OUTPUT0", t, shape)],
+    )
+    _save(graph, root / name / "1" / "model.onnx")
+    d = ", ".join(map(str, dims))
+    cfg = _CONFIG_TYPES[datatype]
+    (root / name / "config.pbtxt").write_text(
+        f'name: "{name}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: {max_batch_size}\n'
+        f'input [ {{ name: "INPUT0" data_type: {cfg} dims: [ {d} ] }} ]\n'
+        f'output [ {{ name: "OUTPUT0" data_type: {cfg} dims: [ {d} ] }} ]\n'
+        "dynamic_batching { max_queue_delay_microseconds: 500 }\n"
+    )
+
+
+def conformance_repository(root: Path) -> Path:
+    """The models the OIP conformance and fuzz tests use (shapes as Triton's QA models have them)."""
+    simple_repository_model(root)
+    identity_repository_model(root, "identity_fp32", "FP32", [-1])
+    identity_repository_model(root, "identity_fp16", "FP16", [-1])
+    identity_repository_model(root, "identity_int8", "INT8", [16])
+    identity_repository_model(root, "identity_uint8", "UINT8", [-1])
+    identity_repository_model(root, "identity_int64", "INT64", [-1])
+    identity_repository_model(root, "identity_bool", "BOOL", [-1])
+    identity_repository_model(root, "identity_bytes", "BYTES", [-1])
+    identity_repository_model(root, "identity_bytes_1", "BYTES", [1])
+    identity_repository_model(root, "identity_3d", "FP32", [-1, -1])
+    return root

@@ -56,3 +56,15 @@ def wait_http(address: str, timeout_s: float = 30.0) -> None:
         except httpx.TransportError:
             time.sleep(0.05)
     raise TimeoutError(f"no HTTP server at {address} after {timeout_s} s")
+
+
+@contextmanager
+def conformance_server(root: Path, *extra_args: str) -> Iterator[tuple[str, str, subprocess.Popen[str]]]:
+    """``aisp serve`` over ``conformance_repository(root)`` on HTTP and gRPC, ready: yields
+    (http address, grpc address, process)."""
+    from tests.support.models import conformance_repository
+
+    repo = conformance_repository(root)
+    with aisp_serve(repo, http=True, grpc=True, extra_args=extra_args) as (addresses, proc):
+        wait_http(addresses["http"])
+        yield addresses["http"], addresses["grpc"], proc

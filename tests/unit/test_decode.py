@@ -205,3 +205,42 @@ print("ok")
 
 def test_decoder_process_answers_like_the_in_process_decoder() -> None:
     run_script(DECODER_PROCESS_CHECK)
+
+
+DECODER_RESTART_CHECK = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+from tests.unit.test_decode import Ev, LINES
+from tests.support.hostile import HOSTILE_LINES
+from aisp.ingest.decode import ColumnarDecoder
+from aisp.ingest.decoder_process import DecoderDied, DecoderProcess
+
+proc = DecoderProcess(Ev, min_lines=1, block_timeout_s=2)
+try:
+    hostile = list(HOSTILE_LINES.values()) * 3  # the child survives every kind of bad line
+    assert proc.decode(hostile).errors == ColumnarDecoder(Ev).decode(hostile).errors
+    first = proc._pid
+    os.kill(first, signal.SIGKILL)  # the child dies: this block fails clearly ...
+    try:
+        proc.decode(LINES)
+        raise AssertionError("a dead child answered")
+    except DecoderDied as exc:
+        assert exc.retriable and exc.http_status == 503 and "restarted" in str(exc)
+    assert proc.decode(LINES).errors == ColumnarDecoder(Ev).decode(LINES).errors  # ... a new one serves
+    assert proc._pid != first and proc.restarts == 1
+    os.kill(proc._pid, signal.SIGSTOP)  # a hung child is killed after block_timeout_s
+    try:
+        proc.decode(LINES)
+        raise AssertionError("a hung child answered")
+    except DecoderDied as exc:
+        assert "took over 2 s" in str(exc)
+    assert proc.decode(LINES).errors == ColumnarDecoder(Ev).decode(LINES).errors
+    assert proc.restarts == 2 and proc.blocks_here == 0
+finally:
+    proc.close()
+print("ok")
+"""
+
+
+def test_decoder_process_is_restarted_when_its_child_dies_or_hangs() -> None:
+    run_script(DECODER_RESTART_CHECK)

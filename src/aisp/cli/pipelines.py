@@ -225,6 +225,13 @@ def serve(
         list[str] | None,
         typer.Option("--param", help="KEY=VALUE passed to a pipeline's build() (repeatable)."),
     ] = None,
+    allow_model_control: Annotated[
+        bool,
+        typer.Option(
+            "--allow-model-control",
+            help="Let clients load and unload models (Triton's model control); on with admin tokens.",
+        ),
+    ] = False,
     trace_sample: TraceSample = 0.0,
     trace_endpoint: TraceEndpoint = None,
     trace_max_per_s: TraceMaxPerS = 100.0,
@@ -284,6 +291,7 @@ def serve(
         raise typer.Exit(2) from exc
     grpc_server = None
     limiter = Limiter(limits) if limits is not None and limits.enabled else None
+    model_control = allow_model_control or tokens.enabled  # with tokens, only admin ones may
     if grpc_port >= 0:
         grpc_server = GrpcServer(
             models,
@@ -295,6 +303,7 @@ def serve(
             limiter=limiter,
             pipelines=pipelines,
             admission_wait_ms=admission_wait_ms,
+            model_control=model_control,
         )
         grpc_server.start()
         print(f"grpc {grpc_server.address}", flush=True)
@@ -313,6 +322,7 @@ def serve(
                 tokens=tokens,
                 metrics=metrics,
                 limiter=limiter,  # one set of buckets for HTTP and gRPC
+                model_control=model_control,
             )
             server_config = uvicorn.Config(
                 asgi,

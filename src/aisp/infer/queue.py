@@ -59,7 +59,8 @@ class BatchQueue:
     Rows are queued per tier (``_tier`` column, 0 when absent), higher tiers served first, FIFO
     within a tier. A formed batch never exceeds ``max_batch_size``; queued pieces are split with
     ``Batch.slice`` and joined with ``Batch.concat``. Pieces whose schema differs from the first
-    piece taken wait for the next batch.
+    piece taken (field metadata included: a served model's per-row tensor shapes) wait for the
+    next batch.
 
     >>> q = BatchQueue(BatcherConfig(max_batch_size=2))
     >>> q.push(Batch.from_columns({"x": [1, 2, 3]}), now_ns=0)
@@ -205,7 +206,9 @@ class BatchQueue:
                 piece = queue[0]
                 if schema is None:
                     schema = piece.batch.schema
-                elif piece.batch.schema is not schema and not piece.batch.schema.equals(schema):
+                elif piece.batch.schema is not schema and not piece.batch.schema.equals(
+                    schema, check_metadata=True
+                ):
                     need = 0
                     break
                 oldest = min(oldest, piece.enqueue_ns)

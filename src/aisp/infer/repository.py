@@ -17,6 +17,7 @@ Triton priorities run from 1 (highest) to ``priority_levels``; AISP tiers run th
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from collections.abc import Iterator
@@ -29,11 +30,12 @@ from google.protobuf import text_format
 from google.protobuf.message import Message
 from tritonclient.grpc import model_config_pb2 as pb
 
-from aisp.errors import ConfigError, ModelError
+from aisp.errors import BadRequest, ConfigError, ModelNotFound
 from aisp.infer.config import BatcherConfig
 
 __all__ = [
     "ModelConfig",
+    "check_model_name",
     "ModelRepository",
     "TensorConfig",
     "UnsupportedConfigWarning",
@@ -97,6 +99,25 @@ SUPPORTED = {
 
 class UnsupportedConfigWarning(UserWarning):
     """A ``config.pbtxt`` field AISP does not implement; it is ignored."""
+
+
+def check_model_name(name: str) -> str:
+    """``name`` if it can name a model: one path segment, never a way out of the repository.
+
+    >>> check_model_name("fraud")
+    'fraud'
+    >>> check_model_name("../etc")
+    Traceback (most recent call last):
+    ...
+    aisp.errors.BadRequest: invalid model name '../etc', model name must not contain path traversal characters
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise BadRequest("Model name cannot be empty. Please enter a valid name to deploy.")
+    if name.strip() in (".", "..") or any(c in name for c in "/\\\x00"):
+        raise BadRequest(
+            f"invalid model name {name!r}, model name must not contain path traversal characters"
+        )
+    return name
 
 
 def priority_to_tier(priority: int, levels: int) -> int:
@@ -235,8 +256,9 @@ class ModelConfig:
         )
 
     def tier(self, priority: int) -> int:
-        """The tier of a request with Triton ``priority`` (0 = the model's default)."""
-        if priority == 0 or not self.priority_levels:
+        """The tier of a request with Triton ``priority``: 0, or a level the model does not
+        have, means the model's default (as Triton does)."""
+        if not self.priority_levels or not 1 <= priority <= self.priority_levels:
             return self.batcher.default_tier
         return priority_to_tier(priority, self.priority_levels)
 
@@ -297,16 +319,23 @@ class ModelRepository:
     def models(self) -> list[str]:
         return sorted(p.name for p in self.root.iterdir() if (p / "config.pbtxt").is_file())
 
+    def model_dir(self, name: str) -> Path:
+        """The directory of model ``name``: ``BadRequest`` unless it is one segment inside the root."""
+        path = self.root / check_model_name(name)
+        if Path(os.path.normpath(path)).parent != Path(os.path.normpath(self.root)):
+            raise BadRequest(f"invalid model name {name!r}: it resolves outside the model repository")
+        return path  # symbolic links an operator put in the repository are followed
+
     def config(self, name: str) -> ModelConfig:
-        path = self.root / name / "config.pbtxt"
+        path = self.model_dir(name) / "config.pbtxt"
         if not path.is_file():
-            raise ModelError(f"no model {name!r} in repository {str(self.root)!r} (no {path.name})")
+            raise ModelNotFound(f"no model {name!r} in repository {str(self.root)!r} (no {path.name})")
         return ModelConfig.parse(path.read_text(), source=str(path), model_dir=str(path.parent))
 
     def versions(self, name: str, config: ModelConfig | None = None) -> list[int]:
         """Versions present on disk (numeric directories holding the model file)."""
         filename = (config or self._quiet_config(name)).default_model_filename
-        model_dir = self.root / name
+        model_dir = self.model_dir(name)
         return sorted(
             int(p.name) for p in model_dir.iterdir() if p.name.isdigit() and (p / filename).is_file()
         )
@@ -317,7 +346,7 @@ class ModelRepository:
 
     def model_path(self, name: str, version: int, config: ModelConfig | None = None) -> Path:
         cfg = config or self._quiet_config(name)
-        return self.root / name / str(version) / cfg.default_model_filename
+        return self.model_dir(name) / str(version) / cfg.default_model_filename
 
     def _quiet_config(self, name: str) -> ModelConfig:
         with warnings.catch_warnings():

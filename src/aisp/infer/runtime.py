@@ -127,6 +127,13 @@ def default_providers(available: Sequence[str]) -> list[str]:
     return [p for p in GPU_PROVIDERS if p in available] + [CPU]
 
 
+def _spec(meta: Any) -> TensorSpec:
+    """The dtype and shape of an ONNX Runtime input or output (``NodeArg``)."""
+    return TensorSpec(
+        _ORT_DTYPES.get(meta.type), tuple(d if isinstance(d, int) else None for d in meta.shape)
+    )
+
+
 class OnnxRuntime:
     """An ONNX model run by ``onnxruntime.InferenceSession``.
 
@@ -172,12 +179,8 @@ class OnnxRuntime:
         metas = self._session.get_inputs()
         self.input_names = tuple(m.name for m in metas)
         self.output_names = tuple(m.name for m in self._session.get_outputs())
-        self.input_specs: Mapping[str, TensorSpec] = {
-            m.name: TensorSpec(
-                _ORT_DTYPES.get(m.type), tuple(d if isinstance(d, int) else None for d in m.shape)
-            )
-            for m in metas
-        }
+        self.input_specs: Mapping[str, TensorSpec] = {m.name: _spec(m) for m in metas}
+        self.output_specs: Mapping[str, TensorSpec] = {m.name: _spec(m) for m in self._session.get_outputs()}
         self._outputs = list(self.output_names)
 
     def run(self, inputs: Mapping[str, npt.NDArray[Any]]) -> Arrays:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy.typing as npt
 
-from aisp.errors import ModelError
+from aisp.errors import ModelError, ModelNotFound
 from aisp.infer.repository import ModelConfig, ModelRepository
 from aisp.infer.runtime import OnnxRuntime, TensorSpec
 
@@ -80,6 +80,10 @@ class ServedModel:
     @property
     def input_specs(self) -> Mapping[str, TensorSpec]:
         return self._current.input_specs
+
+    @property
+    def output_specs(self) -> Mapping[str, TensorSpec]:
+        return self._current.output_specs
 
     @property
     def provider(self) -> str:
@@ -149,13 +153,15 @@ class ServedModel:
     def _newest(self) -> int:
         versions = self.available()
         if not versions:
-            raise ModelError(f"model {self.name!r} has no version to serve in {str(self.repository.root)!r}")
+            raise ModelNotFound(
+                f"model {self.name!r} has no version to serve in {str(self.repository.root)!r}"
+            )
         return versions[-1]
 
     def _build(self, version: int) -> OnnxRuntime:
         path = self.repository.model_path(self.name, version, self.config)
         if not path.is_file():
-            raise ModelError(f"model {self.name!r} has no version {version} ({str(path)!r} is missing)")
+            raise ModelNotFound(f"model {self.name!r} has no version {version} ({str(path)!r} is missing)")
         providers = self._providers
         if providers is None and self.config.device == "cpu":
             providers = ["CPUExecutionProvider"]

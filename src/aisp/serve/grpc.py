@@ -5,92 +5,82 @@ Built on the generated stubs that ship in ``tritonclient`` (no hand-written prot
 batcher (``ModelServer``). Implemented: ServerLive, ServerReady, ModelReady, ServerMetadata,
 ModelMetadata, ModelConfig, ModelInfer (typed ``contents`` and ``raw_input_contents``),
 ModelStreamInfer, ModelStatistics, RepositoryIndex, RepositoryModelLoad, RepositoryModelUnload.
-The others answer UNIMPLEMENTED. ``/aisp.v1.Pipelines/Events`` is a served pipeline's ingest
-stream (``PipelineStreams``). Binds 127.0.0.1 unless told otherwise.
+The others answer UNIMPLEMENTED. Requests are parsed and checked by ``oip_grpc``; every failure
+is answered with the status its error carries (``status_of``: INVALID_ARGUMENT, NOT_FOUND,
+RESOURCE_EXHAUSTED, ...; INTERNAL, logged, for a fault of the server), never UNKNOWN, and a
+stream answers a request that fails with its ``error_message`` and goes on.
+``/aisp.v1.Pipelines/Events`` is a served pipeline's ingest stream (``PipelineStreams``).
+Binds 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
 from typing import Any
 
 import grpc
 import msgspec
-import numpy as np
-import numpy.typing as npt
 from google.protobuf.json_format import ParseDict
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from aisp.errors import AispError, ModelError
+from aisp.errors import AispError, BadRequest, Forbidden, ModelError, NotFound, Overloaded, Unavailable
+from aisp.infer.repository import check_model_name
 from aisp.schedule.ratelimit import Limiter
 from aisp.serve.auth import Scope, Tokens, api_key
+from aisp.serve.headers import TIER_KEY, parse_tier
+from aisp.serve.http_models import MODEL_CONTROL_OFF
 from aisp.serve.metrics import ServerMetrics
-from aisp.serve.models import NP_TO_OIP, OIP_TO_NP, ModelServer, RequestFailed
-from aisp.serve.pipelines import Chunk, InboxClosed, PipelineService
-from aisp.transform.operators import DEFAULT_TIERS
+from aisp.serve.models import ModelServer
+from aisp.serve.oip import check_request
+from aisp.serve.oip_grpc import encode_response, parse_request
+from aisp.serve.pipelines import Chunk, PipelineService
 
-__all__ = ["EVENTS_METHOD", "GrpcServer", "InferenceServicer", "PipelineStreams"]
+__all__ = ["EVENTS_METHOD", "GrpcServer", "InferenceServicer", "PipelineStreams", "status_of"]
 
 EVENTS_METHOD = "/aisp.v1.Pipelines/Events"
 """The pipeline ingest stream: bidirectional, raw bytes messages (NDJSON lines each way)."""
-TIER_KEY = "x-tier"
-"""Metadata key of a request's QoS tier name (gold, silver, bronze)."""
 
-CONTENTS_FIELD = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-}
+log = logging.getLogger("aisp.serve")
 
 
-class BadRequest(AispError):
-    """The request is malformed: the message says exactly what is wrong."""
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status and details a failure is answered with; a server fault is logged."""
+    if isinstance(exc, AispError):
+        code = getattr(grpc.StatusCode, exc.grpc_code, grpc.StatusCode.INTERNAL)
+        if code is grpc.StatusCode.INTERNAL:
+            log.error("gRPC request failed: %s", exc, exc_info=exc)
+        return code, str(exc)
+    log.error("gRPC request failed: %s", exc, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal server error: {type(exc).__name__}"
 
 
-def decode_inputs(request: Any) -> dict[str, npt.NDArray[Any]]:
-    """Arrays from a ModelInferRequest (raw contents, or typed ``contents``)."""
-    raw = list(request.raw_input_contents)
-    if raw and len(raw) != len(request.inputs):
-        raise BadRequest(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs")
-    out = {}
-    for i, t in enumerate(request.inputs):
-        dtype = OIP_TO_NP.get(t.datatype)
-        if dtype is None:
-            raise BadRequest(f"input {t.name!r}: datatype {t.datatype!r} is not supported")
-        shape = tuple(int(d) for d in t.shape)
-        count = int(np.prod(shape)) if shape else 1
-        if raw:
-            data = raw[i]
-            if len(data) != count * dtype.itemsize:
-                raise BadRequest(
-                    f"input {t.name!r}: {len(data)} bytes for shape {list(shape)} of {t.datatype}"
-                    f" (expected {count * dtype.itemsize})"
-                )
-            arr = np.frombuffer(data, dtype=dtype)
-        else:
-            values = getattr(t.contents, CONTENTS_FIELD[t.datatype])
-            if len(values) != count:
-                raise BadRequest(f"input {t.name!r}: {len(values)} values for shape {list(shape)}")
-            arr = np.asarray(values, dtype=dtype)
-        out[t.name] = arr.reshape(shape)
-    return out
+Handler = Callable[[Any, Any, Any], Any]
+
+
+def _answered(method: Handler) -> Handler:
+    """A unary handler whose every failure is answered with its status (never UNKNOWN)."""
+
+    @functools.wraps(method)
+    def call(self: Any, request: Any, context: Any) -> Any:
+        try:
+            return method(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - every failure is answered, typed or not
+            code, details = status_of(exc)
+        context.abort(code, details)
+
+    return call
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
-    """The OIP v2 gRPC service over a ``ModelServer``."""
+    """The OIP v2 gRPC service over a ``ModelServer``; ``model_control`` allows repository
+    loads and unloads (PERMISSION_DENIED otherwise)."""
 
     def __init__(
         self,
@@ -100,11 +90,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         version: str = "0.1.0",
         metrics: ServerMetrics | None = None,
         limiter: Limiter | None = None,
+        model_control: bool = False,
     ) -> None:
         self.models = server
         self.name, self.version = name, version
         self.metrics = metrics
         self.limiter = limiter
+        self.model_control = model_control
 
     def ServerLive(self, request: Any, context: Any) -> Any:  # noqa: N802 - the protocol's names
         return pb.ServerLiveResponse(live=True)
@@ -112,6 +104,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     def ServerReady(self, request: Any, context: Any) -> Any:  # noqa: N802
         return pb.ServerReadyResponse(ready=True)
 
+    @_answered
     def ModelReady(self, request: Any, context: Any) -> Any:  # noqa: N802
         return pb.ModelReadyResponse(ready=self.models.ready(request.name, request.version or None))
 
@@ -119,11 +112,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         extensions = ["model_repository", "schedule_policy", "model_configuration", "statistics"]
         return pb.ServerMetadataResponse(name=self.name, version=self.version, extensions=extensions)
 
+    @_answered
     def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
-        try:
-            meta = self.models.metadata(request.name, request.version or None)
-        except ModelError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        meta = self.models.metadata(request.name, request.version or None)
         tensors = {
             k: [pb.ModelMetadataResponse.TensorMetadata(**t) for t in meta[k]] for k in ("inputs", "outputs")
         }
@@ -131,129 +122,104 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             name=meta["name"], versions=meta["versions"], platform=meta["platform"], **tensors
         )
 
+    @_answered
     def ModelConfig(self, request: Any, context: Any) -> Any:  # noqa: N802
-        model = self._model(request.name, request.version, context)
+        model = self.models.served(request.name, request.version or None)
         return pb.ModelConfigResponse(config=model.config.message)
 
     def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
         started = time.perf_counter()
-        code = "OK"
         try:
-            return self._model_infer(request, context)
-        except Exception:
-            code = "ERROR"
-            raise
+            response = self._infer(request, context)
+            code = "OK"
+        except Exception as exc:  # noqa: BLE001 - every failure is answered, typed or not
+            status, details = status_of(exc)
+            code = status.name
         finally:
             if self.metrics is not None:
                 label = request.model_name if self.models.is_loaded(request.model_name) else "unknown"
                 self.metrics.observe("grpc", label, code, time.perf_counter() - started)
-
-    def _model_infer(self, request: Any, context: Any) -> Any:
-        try:
-            return self._infer(request, context)
-        except BadRequest as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except RequestFailed as exc:
-            if exc.overloaded:
-                code = grpc.StatusCode.RESOURCE_EXHAUSTED
-            elif exc.retriable:
-                code = grpc.StatusCode.DEADLINE_EXCEEDED
-            else:
-                code = grpc.StatusCode.INTERNAL
-            context.abort(code, str(exc))
-        except ModelError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        raise AssertionError("unreachable")  # context.abort raises
+        if code != "OK":
+            context.abort(status, details)
+        return response
 
     def ModelStreamInfer(self, request_iterator: Iterator[Any], context: Any) -> Iterator[Any]:  # noqa: N802
+        """One response per request, in order; a request that fails is answered with its
+        ``error_message`` and the stream goes on."""
         for request in request_iterator:
             try:
                 yield pb.ModelStreamInferResponse(infer_response=self._infer(request, context))
-            except (BadRequest, RequestFailed, ModelError) as exc:
-                yield pb.ModelStreamInferResponse(error_message=str(exc))
+            except Exception as exc:  # noqa: BLE001 - that request fails, the stream does not
+                yield pb.ModelStreamInferResponse(error_message=status_of(exc)[1])
 
+    @_answered
     def ModelStatistics(self, request: Any, context: Any) -> Any:  # noqa: N802
-        try:
-            stats = self.models.statistics(request.name or None, request.version or None)
-        except ModelError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        stats = self.models.statistics(request.name or None, request.version or None)
         return ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
 
+    @_answered
     def RepositoryIndex(self, request: Any, context: Any) -> Any:  # noqa: N802
         entries = [pb.RepositoryIndexResponse.ModelIndex(**e) for e in self.models.index()]
         if request.ready:
             entries = [e for e in entries if e.state == "READY"]
         return pb.RepositoryIndexResponse(models=entries)
 
+    @_answered
     def RepositoryModelLoad(self, request: Any, context: Any) -> Any:  # noqa: N802
+        self._control(request)
         version = None
-        if "version" in request.parameters:
-            version = int(
-                request.parameters["version"].int64_param or request.parameters["version"].string_param
+        params = dict(request.parameters)
+        if "version" in params:
+            p = params.pop("version")
+            text = str(getattr(p, p.WhichOneof("parameter_choice") or "string_param"))
+            if not text.isdigit():
+                raise BadRequest(f"parameter 'version' must be a version number, got {text[:40]!r}")
+            version = int(text)
+        if params:
+            raise BadRequest(
+                f"load parameters {sorted(params)} are not supported: models load from the repository"
             )
         try:
             self.models.load(request.model_name, version)
-        except (ModelError, AispError) as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except NotFound:
+            raise
+        except ModelError as exc:
+            raise BadRequest(f"load failed for model {request.model_name!r}: {exc}") from exc
         return pb.RepositoryModelLoadResponse()
 
+    @_answered
     def RepositoryModelUnload(self, request: Any, context: Any) -> Any:  # noqa: N802
-        try:
-            self.models.unload(request.model_name)
-        except ModelError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        self._control(request)
+        self.models.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
     # -- helpers ------------------------------------------------------------------------------
-    def _model(self, name: str, version: str, context: Any) -> Any:
-        try:
-            return self.models.served(name, version or None)
-        except ModelError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+    def _control(self, request: Any) -> None:
+        check_model_name(request.model_name)
+        if not self.model_control:
+            raise Forbidden(MODEL_CONTROL_OFF)
 
     def _infer(self, request: Any, context: Any) -> Any:
-        inputs = decode_inputs(request)
-        priority = int(request.parameters["priority"].int64_param) if "priority" in request.parameters else 0
+        name, version = request.model_name, request.model_version or None
+        sig = self.models.signature(name, version)
+        req = parse_request(request, sig)
         remaining = context.time_remaining() if context is not None else None
+        timeout_s = remaining if remaining is not None and remaining < 1e6 else None
+        if req.timeout_us is not None:
+            timeout_s = min(timeout_s or float("inf"), req.timeout_us / 1e6)
         metadata = dict(context.invocation_metadata() or ()) if context is not None else {}
         tier = parse_tier(metadata.get(TIER_KEY))
         if self.limiter is not None:
-            rows = int(next(iter(inputs.values())).shape[0]) if inputs else 1
-            level = tier if tier is not None else self.models.tier_of(request.model_name, priority)
+            rows = int(req.inputs[0].shape[0]) if req.inputs and req.inputs[0].shape else 1
+            level = tier if tier is not None else self.models.tier_of(name, req.priority)
             wait = self.limiter.admit(api_key(metadata.get("authorization"), context.peer()), level, rows)
             if wait:
-                raise RequestFailed(f"rate limit: retry in {wait:.3f} s", reason="overloaded")
+                raise Overloaded(f"rate limit: retry in {wait:.3f} s", retry_after_s=wait)
+        arrays = check_request(req, sig)  # the requested outputs too
         result = self.models.infer(
-            request.model_name,
-            inputs,
-            version=request.model_version or None,
-            priority=priority,
-            tier=tier,
-            timeout_s=remaining if remaining is not None and remaining < 1e6 else None,
+            name, arrays, version=version, priority=req.priority, tier=tier, timeout_s=timeout_s
         )
-        wanted = [o.name for o in request.outputs] or list(result.outputs)
-        response = pb.ModelInferResponse(model_name=result.model, model_version=result.version, id=request.id)
-        for name in wanted:
-            if name not in result.outputs:
-                raise BadRequest(f"model {result.model!r} has no output {name!r}")
-            arr = np.ascontiguousarray(result.outputs[name])
-            response.outputs.add(name=name, datatype=NP_TO_OIP[arr.dtype], shape=list(arr.shape))
-            response.raw_output_contents.append(arr.tobytes())
-        return response
-
-
-def parse_tier(name: str | None, source: str = TIER_KEY) -> int | None:
-    """The level of tier ``name`` (None: not given); an unknown name is a ``BadRequest`` naming
-    where it came from (``source``: a header or metadata key)."""
-    if name is None:
-        return None
-    if name not in DEFAULT_TIERS:
-        raise BadRequest(f"{source} must be one of {sorted(DEFAULT_TIERS)}, got {name!r}")
-    return DEFAULT_TIERS[name]
-
-
-class _Refused(Exception):
-    pass
+        return encode_response(pb, req, sig, result.version, result.outputs)
 
 
 class PipelineStreams:
@@ -286,28 +252,32 @@ class PipelineStreams:
         method = grpc.stream_stream_rpc_method_handler(self.events)  # bytes in, bytes out
         return grpc.method_handlers_generic_handler("aisp.v1.Pipelines", {"Events": method})
 
-    def _service(self, metadata: dict[str, Any], context: Any) -> PipelineService:
+    def _service(self, metadata: dict[str, Any]) -> PipelineService:
         name = metadata.get("pipeline")
         if name is None and len(self.pipelines) == 1:
             return next(iter(self.pipelines.values()))
         service = self.pipelines.get(name) if name is not None else None
         if service is None:
-            context.abort(
-                grpc.StatusCode.NOT_FOUND, f"no pipeline {name!r}; serving {sorted(self.pipelines)}"
-            )
-        assert service is not None
+            raise NotFound(f"no pipeline {name!r}; serving {sorted(self.pipelines)}")
         return service
 
     def events(self, request_iterator: Iterator[bytes], context: Any) -> Iterator[bytes]:
+        """The stream (see the class docstring); whatever fails is answered with its status."""
+        try:
+            yield from self._events(request_iterator, context)
+        except grpc.RpcError:
+            return  # the client went away
+        except Exception as exc:  # noqa: BLE001 - every failure is answered, typed or not
+            code, details = status_of(exc)
+            context.abort(code, details)
+
+    def _events(self, request_iterator: Iterator[bytes], context: Any) -> Iterator[bytes]:
         metadata = dict(context.invocation_metadata() or ())
-        service = self._service(metadata, context)
+        service = self._service(metadata)
         mode = metadata.get("mode", "results")
         if mode not in ("results", "fire"):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"mode must be 'results' or 'fire', got {mode!r}")
-        try:
-            tier = parse_tier(metadata.get(TIER_KEY))
-        except BadRequest as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise BadRequest(f"mode must be 'results' or 'fire', got {str(mode)[:40]!r}")
+        tier = parse_tier(metadata.get(TIER_KEY))
         remaining = context.time_remaining()
         deadline_ns = (
             time.monotonic_ns() + int(remaining * 1e9) if remaining is not None and remaining < 1e6 else None
@@ -329,23 +299,30 @@ class PipelineStreams:
                         wait = self.limiter.admit(key, tier if tier is not None else 0, len(lines))
                         if wait and first:
                             service.refused(len(lines), rate_limited=True)
-                            answers.put(_Refused(f"rate limit: retry in {wait:.3f} s"))
+                            answers.put(Overloaded(f"rate limit: retry in {wait:.3f} s", retry_after_s=wait))
                             return
                         stop.wait(wait)
-                    chunk, errors, admitted = service.submit(
-                        lines,
-                        deadline_ns=deadline_ns,
-                        tier=tier,
-                        track=mode == "results",
-                        wait_s=self.admission_wait_s if first else None,
-                        stop=stop,
-                        first_line=line,
-                        trace_parent=parent,
-                    )
+                    try:
+                        chunk, errors, admitted = service.submit(
+                            lines,
+                            deadline_ns=deadline_ns,
+                            tier=tier,
+                            track=mode == "results",
+                            wait_s=self.admission_wait_s if first else None,
+                            stop=stop,
+                            first_line=line,
+                            trace_parent=parent,
+                        )
+                    except Unavailable:
+                        raise
+                    except AispError as exc:  # this message fails; the stream goes on
+                        answers.put(_failed_message(len(lines), line, exc, fire=mode == "fire"))
+                        line += len(lines)
+                        continue
                     if not admitted:
                         if first:
                             service.refused(len(lines))
-                            answers.put(_Refused(f"pipeline {service.name!r} is overloaded; retry later"))
+                            answers.put(Overloaded(f"pipeline {service.name!r} is overloaded; retry later"))
                         return
                     line += len(lines)
                     if chunk is not None:
@@ -357,7 +334,7 @@ class PipelineStreams:
                             "errors": errors,
                         }
                         answers.put(msgspec.json.encode(ack) + b"\n")
-            except (InboxClosed, grpc.RpcError) as exc:
+            except Exception as exc:  # noqa: BLE001 - handed to the stream, which answers it
                 answers.put(exc)
             finally:
                 answers.put(None)
@@ -366,11 +343,9 @@ class PipelineStreams:
         reader.start()
         try:
             while (item := answers.get()) is not None:
-                if isinstance(item, _Refused):
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(item))
-                elif isinstance(item, InboxClosed):
-                    context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
-                elif isinstance(item, Chunk):
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, Chunk):
                     item.done.wait()
                     yield item.lines(0, item.n)
                 elif isinstance(item, bytes):
@@ -384,6 +359,15 @@ class PipelineStreams:
                     continue
                 if isinstance(item, Chunk):
                     service.tracker.discard(item)
+
+
+def _failed_message(n: int, first_line: int, exc: AispError, *, fire: bool) -> bytes:
+    """The answer to a message none of whose ``n`` events could be taken."""
+    encode = msgspec.json.encode
+    if fire:
+        errors = [{"line": first_line + i, "reason": str(exc)} for i in range(n)]
+        return encode({"accepted": 0, "rejected": n, "errors": errors}) + b"\n"
+    return b"".join(encode({"error": str(exc), "line": first_line + i}) + b"\n" for i in range(n))
 
 
 OPEN_METHODS = ("/inference.GRPCInferenceService/ServerLive", "/inference.GRPCInferenceService/ServerReady")
@@ -433,9 +417,11 @@ class GrpcServer:
         limiter: Limiter | None = None,
         pipelines: Mapping[str, PipelineService] | None = None,
         admission_wait_ms: float = 0.0,
+        model_control: bool = False,
     ) -> None:
         """``tls``: (certificate chain PEM, private key PEM) to serve over TLS. ``models`` may
-        be None when only ``pipelines`` are served."""
+        be None when only ``pipelines`` are served. ``model_control``: allow repository loads
+        and unloads."""
         interceptors = [_AuthInterceptor(tokens)] if tokens is not None and tokens.enabled else []
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="aisp-grpc"),
@@ -447,7 +433,8 @@ class GrpcServer:
         )
         if models is not None:
             pb_grpc.add_GRPCInferenceServiceServicer_to_server(
-                InferenceServicer(models, metrics=metrics, limiter=limiter), self._server
+                InferenceServicer(models, metrics=metrics, limiter=limiter, model_control=model_control),
+                self._server,
             )
         if pipelines:
             streams = PipelineStreams(pipelines, admission_wait_s=admission_wait_ms / 1000, limiter=limiter)

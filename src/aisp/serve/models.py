@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -20,47 +20,46 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import pyarrow as pa
 
-from aisp.batch import DEADLINE_NS, TIER, Batch, matrix_column
-from aisp.errors import AispError, ModelError
+from aisp.batch import DEADLINE_NS, ID, INGEST_NS, TIER, Batch, matrix_column
+from aisp.errors import AispError, BadRequest, ModelError, NotFound, RequestError
 from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.config import BatcherConfig
-from aisp.infer.repository import ModelRepository
+from aisp.infer.repository import ModelRepository, check_model_name
 from aisp.infer.runtime import Runtime
 from aisp.infer.versions import ServedModel
-from aisp.observe.clock import wall_ms
+from aisp.serve.model_stats import ModelStats
+from aisp.serve.oip import DATATYPES, Signature, TensorSignature, check_arrays, datatype_of
 
-__all__ = ["NP_TO_OIP", "OIP_TO_NP", "InferResult", "ModelServer", "ModelStats", "RequestFailed"]
+__all__ = ["InferResult", "ModelServer", "ModelStats", "RequestFailed", "signature_of"]
 
-NP_TO_OIP = {
-    np.dtype(np.bool_): "BOOL",
-    np.dtype(np.uint8): "UINT8",
-    np.dtype(np.uint16): "UINT16",
-    np.dtype(np.uint32): "UINT32",
-    np.dtype(np.uint64): "UINT64",
-    np.dtype(np.int8): "INT8",
-    np.dtype(np.int16): "INT16",
-    np.dtype(np.int32): "INT32",
-    np.dtype(np.int64): "INT64",
-    np.dtype(np.float16): "FP16",
-    np.dtype(np.float32): "FP32",
-    np.dtype(np.float64): "FP64",
-}
-"""numpy dtypes and their Open Inference Protocol v2 datatype names."""
-OIP_TO_NP = {v: k for k, v in NP_TO_OIP.items()}
+log = logging.getLogger("aisp.serve")
 
 _REQ = "_req"
 _ROW = "_row"
+_SHAPE = b"shape"  # field metadata: the per-row shape of a flattened tensor column
 
 
-class RequestFailed(AispError):
-    """An inference request did not complete: timed out, shed, or the model call failed."""
+class RequestFailed(RequestError):
+    """An accepted request did not complete; ``reason`` says why, and sets the status: shed or
+    overloaded (429, retriable), a timeout or passed deadline (504), the model unloaded or the
+    server stopping (503), the model call failing (500: a fault of the server or the model)."""
 
     def __init__(self, message: str, *, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
-        self.retriable = reason in ("shed", "overloaded") or reason.startswith(("timeout", "deadline"))
         self.overloaded = reason in ("shed", "overloaded")
+        timed_out = reason.startswith(("timeout", "deadline"))
+        self.retriable = self.overloaded or timed_out or reason == "unavailable"
+        if self.overloaded:
+            self.http_status, self.grpc_code = 429, "RESOURCE_EXHAUSTED"
+        elif timed_out:
+            self.http_status, self.grpc_code = 504, "DEADLINE_EXCEEDED"
+        elif reason == "unavailable":
+            self.http_status, self.grpc_code = 503, "UNAVAILABLE"
+        else:
+            self.http_status, self.grpc_code = 500, "INTERNAL"
 
 
 @dataclass
@@ -82,80 +81,12 @@ class _Pending:
     event: threading.Event | None = None  # thread callers wait on it; asyncio ones on ``future``
 
 
-class ModelStats:
-    """Triton's statistics extension for one model version, since it was loaded.
-
-    Requests: ``success`` / ``fail`` (count, total ns from receipt to answer). Rows: ``queue``
-    (each row counted with its batch's queueing time), ``compute_input`` / ``compute_infer`` /
-    ``compute_output`` per model call, and the same per batch size in ``batch_stats``.
-    """
-
-    _PHASES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
-
-    def __init__(self, name: str, version: str) -> None:
-        self.name, self.version = name, version
-        self._lock = threading.Lock()
-        self._phases = {p: [0, 0] for p in self._PHASES}
-        self._batches: dict[int, list[int]] = {}  # size -> count, input ns, infer ns, output ns
-        self.inference_count = 0
-        self.execution_count = 0
-        self.last_inference_ns = 0  # monotonic; reported as Unix ms
-        self._input_ns = 0
-        self._output_ns = 0
-
-    def request(self, ok: bool, ns: int) -> None:
-        with self._lock:
-            entry = self._phases["success" if ok else "fail"]
-            entry[0] += 1
-            entry[1] += ns
-            self.last_inference_ns = time.monotonic_ns()
-
-    def batch(self, rows: int, wait_ns: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
-        with self._lock:
-            self.inference_count += rows
-            self.execution_count += 1
-            for phase, ns in (
-                ("queue", wait_ns * rows),
-                ("compute_input", input_ns),
-                ("compute_infer", infer_ns),
-                ("compute_output", output_ns),
-            ):
-                entry = self._phases[phase]
-                entry[0] += rows if phase == "queue" else 1
-                entry[1] += ns
-            b = self._batches.setdefault(rows, [0, 0, 0, 0])
-            b[0] += 1
-            b[1] += input_ns
-            b[2] += infer_ns
-            b[3] += output_ns
-
-    def to_dict(self) -> dict[str, Any]:
-        """The ``$model_stat`` object of the HTTP/REST statistics extension."""
-        with self._lock:
-            return {
-                "name": self.name,
-                "version": self.version,
-                "last_inference": wall_ms(self.last_inference_ns) if self.last_inference_ns else 0,
-                "inference_count": self.inference_count,
-                "execution_count": self.execution_count,
-                "inference_stats": {p: {"count": c, "ns": ns} for p, (c, ns) in self._phases.items()},
-                "batch_stats": [
-                    {
-                        "batch_size": size,
-                        "compute_input": {"count": n, "ns": i},
-                        "compute_infer": {"count": n, "ns": c},
-                        "compute_output": {"count": n, "ns": o},
-                    }
-                    for size, (n, i, c, o) in sorted(self._batches.items())
-                ],
-            }
-
-
 class _Served:
-    """One loaded model and its batcher."""
+    """One loaded model, its signature and its batcher."""
 
     def __init__(self, server: ModelServer, model: ServedModel, config: BatcherConfig | None = None) -> None:
         self.model = model
+        self.signature = signature_of(model)
         self.stats: dict[str, ModelStats] = {}
         self.gather: list[_Gathered] = []  # asyncio requests of this loop turn (see infer_async)
         self._phase_ns = threading.local()
@@ -183,31 +114,61 @@ class _Served:
 
     def _prepare(self, batch: Batch) -> dict[str, npt.NDArray[Any]]:
         start = time.perf_counter_ns()
-        out = self._inputs(batch)
-        self._phase_ns.input_ns = time.perf_counter_ns() - start
-        return out
-
-    def _inputs(self, batch: Batch) -> dict[str, npt.NDArray[Any]]:
-        specs = self.model.input_specs
         out = {}
         for name in self.model.input_names:
             arr = batch.numpy(name)
-            spec = specs.get(name)
-            if spec is not None and spec.shape and all(isinstance(d, int) for d in spec.shape[1:]):
-                arr = arr.reshape((arr.shape[0], *spec.shape[1:]))
-            out[name] = np.ascontiguousarray(arr, dtype=spec.dtype if spec is not None else None)
+            out[name] = np.ascontiguousarray(arr.reshape((arr.shape[0], *_row_shape(batch, name))))
+        self._phase_ns.input_ns = time.perf_counter_ns() - start
         return out
 
     def _finish(self, batch: Batch, outputs: Mapping[str, npt.NDArray[Any]], runtime: Runtime) -> Batch:
         start = time.perf_counter_ns()
-        cols: dict[str, Any] = {}
+        base = batch.select([_REQ, _ROW]).record_batch
+        arrays, fields = list(base.columns), list(base.schema)
         for name, arr in outputs.items():
-            cols[f"out:{name}"] = matrix_column(arr.reshape(arr.shape[0], -1))
-        cols["_version"] = np.full(batch.num_rows, int(runtime.version), dtype=np.int64)
-        out = batch.select([_REQ, _ROW]).with_columns(cols)
+            col, f = _tensor_column(f"out:{name}", arr)
+            arrays.append(col)
+            fields.append(f)
+        arrays.append(pa.array(np.full(batch.num_rows, int(runtime.version), dtype=np.int64)))
+        fields.append(pa.field("_version", pa.int64()))
+        out = Batch(pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields)))
         self._phase_ns.output_ns = time.perf_counter_ns() - start
         self._phase_ns.version = str(runtime.version)
         return out
+
+
+def signature_of(model: ServedModel) -> Signature:
+    """The inputs and outputs requests are checked against: the model's ``config.pbtxt``, or,
+    where it lists none, what the ONNX model itself declares."""
+    cfg = model.config
+
+    def listed(tensors: Sequence[Any], specs: Mapping[str, Any]) -> tuple[TensorSignature, ...]:
+        out = []
+        for t in tensors:
+            datatype = datatype_of(np.dtype(t.dtype))
+            spec = specs.get(t.name)
+            if spec is None or (spec.dtype is not None and datatype_of(np.dtype(spec.dtype)) != datatype):
+                found = "no such tensor" if spec is None else f"{datatype_of(np.dtype(spec.dtype))}"
+                raise ModelError(
+                    f"{cfg.source}: {t.name!r} is {datatype} in config.pbtxt, but the model has {found}"
+                )
+            out.append(TensorSignature(t.name, datatype, tuple(t.dims)))
+        return tuple(out)
+
+    def declared(specs: Mapping[str, Any]) -> tuple[TensorSignature, ...]:
+        out = []
+        for name, spec in specs.items():
+            dims = tuple(-1 if d is None else d for d in (spec.shape or (None, None))[1:])
+            dtype = np.dtype(spec.dtype) if spec.dtype is not None else np.dtype(np.float32)
+            out.append(TensorSignature(name, datatype_of(dtype), dims))
+        return tuple(out)
+
+    return Signature(
+        cfg.name,
+        cfg.max_batch_size,
+        listed(cfg.inputs, model.input_specs) if cfg.inputs else declared(model.input_specs),
+        listed(cfg.outputs, model.output_specs) if cfg.outputs else declared(model.output_specs),
+    )
 
 
 class ModelServer:
@@ -247,7 +208,6 @@ class ModelServer:
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
-        self._shapes: dict[str, dict[str, tuple[int, ...]]] = {}
         self.started_ns = time.monotonic_ns()
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -263,7 +223,9 @@ class ModelServer:
 
     # -- repository ---------------------------------------------------------------------------
     def load(self, name: str, version: int | None = None) -> str:
-        """Load ``name`` (or switch it to ``version``: a hot swap between batches)."""
+        """Load ``name`` (or switch it to ``version``: a hot swap between batches). ``name`` is
+        one path segment inside the repository (``BadRequest`` otherwise)."""
+        check_model_name(name)
         with self._lock:
             current = self._served.get(name)
         if current is not None:
@@ -272,58 +234,69 @@ class ModelServer:
         served = _Served(self, model, self._batching.get(name))
         with self._lock:
             self._served[name] = served
-            self._shapes[name] = {t.name: t.dims for t in model.config.outputs}
         return model.version
 
     def unload(self, name: str) -> None:
+        check_model_name(name)
         with self._lock:
             served = self._served.pop(name, None)
         if served is None:
-            raise ModelError(f"model {name!r} is not loaded")
+            raise NotFound(f"Request for unknown model: {name!r} is not loaded")
         served.batcher.close()
 
     def index(self) -> list[dict[str, str]]:
         out = []
         for name in self.repository.models():
             served = self._served.get(name)
-            versions = self.repository.versions(name) or [0]
+            try:
+                versions = self.repository.versions(name) or [0]
+            except AispError:
+                versions = [0]  # a config that does not parse: listed, not loadable
             for v in versions:
                 ready = served is not None and served.model.version == str(v)
                 out.append({"name": name, "version": str(v), "state": "READY" if ready else "UNAVAILABLE"})
         return out
 
-    def served(self, name: str, version: str | None = None) -> ServedModel:
+    def _get(self, name: str, version: str | None = None) -> _Served:
+        check_model_name(name)
         with self._lock:
             s = self._served.get(name)
         if s is None:
-            raise ModelError(f"model {name!r} is not loaded")
+            raise NotFound(f"Request for unknown model: {name!r} is not found")
         if version and version != s.model.version:
-            raise ModelError(f"model {name!r} version {version} is not serving (serving: {s.model.version})")
-        return s.model
+            raise NotFound(f"Request for unknown model: {name!r} version {version} is not found")
+        return s
+
+    def served(self, name: str, version: str | None = None) -> ServedModel:
+        """The serving model ``name`` (at ``version``, if given); ``NotFound`` otherwise."""
+        return self._get(name, version).model
+
+    def signature(self, name: str, version: str | None = None) -> Signature:
+        """What requests to model ``name`` are checked against; ``NotFound`` if not loaded."""
+        return self._get(name, version).signature
 
     def metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
         """OIP v2 model metadata: name, serving versions, platform, inputs/outputs with the batch
         dimension as -1 and OIP datatypes."""
-        cfg = self.served(name, version).config
+        served = self._get(name, version)
+        cfg, sig = served.model.config, served.signature
 
-        def tensors(ts: Sequence[Any]) -> list[dict[str, Any]]:
-            return [
-                {"name": t.name, "datatype": NP_TO_OIP[np.dtype(t.dtype)], "shape": [-1, *t.dims]} for t in ts
-            ]
+        def tensors(ts: Sequence[TensorSignature]) -> list[dict[str, Any]]:
+            return [{"name": t.name, "datatype": t.datatype, "shape": [-1, *t.dims]} for t in ts]
 
         versions = [str(v) for v in self.repository.serving_versions(cfg.name, cfg)]
         return {
             "name": cfg.name,
             "versions": versions,
             "platform": cfg.platform,
-            "inputs": tensors(cfg.inputs),
-            "outputs": tensors(cfg.outputs),
+            "inputs": tensors(sig.inputs),
+            "outputs": tensors(sig.outputs),
         }
 
     def ready(self, name: str, version: str | None = None) -> bool:
         try:
-            self.served(name, version)
-        except ModelError:
+            self._get(name, version)
+        except (NotFound, BadRequest):
             return False
         return True
 
@@ -336,30 +309,21 @@ class ModelServer:
         return name in self._served
 
     # -- inference ----------------------------------------------------------------------------
-    def _check(self, model: ServedModel, inputs: Mapping[str, npt.NDArray[Any]]) -> int:
-        """The request's row count, after checking its inputs against the model's."""
-        name = model.name
-        missing = sorted(set(model.input_names) - set(inputs))
-        if missing:
-            raise ModelError(f"model {name!r} needs inputs {list(model.input_names)}; missing {missing}")
-        rows = {int(a.shape[0]) if a.ndim else -1 for a in inputs.values()}
-        if len(rows) != 1 or -1 in rows:
-            raise ModelError(f"inputs need one shared batch dimension first, got batch sizes {sorted(rows)}")
-        specs = model.input_specs
-        for k in model.input_names:
-            spec = specs.get(k)
-            dims = [d for d in spec.shape[1:] if isinstance(d, int) and d > 0] if spec and spec.shape else []
-            if spec is None or not spec.shape or len(dims) != len(spec.shape) - 1:
-                continue
-            per_row = math.prod(dims)
-            arr = inputs[k]
-            if math.prod(arr.shape[1:]) != per_row:
-                want = ["-1", *map(str, spec.shape[1:])]
-                raise ModelError(
-                    f"input {k!r} of model {name!r} has shape {list(arr.shape)};"
-                    f" the model takes [{', '.join(want)}]"
-                )
-        return rows.pop()
+    def _admit(
+        self,
+        name: str,
+        inputs: Mapping[str, npt.NDArray[Any]],
+        version: str | None,
+        priority: int,
+        tier: int | None,
+        timeout_s: float | None,
+    ) -> tuple[_Served, int, int, int | None]:
+        """Check a request: (its model, rows, tier, deadline ns)."""
+        served = self._get(name, version)
+        n = check_arrays(served.signature, inputs)
+        tier = served.model.config.tier(priority) if tier is None else tier
+        deadline = None if timeout_s is None else time.monotonic_ns() + int(timeout_s * 1e9)
+        return served, n, tier, deadline
 
     def infer(
         self,
@@ -372,27 +336,29 @@ class ModelServer:
         timeout_s: float | None = None,
     ) -> InferResult:
         """Run ``inputs`` (arrays with the batch dimension first) through the model's batcher,
-        from a thread (blocks until answered). Asyncio callers use ``infer_async``."""
-        model = self.served(name, version)
-        n = self._check(model, inputs)
+        from a thread (blocks until answered). Asyncio callers use ``infer_async``. The inputs
+        are checked first: ``BadRequest`` names what does not fit the model."""
+        served, n, tier, deadline = self._admit(name, inputs, version, priority, tier, timeout_s)
+        if _empty(inputs):
+            return self._run_empty(served, inputs)
         req = next(self._ids)
         pending = _Pending(n, event=threading.Event())
-        deadline = None if timeout_s is None else time.monotonic_ns() + int(timeout_s * 1e9)
-        tier = model.config.tier(priority) if tier is None else tier
-        batch = _request_batch(model, [_Gathered(req, inputs, n, tier, deadline, 0)])
+        batches = _request_batches(served.model, [_Gathered(req, inputs, n, tier, deadline, 0)])
         with self._lock:
             self._pending[req] = pending
-            served = self._served[name]
         started = time.perf_counter_ns()
         try:
             try:
-                served.batcher.submit(batch, timeout_ms=self.admission_wait_ms)
+                served.batcher.submit(batches[0], timeout_ms=self.admission_wait_ms)
             except TimeoutError as exc:
                 pending.error = "overloaded"
                 raise RequestFailed(
                     f"model {name!r} is overloaded: its queue is full ({exc}); retry later",
                     reason="overloaded",
                 ) from exc
+            except RuntimeError as exc:
+                pending.error = "unavailable"
+                raise RequestFailed(f"model {name!r} is unavailable: {exc}", reason="unavailable") from exc
             assert pending.event is not None
             if not pending.event.wait(None if timeout_s is None else timeout_s + 1.0):
                 pending.error = "timeout"
@@ -400,8 +366,10 @@ class ModelServer:
             with self._lock:
                 self._pending.pop(req, None)
             ok = pending.error is None
-            served.stats_of(pending.version or model.version).request(ok, time.perf_counter_ns() - started)
-        return self._result(name, n, pending, timeout_s)
+            served.stats_of(pending.version or served.model.version).request(
+                ok, time.perf_counter_ns() - started
+            )
+        return self._result(name, pending, timeout_s)
 
     async def infer_async(
         self,
@@ -414,23 +382,21 @@ class ModelServer:
         timeout_s: float | None = None,
     ) -> InferResult:
         """``infer`` for asyncio: the requests that arrive in one turn of the event loop are
-        handed to the batcher as one batch (one Arrow batch, one queue operation), and their
-        answers come back to the loop in one call per model batch."""
-        model = self.served(name, version)
-        n = self._check(model, inputs)
+        handed to the batcher together (one Arrow batch per input shape, one queue operation),
+        and their answers come back to the loop in one call per model batch."""
+        served, n, tier, deadline = self._admit(name, inputs, version, priority, tier, timeout_s)
+        if _empty(inputs):
+            return await asyncio.to_thread(self._run_empty, served, inputs)
         loop = asyncio.get_running_loop()
         req = next(self._ids)
         pending = _Pending(n, future=loop.create_future(), loop=loop)
         now = time.monotonic_ns()
-        deadline = None if timeout_s is None else now + int(timeout_s * 1e9)
-        tier = model.config.tier(priority) if tier is None else tier
         with self._lock:
             self._pending[req] = pending
-            served = self._served[name]
         gather = served.gather
         gather.append(_Gathered(req, inputs, n, tier, deadline, now + int(self.admission_wait_ms * 1e6)))
         if len(gather) == 1:
-            loop.call_soon(self._flush, served, model)
+            loop.call_soon(self._flush, served)
         started = time.perf_counter_ns()
         try:
             assert pending.future is not None
@@ -444,13 +410,39 @@ class ModelServer:
             with self._lock:
                 self._pending.pop(req, None)
             ok = pending.error is None
-            served.stats_of(pending.version or model.version).request(ok, time.perf_counter_ns() - started)
-        return self._result(name, n, pending, timeout_s)
+            served.stats_of(pending.version or served.model.version).request(
+                ok, time.perf_counter_ns() - started
+            )
+        return self._result(name, pending, timeout_s)
 
-    def _flush(self, served: _Served, model: ServedModel) -> None:
+    def _run_empty(self, served: _Served, inputs: Mapping[str, npt.NDArray[Any]]) -> InferResult:
+        """A request with a tensor of no elements, computed alone (batches cannot hold one).
+        Zero rows that the model cannot compute are answered empty all the same."""
+        sig = served.signature
+        rows = int(next(iter(inputs.values())).shape[0])
+        try:
+            runtime = served.model.resolve()
+            outputs = runtime.run({n: np.ascontiguousarray(inputs[n]) for n in served.model.input_names})
+        except AispError as exc:
+            if rows == 0:
+                return InferResult(
+                    sig.model, served.model.version, {t.name: _empty_output(t) for t in sig.outputs}
+                )
+            raise BadRequest(f"model {sig.model!r} cannot compute an input of zero elements: {exc}") from exc
+        return InferResult(sig.model, str(runtime.version), dict(outputs))
+
+    def _flush(self, served: _Served) -> None:
         """(Event loop) Submit the requests gathered this turn: those that fit in the model's
-        queue as one batch; the rest wait for room until their admission time is up."""
+        queue, one batch per input shape; the rest wait for room until their admission time is
+        up. Never raises into the loop: a failure fails the requests it concerns."""
         items, served.gather = served.gather, []
+        try:
+            self._submit_gathered(served, items)
+        except Exception as exc:  # noqa: BLE001 - a fault here must fail its requests, never the loop
+            log.exception("model %s: submitting %d requests failed", served.model.name, len(items))
+            self._settle([it.req for it in items], f"internal error: {type(exc).__name__}: {exc}")
+
+    def _submit_gathered(self, served: _Served, items: list[_Gathered]) -> None:
         if not items:
             return
         batcher = served.batcher
@@ -461,21 +453,20 @@ class ModelServer:
             take = 1  # a request larger than the whole queue is taken when it is empty
         now = time.monotonic_ns()
         refused = items[take:]
-        if take:
-            batch = _request_batch(model, items[:take])
-            cost_ns = int(self.inline_max_us * 1e3)
+        cost_ns = int(self.inline_max_us * 1e3)
+        for batch in _request_batches(served.model, items[:take]):
             try:
                 if not (cost_ns > 0 and batcher.run_inline(batch, max_cost_ns=cost_ns)):
                     batcher.submit(batch, timeout_ms=0)
             except TimeoutError:
-                refused = items
+                self._settle(np.unique(batch.numpy(_REQ)).tolist(), "overloaded")
             except RuntimeError:  # the model was unloaded or the server is stopping
-                self._settle([it.req for it in items[:take]], "unavailable")
+                self._settle(np.unique(batch.numpy(_REQ)).tolist(), "unavailable")
         waiting = [it for it in refused if it.admit_until_ns > now]
         self._settle([it.req for it in refused if it.admit_until_ns <= now], "overloaded")
         if waiting:
             if not served.gather:
-                asyncio.get_running_loop().call_later(0.001, self._flush, served, model)
+                asyncio.get_running_loop().call_later(0.001, self._flush, served)
             served.gather[:0] = waiting
 
     def _settle(self, reqs: Sequence[int], error: str | None) -> None:
@@ -490,7 +481,7 @@ class ModelServer:
                     done.append(p)
         _wake(done)
 
-    def _result(self, name: str, n: int, pending: _Pending, timeout_s: float | None) -> InferResult:
+    def _result(self, name: str, pending: _Pending, timeout_s: float | None) -> InferResult:
         if pending.error == "overloaded":
             raise RequestFailed(
                 f"model {name!r} is overloaded: its queue is full; retry later", reason="overloaded"
@@ -499,21 +490,16 @@ class ModelServer:
             raise RequestFailed(f"model {name!r}: no answer in {timeout_s:g} s", reason="timeout")
         if pending.error is not None:
             raise RequestFailed(f"model {name!r}: {pending.error}", reason=pending.error)
-        shapes = self._shapes.get(name, {})
-        outputs = {
-            k: v.reshape((n, *shapes[k])) if k in shapes and all(d > 0 for d in shapes[k]) else v
-            for k, v in pending.outputs.items()
-        }
-        return InferResult(name, pending.version, outputs)
+        return InferResult(name, pending.version, pending.outputs)
 
     def statistics(self, name: str | None = None, version: str | None = None) -> list[dict[str, Any]]:
         """Triton statistics (``$model_stat`` objects) of the loaded models, or of one model
-        (and version); a model not loaded raises ``ModelError``."""
+        (and version); a model not loaded raises ``NotFound``."""
         with self._lock:
             served = dict(self._served)
         if name is not None:
             if name not in served:
-                raise ModelError(f"model {name!r} is not loaded")
+                raise NotFound(f"Request for unknown model: {name!r} is not found")
             served = {name: served[name]}
         out = []
         for _, s in sorted(served.items()):
@@ -538,7 +524,9 @@ class ModelServer:
         reqs = batch.numpy(_REQ)
         rows = batch.numpy(_ROW)
         version = str(int(batch.numpy("_version")[0]))
-        outs = {c[4:]: batch.numpy(c) for c in batch.column_names if c.startswith("out:")}
+        outs = {
+            c[4:]: (batch.numpy(c), _row_shape(batch, c)) for c in batch.column_names if c.startswith("out:")
+        }
         # rows of one request are contiguous unless tiers or a split reordered them
         bounds = np.flatnonzero(reqs[1:] != reqs[:-1]) + 1
         starts = [0, *bounds.tolist()]
@@ -551,13 +539,14 @@ class ModelServer:
             if p is None:
                 continue  # the caller gave up
             if p.done_rows == 0 and e - s == p.rows and rows[s] == 0 and rows[e - 1] == p.rows - 1:
-                p.outputs = {name: arr[s:e] for name, arr in outs.items()}  # the whole request, in order
+                # the whole request, in order
+                p.outputs = {name: arr[s:e].reshape((e - s, *shape)) for name, (arr, shape) in outs.items()}
             else:
-                for name, arr in outs.items():
+                for name, (arr, shape) in outs.items():
                     buf = p.outputs.get(name)
                     if buf is None:
-                        buf = p.outputs[name] = np.empty((p.rows, arr.shape[1]), dtype=arr.dtype)
-                    buf[rows[s:e]] = arr[s:e]
+                        buf = p.outputs[name] = np.empty((p.rows, *shape), dtype=arr.dtype)
+                    buf[rows[s:e]] = arr[s:e].reshape((e - s, *shape))
             p.version = version
             p.done_rows += e - s
             if p.done_rows >= p.rows:
@@ -578,27 +567,68 @@ class _Gathered:
     admit_until_ns: int
 
 
+def _empty(inputs: Mapping[str, npt.NDArray[Any]]) -> bool:
+    return any(a.size == 0 for a in inputs.values())
+
+
+def _empty_output(t: TensorSignature) -> npt.NDArray[Any]:
+    return np.empty((0, *(max(d, 0) for d in t.dims)), dtype=DATATYPES[t.datatype])
+
+
+def _request_batches(model: ServedModel, gathered: Sequence[_Gathered]) -> list[Batch]:
+    """Batches of the rows of requests ``gathered``, tagged with request id and row number: one
+    batch per per-row input shape (requests with other shapes of a variable dim never share a
+    model call)."""
+    groups: dict[tuple[tuple[int, ...], ...], list[_Gathered]] = {}
+    for it in gathered:
+        key = tuple(tuple(it.inputs[k].shape[1:]) for k in model.input_names)
+        groups.setdefault(key, []).append(it)
+    return [_request_batch(model, items) for items in groups.values()]
+
+
 def _request_batch(model: ServedModel, gathered: Sequence[_Gathered]) -> Batch:
-    """One batch of the rows of requests ``gathered``, tagged with request id and row number."""
     ns = np.fromiter((it.rows for it in gathered), dtype=np.int64, count=len(gathered))
-    cols: dict[str, Any] = {}
+    arrays, fields = [], []
     for k in model.input_names:
-        arrays = [it.inputs[k] for it in gathered]
-        cols[k] = _column(
-            arrays[0] if len(arrays) == 1 else np.concatenate([a.reshape(a.shape[0], -1) for a in arrays])
-        )
+        parts = [it.inputs[k] for it in gathered]
+        col, f = _tensor_column(k, parts[0] if len(parts) == 1 else np.concatenate(parts))
+        arrays.append(col)
+        fields.append(f)
     reqs = np.fromiter((it.req for it in gathered), dtype=np.int64, count=len(gathered))
-    cols[_REQ] = np.repeat(reqs, ns)
     total = int(ns.sum())
     if total == len(gathered):
-        cols[_ROW] = np.zeros(total, dtype=np.int64)
+        row = np.zeros(total, dtype=np.int64)
     else:
-        cols[_ROW] = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(ns) - ns, ns)
-    cols[TIER] = np.repeat(np.fromiter((it.tier for it in gathered), dtype=np.int8, count=len(gathered)), ns)
+        row = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(ns) - ns, ns)
+    meta = {
+        _REQ: np.repeat(reqs, ns),
+        _ROW: row,
+        TIER: np.repeat(np.fromiter((it.tier for it in gathered), dtype=np.int8, count=len(gathered)), ns),
+        ID: np.arange(total, dtype=np.int64),
+        INGEST_NS: np.full(total, time.monotonic_ns(), dtype=np.int64),
+    }
     if any(it.deadline_ns is not None for it in gathered):
         d = np.fromiter((it.deadline_ns or 0 for it in gathered), dtype=np.int64, count=len(gathered))
-        cols[DEADLINE_NS] = np.repeat(d, ns)
-    return Batch.from_columns(cols)
+        meta[DEADLINE_NS] = np.repeat(d, ns)
+    for name, values in meta.items():
+        arrays.append(pa.array(values))
+        fields.append(pa.field(name, arrays[-1].type))
+    return Batch(pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields)))
+
+
+def _tensor_column(name: str, arr: npt.NDArray[Any]) -> tuple[pa.Array, pa.Field]:
+    """A tensor with the batch first as one column: rows flattened, the per-row shape in the
+    field's metadata (read back by ``_row_shape``)."""
+    arr = np.asarray(arr)
+    col = pa.array(arr) if arr.ndim == 1 else matrix_column(arr.reshape(arr.shape[0], -1))
+    shape = ",".join(str(d) for d in arr.shape[1:]).encode()
+    return col, pa.field(name, col.type, metadata={_SHAPE: shape})
+
+
+def _row_shape(batch: Batch, name: str) -> tuple[int, ...]:
+    meta = batch.schema.field(name).metadata or {}
+    shape = meta.get(_SHAPE, b"")
+    return tuple(int(d) for d in shape.split(b",")) if shape else ()
 
 
 def _wake(done: Sequence[_Pending]) -> None:
@@ -629,10 +659,3 @@ def _resolve(ps: Sequence[_Pending]) -> None:
     for p in ps:
         if p.future is not None and not p.future.done():
             p.future.set_result(None)
-
-
-def _column(arr: npt.NDArray[Any]) -> Any:
-    arr = np.asarray(arr)
-    if arr.ndim == 1:
-        return arr
-    return matrix_column(arr.reshape(arr.shape[0], -1))

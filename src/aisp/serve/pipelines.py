@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from aisp.batch import DEADLINE_NS, ID, TIER, Batch
-from aisp.errors import ConfigError
+from aisp.errors import ConfigError, Unavailable
 from aisp.ingest.base import Source, SourceContext, SourcePartition
 from aisp.ingest.decode import ColumnarDecoder, Decoded
 from aisp.ingest.decoder_process import DecoderProcess
@@ -51,8 +51,8 @@ _encode = msgspec.json.Encoder().encode
 log = logging.getLogger("aisp.serve")
 
 
-class InboxClosed(Exception):
-    """The service is shutting down and takes no more events."""
+class InboxClosed(Unavailable):
+    """The service is shutting down and takes no more events (503 / UNAVAILABLE)."""
 
 
 class Inbox:

@@ -1,0 +1,52 @@
+"""Request options that arrive as HTTP headers or gRPC metadata, parsed strictly for both.
+
+A deadline is a finite, positive number of milliseconds of at most ``MAX_DEADLINE_MS`` (one
+hour); a tier is one of the named QoS tiers. Anything else is a ``BadRequest`` naming where the
+value came from.
+"""
+
+from __future__ import annotations
+
+import math
+
+from aisp.errors import BadRequest
+from aisp.transform.operators import DEFAULT_TIERS
+
+__all__ = ["DEADLINE_HEADER", "MAX_DEADLINE_MS", "TIER_HEADER", "TIER_KEY", "parse_deadline_ms", "parse_tier"]
+
+DEADLINE_HEADER = "X-Request-Deadline-Ms"
+"""Milliseconds the client will wait: rows still queued after that are dropped, the request 504s."""
+TIER_HEADER = "X-Tier"
+"""QoS tier name of a request (gold, silver, bronze); the OIP ``priority`` parameter otherwise."""
+TIER_KEY = "x-tier"
+"""The same as gRPC metadata."""
+MAX_DEADLINE_MS = 3_600_000.0
+
+
+def parse_deadline_ms(value: str | None, source: str = DEADLINE_HEADER) -> float | None:
+    """Milliseconds from ``value`` (None: not given).
+
+    >>> parse_deadline_ms("250"), parse_deadline_ms(None)
+    (250.0, None)
+    """
+    if value is None:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        raise BadRequest(f"{source} must be a number of milliseconds, got {value[:40]!r}") from None
+    if not (math.isfinite(ms) and 0 < ms <= MAX_DEADLINE_MS):
+        raise BadRequest(
+            f"{source} must be more than 0 and at most {MAX_DEADLINE_MS:.0f} ms, got {value[:40]!r}"
+        )
+    return ms
+
+
+def parse_tier(name: str | None, source: str = TIER_KEY) -> int | None:
+    """The level of tier ``name`` (None: not given); an unknown name is a ``BadRequest`` naming where
+    it came from (``source``: a header or metadata key)."""
+    if name is None:
+        return None
+    if name not in DEFAULT_TIERS:
+        raise BadRequest(f"{source} must be one of {sorted(DEFAULT_TIERS)}, got {name[:40]!r}")
+    return DEFAULT_TIERS[name]

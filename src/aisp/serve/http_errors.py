@@ -1,0 +1,78 @@
+"""Errors as HTTP responses: always JSON ``{"error": ...}``, with the status the error carries.
+
+A ``RequestError`` answers with its own status (400, 403, 404, 413, 429 with ``Retry-After``,
+503, 504); anything else is a fault of the server: 500, logged with its traceback. The app's
+handlers give unmatched routes (404) and methods (405) the same JSON form.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from aisp.errors import AispError
+from aisp.serve.headers import DEADLINE_HEADER, TIER_HEADER, parse_deadline_ms, parse_tier
+
+__all__ = ["EXCEPTION_HANDLERS", "error_response", "guarded", "parse_deadline_s", "parse_tier_header"]
+
+log = logging.getLogger("aisp.serve")
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """The response for ``exc``; a server fault is logged with its traceback."""
+    status = exc.http_status if isinstance(exc, AispError) else 500
+    headers = {}
+    if status in (429, 503):  # overloaded, or draining: when to come back
+        headers["Retry-After"] = str(max(1, math.ceil(getattr(exc, "retry_after_s", 1.0))))
+    if status == 500:
+        log.error("request failed: %s", exc, exc_info=exc)
+    message = str(exc) if isinstance(exc, AispError) else f"internal server error: {type(exc).__name__}"
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def guarded(endpoint: Endpoint) -> Endpoint:
+    """``endpoint`` with every exception it raises answered by ``error_response``."""
+
+    @functools.wraps(endpoint)
+    async def call(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except Exception as exc:  # noqa: BLE001 - every failure is answered, typed or not
+            return error_response(exc)
+
+    return call
+
+
+def parse_deadline_s(headers: Mapping[str, str]) -> float | None:
+    ms = parse_deadline_ms(headers.get(DEADLINE_HEADER))
+    return None if ms is None else ms / 1000
+
+
+def parse_tier_header(headers: Mapping[str, str]) -> int | None:
+    return parse_tier(headers.get(TIER_HEADER), TIER_HEADER)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    phrase = {404: "Not Found", 405: "Method Not Allowed"}.get(exc.status_code, str(exc.detail))
+    return JSONResponse({"error": phrase}, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return error_response(exc)
+
+
+EXCEPTION_HANDLERS: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+    HTTPException: _http_error,
+    Exception: _server_error,
+}
+"""Starlette ``exception_handlers``: JSON for unmatched routes and methods, and for faults."""

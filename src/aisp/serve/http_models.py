@@ -1,0 +1,229 @@
+"""The OIP v2 model routes over HTTP/REST, the model repository extension and statistics.
+
+Routes (``/versions/{v}`` optional wherever a model is named): ``GET /v2/models/{m}``,
+``GET .../ready``, ``GET .../config``, ``GET .../stats``, ``POST .../infer``,
+``GET /v2/models/stats``, ``POST /v2/repository/index``, ``POST /v2/repository/models/{m}/load``
+and ``/unload``. Requests are parsed and checked by ``oip_http`` against the model's signature;
+every error is JSON ``{"error": ...}`` with the status its type carries (``http_errors``).
+Loading and unloading (Triton's model control) are refused unless ``model_control`` is on.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.json_format import MessageToDict
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from aisp.errors import BadRequest, Forbidden, ModelError, NotFound, Overloaded, PayloadTooLarge
+from aisp.infer.repository import check_model_name
+from aisp.schedule.ratelimit import Limiter
+from aisp.serve.auth import api_key
+from aisp.serve.http_errors import error_response, guarded, parse_deadline_s, parse_tier_header
+from aisp.serve.metrics import ServerMetrics
+from aisp.serve.models import ModelServer
+from aisp.serve.oip import check_request
+from aisp.serve.oip_http import HEADER_LENGTH, encode_response, parse_request
+
+__all__ = ["MODEL_CONTROL_OFF", "config_json", "model_routes"]
+
+MODEL_CONTROL_OFF = (
+    "explicit model load / unload is not allowed: model control is off on this server"
+    " (start it with --allow-model-control, or configure admin tokens)"
+)
+_INT64 = {FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64}
+_SMALL_BODY = 4 << 20  # repository requests carry a few parameters
+
+
+class _IndexRequest(msgspec.Struct):
+    ready: bool = False
+
+
+class _LoadRequest(msgspec.Struct):
+    parameters: dict[str, Any] | None = None
+
+
+def config_json(message: Any) -> dict[str, Any]:
+    """A model's config as Triton renders it: proto field names, fields at their defaults
+    included, enums by name, and 64-bit integers as JSON numbers (not protobuf's strings)."""
+    out: dict[str, Any] = MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    _numbers(message.DESCRIPTOR, out)
+    return out
+
+
+def _numbers(descriptor: Any, d: dict[str, Any]) -> None:
+    for f in descriptor.fields:
+        value = d.get(f.name)
+        if value is None:
+            continue
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            vf = f.message_type.fields_by_name["value"]
+            for k in value:
+                if vf.message_type is not None:
+                    _numbers(vf.message_type, value[k])
+                elif vf.cpp_type in _INT64:
+                    value[k] = int(value[k])
+        elif f.message_type is not None:
+            for item in value if f.is_repeated else [value]:
+                _numbers(f.message_type, item)
+        elif f.cpp_type in _INT64:
+            d[f.name] = [int(x) for x in value] if f.is_repeated else int(value)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it passes ``limit`` bytes (chunked bodies too)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise BadRequest("the client disconnected before sending the whole body") from None
+    return b"".join(chunks)
+
+
+def model_routes(
+    models: ModelServer,
+    metrics: ServerMetrics,
+    limiter: Limiter | None,
+    max_body_bytes: int,
+    *,
+    model_control: bool,
+) -> list[Route]:
+    """OIP v2 model routes, model repository extension and statistics."""
+
+    def version_of(request: Request) -> str | None:
+        version = request.path_params.get("version")
+        return None if version is None else str(version)
+
+    @guarded
+    async def model_metadata(request: Request) -> Response:
+        return JSONResponse(models.metadata(request.path_params["model"], version_of(request)))
+
+    @guarded
+    async def model_ready(request: Request) -> Response:
+        model = request.path_params["model"]
+        if not models.ready(model, version_of(request)):
+            raise NotFound(f"Request for unknown model: {model!r} is not found")
+        return Response(status_code=200)
+
+    @guarded
+    async def model_config(request: Request) -> Response:
+        cfg = models.served(request.path_params["model"], version_of(request)).config
+        return JSONResponse(config_json(cfg.message))
+
+    async def infer(request: Request) -> Response:
+        started = time.perf_counter()
+        try:
+            response = await _infer(request)
+        except Exception as exc:  # noqa: BLE001 - every failure is answered, typed or not
+            response = error_response(exc)
+        model = request.path_params["model"]
+        label = model if models.is_loaded(model) else "unknown"
+        metrics.observe("http", label, str(response.status_code), time.perf_counter() - started)
+        return response
+
+    async def _infer(request: Request) -> Response:
+        name, version = request.path_params["model"], version_of(request)
+        sig = models.signature(name, version)  # an unknown model is a 404 before the body is read
+        body = await _read_body(request, max_body_bytes)
+        req = parse_request(body, request.headers.get(HEADER_LENGTH), sig)
+        timeout_s = parse_deadline_s(request.headers)
+        if req.timeout_us is not None:
+            timeout_s = min(timeout_s or float("inf"), req.timeout_us / 1e6)
+        tier = parse_tier_header(request.headers)
+        if limiter is not None:
+            rows = int(req.inputs[0].shape[0]) if req.inputs and req.inputs[0].shape else 1
+            level = tier if tier is not None else models.tier_of(name, req.priority)
+            wait = limiter.admit(api_key(request.headers.get("authorization"), _peer(request)), level, rows)
+            if wait:
+                raise Overloaded(f"rate limit: retry in {wait:.3f} s", retry_after_s=wait)
+        arrays = check_request(req, sig)  # the requested outputs too
+        result = await models.infer_async(
+            name, arrays, version=version, priority=req.priority, tier=tier, timeout_s=timeout_s
+        )
+        body, headers = encode_response(req, sig, result.version, result.outputs)
+        return Response(body, headers=headers)
+
+    @guarded
+    async def statistics(request: Request) -> Response:
+        stats = models.statistics(request.path_params.get("model"), version_of(request))
+        return JSONResponse({"model_stats": stats})
+
+    @guarded
+    async def repository_index(request: Request) -> Response:
+        body = await _read_body(request, _SMALL_BODY)
+        ready = _decode(body, _IndexRequest, "repository index request").ready if body.strip() else False
+        index = models.index()
+        return JSONResponse([e for e in index if e["state"] == "READY"] if ready else index)
+
+    def control(request: Request, body: bytes, allowed: frozenset[str] = frozenset()) -> str:
+        name = request.path_params["model"]
+        check_model_name(name)
+        if not model_control:
+            raise Forbidden(MODEL_CONTROL_OFF)
+        params = _decode(body, _LoadRequest, "request").parameters if body.strip() else None
+        unknown = sorted(set(params or ()) - allowed)
+        if unknown:
+            raise BadRequest(f"parameters {unknown} are not supported: models load from the repository")
+        return str(name)
+
+    @guarded
+    async def load(request: Request) -> Response:
+        name = control(request, await _read_body(request, _SMALL_BODY))
+        try:
+            await run_in_threadpool(models.load, name)
+        except NotFound:
+            raise
+        except ModelError as exc:
+            raise BadRequest(f"load failed for model {name!r}: {exc}") from exc
+        return Response(status_code=200)
+
+    @guarded
+    async def unload(request: Request) -> Response:
+        body = await _read_body(request, _SMALL_BODY)
+        models.unload(control(request, body, frozenset({"unload_dependents"})))  # there are none
+        return Response(status_code=200)
+
+    routes = [
+        Route("/v2/models/stats", statistics),
+        Route("/v2/repository/index", repository_index, methods=["POST"]),
+        # {model:path}: a name with separators must reach the name check (400), not miss the route
+        Route("/v2/repository/models/{model:path}/load", load, methods=["POST"]),
+        Route("/v2/repository/models/{model:path}/unload", unload, methods=["POST"]),
+    ]
+    for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version:int}"):
+        routes += [
+            Route(prefix, model_metadata),
+            Route(f"{prefix}/ready", model_ready),
+            Route(f"{prefix}/config", model_config),
+            Route(f"{prefix}/stats", statistics),
+            Route(f"{prefix}/infer", infer, methods=["POST"]),
+        ]
+    return routes
+
+
+def _peer(request: Request) -> str:
+    return request.client.host if request.client else "unknown"
+
+
+def _decode(body: bytes, type_: Any, what: str) -> Any:
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BadRequest(f"invalid {what}: {str(exc).replace('$', 'request', 1)}") from None
+    except RecursionError:
+        raise BadRequest(f"invalid {what}: JSON nested too deeply") from None

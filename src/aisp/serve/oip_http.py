@@ -1,0 +1,213 @@
+"""OIP v2 infer requests and responses over HTTP/REST, with Triton's binary tensor extension.
+
+A request body is JSON, or a JSON header of ``Inference-Header-Content-Length`` bytes followed
+by the binary tensors in input order (each input's ``parameters.binary_data_size``; BYTES
+elements length-prefixed). A header length of 0 is Triton's raw form: the whole body is the
+model's one input, its shape deduced from the model's dims. Outputs are answered in binary when
+asked for (``binary_data`` per listed output; ``binary_data_output`` for all when none is
+listed), in JSON otherwise. Every malformed request is a ``BadRequest`` naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+import msgspec
+import numpy as np
+
+from aisp.errors import BadRequest
+from aisp.serve.oip import (
+    DATATYPES,
+    InferInput,
+    InferRequest,
+    RequestedOutput,
+    Signature,
+    array_from_bytes,
+    array_from_json,
+    datatype_of,
+    empty_array,
+    encode_bytes,
+)
+
+__all__ = ["HEADER_LENGTH", "MAX_TIMEOUT_US", "encode_response", "parse_request"]
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+MAX_TIMEOUT_US = 3_600_000_000
+"""The longest ``timeout`` parameter a request may give: one hour, in microseconds."""
+_DIGITS = re.compile(r"[0-9]{1,10}")
+
+Dim = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+
+
+class _Tensor(msgspec.Struct):
+    name: str
+    datatype: str
+    shape: list[Dim]
+    parameters: dict[str, Any] | None = None
+    data: msgspec.Raw = msgspec.Raw(b"")
+
+
+class _Output(msgspec.Struct):
+    name: str
+    parameters: dict[str, Any] | None = None
+
+
+class _Request(msgspec.Struct):
+    inputs: list[_Tensor]
+    outputs: list[_Output] | None = None
+    id: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+_decoder = msgspec.json.Decoder(_Request)
+_encode = msgspec.json.Encoder().encode
+
+
+def parse_request(body: bytes, header_length: str | None, sig: Signature) -> InferRequest:
+    """The request in ``body`` (for the model of ``sig``), its tensors converted and checked."""
+    blob = memoryview(b"")
+    if header_length is not None:
+        n = _header_length(header_length, len(body))
+        if n == 0:
+            return _raw_request(body, sig)
+        body, blob = body[:n], memoryview(body)[n:]
+    try:
+        msg = _decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BadRequest(f"invalid inference request: {str(exc).replace('$', 'request', 1)}") from None
+    except RecursionError:
+        raise BadRequest("invalid inference request: JSON nested too deeply") from None
+    inputs, used = [], 0
+    for t in msg.inputs:
+        size = _params(t.parameters, f"input {t.name!r}").get("binary_data_size")
+        if size is not None:
+            _check_uint(size, f"input {t.name!r}: 'binary_data_size'")
+            if len(t.data):
+                raise BadRequest(f"input {t.name!r} must set only one of 'data' and 'binary_data_size'")
+            if used + size > len(blob):
+                raise BadRequest(
+                    f"unexpected size for input {t.name!r}, expecting {used + size - len(blob)} additional"
+                    f" bytes for model {sig.model!r}"
+                )
+            arr = array_from_bytes(t.name, t.datatype, t.shape, blob[used : used + size], sig.model)
+            used += size
+        elif len(t.data):
+            arr = array_from_json(t.name, t.datatype, t.shape, t.data)
+        else:
+            arr = empty_array(t.name, t.datatype, t.shape)
+        inputs.append(InferInput(t.name, t.datatype, tuple(t.shape), arr))
+    if used != len(blob):
+        raise BadRequest(f"unexpected additional input data for model {sig.model!r}")
+    params = _params(msg.parameters, "request")
+    timeout = params.get("timeout")
+    return InferRequest(
+        inputs,
+        outputs=None if msg.outputs is None else [_output(o) for o in msg.outputs],
+        id=msg.id,
+        priority=_check_uint(params.get("priority", 0), "parameter 'priority'"),
+        timeout_us=None if timeout is None else _check_uint(timeout, "parameter 'timeout'", MAX_TIMEOUT_US),
+        binary_output=_flag(params, "binary_data_output", "request"),
+    )
+
+
+def _header_length(value: str, body_bytes: int) -> int:
+    if not _DIGITS.fullmatch(value.strip()):
+        raise BadRequest(f"{HEADER_LENGTH} must be a non-negative integer, got {value[:40]!r}")
+    n = int(value)
+    if n > body_bytes:
+        raise BadRequest(f"inference header size should be in range (0, {body_bytes}), got: {n}")
+    return n
+
+
+def _params(value: dict[str, Any] | None, where: str) -> dict[str, Any]:
+    """``parameters`` of a request, input or output: values are strings, numbers or booleans."""
+    if not value:
+        return {}
+    for k, v in value.items():
+        if type(v) not in (str, int, float, bool):
+            raise BadRequest(f"{where}: parameter {k!r} has invalid type; it should be int, bool or string")
+    return value
+
+
+def _check_uint(value: Any, what: str, limit: int = 2**64 - 1) -> int:
+    if type(value) is not int or not 0 <= value <= limit:
+        raise BadRequest(f"{what} must be an integer from 0 to {limit}, got {value!r}")
+    return value
+
+
+def _flag(params: dict[str, Any], key: str, where: str) -> bool:
+    value = params.get(key, False)
+    if type(value) is not bool:
+        raise BadRequest(f"{where}: parameter {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def _output(o: _Output) -> RequestedOutput:
+    where = f"output {o.name!r}"
+    params = _params(o.parameters, where)
+    if "classification" in params:
+        raise BadRequest(f"{where}: the classification extension is not supported")
+    return RequestedOutput(o.name, binary=_flag(params, "binary_data", where))
+
+
+def _raw_request(body: bytes, sig: Signature) -> InferRequest:
+    """Triton's raw binary request (header length 0): the body is the model's single input."""
+    if len(sig.inputs) != 1:
+        raise BadRequest(
+            f"Raw request must only have 1 input (found 1) to be deduced but got {len(sig.inputs)} inputs"
+            f" in {sig.model!r} model configuration"
+        )
+    spec = sig.inputs[0]
+    if spec.datatype == "BYTES":
+        if spec.dims != (1,):
+            raise BadRequest(
+                f"For BYTE datatype raw input {spec.name!r}, the model must have input shape [1]"
+            )
+        body = len(body).to_bytes(4, "little") + body
+        shape: tuple[int, ...] = (1, 1)
+    else:
+        wildcards = spec.dims.count(-1)
+        if wildcards > 1:
+            raise BadRequest(
+                f"The shape of the raw input {spec.name!r} can not be deduced because there are more"
+                " than one variable-sized dimension"
+            )
+        per_unit = int(np.prod([d for d in spec.dims if d != -1])) * DATATYPES[spec.datatype].itemsize
+        free = len(body) // per_unit if per_unit else 0  # a size that does not divide fails below
+        shape = (1, *(free if d == -1 else d for d in spec.dims))
+    arr = array_from_bytes(spec.name, spec.datatype, shape, body, sig.model)
+    return InferRequest([InferInput(spec.name, spec.datatype, shape, arr)], binary_output=True)
+
+
+def encode_response(
+    req: InferRequest, sig: Signature, version: str, outputs: dict[str, np.ndarray[Any, Any]]
+) -> tuple[bytes, dict[str, str]]:
+    """The response body and its headers (``Content-Type``; ``Inference-Header-Content-Length``
+    when binary tensors follow the JSON)."""
+    if req.outputs is None:
+        wanted = [(n, req.binary_output) for n in sig.output_names if n in outputs]
+    else:
+        wanted = [(o.name, o.binary) for o in req.outputs]
+    entries, blobs = [], []
+    for name, binary in wanted:
+        arr = np.ascontiguousarray(outputs[name])
+        datatype = datatype_of(arr.dtype)
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
+        if binary:
+            raw = encode_bytes(arr) if datatype == "BYTES" else arr.tobytes()
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            blobs.append(raw)
+        else:
+            entry["data"] = arr.reshape(-1).tolist()
+        entries.append(entry)
+    body: dict[str, Any] = {"model_name": sig.model, "model_version": version, "outputs": entries}
+    if req.id is not None:
+        body["id"] = req.id
+    header = _encode(body)
+    if not any(blobs):
+        return header, {"content-type": "application/json"}
+    return b"".join([header, *blobs]), {
+        "content-type": "application/octet-stream",
+        HEADER_LENGTH: str(len(header)),
+    }
