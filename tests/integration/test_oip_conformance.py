@@ -11,6 +11,7 @@ import asyncio
 import json
 import struct
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,6 +81,27 @@ def test_simple_over_grpc_unary_and_stream(served: Served) -> None:
     assert len(results) == 3
     for r in results:
         check_simple(r)
+
+
+def test_simple_over_the_clients_async_calls(served: Served) -> None:
+    h = httpclient.InferenceServerClient(served[0], concurrency=4)
+    pending = [h.async_infer("simple", simple_inputs(httpclient, 2)) for _ in range(8)]
+    for request in pending:
+        check_simple(request.get_result(), 2)
+    g = grpcclient.InferenceServerClient(served[1])
+    results: list[object] = []
+    done = threading.Event()
+
+    def callback(result: object, error: object) -> None:
+        results.append(error or result)
+        if len(results) == 8:
+            done.set()
+
+    for _ in range(8):
+        g.async_infer("simple", simple_inputs(grpcclient, 2), callback)
+    assert done.wait(30)
+    for r in results:
+        check_simple(r, 2)
 
 
 def test_simple_over_the_asyncio_clients(served: Served) -> None:

@@ -217,7 +217,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
                 raise Overloaded(f"rate limit: retry in {wait:.3f} s", retry_after_s=wait)
         arrays = check_request(req, sig)  # the requested outputs too
         result = self.models.infer(
-            name, arrays, version=version, priority=req.priority, tier=tier, timeout_s=timeout_s
+            name,
+            arrays,
+            version=version,
+            priority=req.priority,
+            tier=tier,
+            timeout_s=timeout_s,
+            checked=True,
         )
         return encode_response(pb, req, sig, result.version, result.outputs)
 

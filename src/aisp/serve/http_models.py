@@ -92,7 +92,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
             chunks.append(chunk)
     except ClientDisconnect:
         raise BadRequest("the client disconnected before sending the whole body") from None
-    return b"".join(chunks)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def model_routes(
@@ -153,7 +153,13 @@ def model_routes(
                 raise Overloaded(f"rate limit: retry in {wait:.3f} s", retry_after_s=wait)
         arrays = check_request(req, sig)  # the requested outputs too
         result = await models.infer_async(
-            name, arrays, version=version, priority=req.priority, tier=tier, timeout_s=timeout_s
+            name,
+            arrays,
+            version=version,
+            priority=req.priority,
+            tier=tier,
+            timeout_s=timeout_s,
+            checked=True,
         )
         body, headers = encode_response(req, sig, result.version, result.outputs)
         return Response(body, headers=headers)
@@ -198,21 +204,21 @@ def model_routes(
         models.unload(control(request, body, frozenset({"unload_dependents"})))  # there are none
         return Response(status_code=200)
 
-    routes = [
-        Route("/v2/models/stats", statistics),
+    routes = [Route("/v2/models/stats", statistics)]
+    for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version:int}"):
+        routes += [
+            Route(f"{prefix}/infer", infer, methods=["POST"]),  # first: matched on every request
+            Route(prefix, model_metadata),
+            Route(f"{prefix}/ready", model_ready),
+            Route(f"{prefix}/config", model_config),
+            Route(f"{prefix}/stats", statistics),
+        ]
+    routes += [
         Route("/v2/repository/index", repository_index, methods=["POST"]),
         # {model:path}: a name with separators must reach the name check (400), not miss the route
         Route("/v2/repository/models/{model:path}/load", load, methods=["POST"]),
         Route("/v2/repository/models/{model:path}/unload", unload, methods=["POST"]),
     ]
-    for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version:int}"):
-        routes += [
-            Route(prefix, model_metadata),
-            Route(f"{prefix}/ready", model_ready),
-            Route(f"{prefix}/config", model_config),
-            Route(f"{prefix}/stats", statistics),
-            Route(f"{prefix}/infer", infer, methods=["POST"]),
-        ]
     return routes
 
 

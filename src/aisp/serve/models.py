@@ -18,11 +18,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from aisp.batch import DEADLINE_NS, ID, INGEST_NS, TIER, Batch, matrix_column
+from aisp.batch import DEADLINE_NS, TIER, Batch, matrix_column
 from aisp.errors import AispError, BadRequest, ModelError, NotFound, RequestError
 from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.config import BatcherConfig
@@ -38,7 +39,7 @@ log = logging.getLogger("aisp.serve")
 
 _REQ = "_req"
 _ROW = "_row"
-_SHAPE = b"shape"  # field metadata: the per-row shape of a flattened tensor column
+_SHAPES = b"aisp.row_shapes"  # schema metadata: per-row shapes of tensors of 3 or more dims
 
 
 class RequestFailed(RequestError):
@@ -115,23 +116,20 @@ class _Served:
     def _prepare(self, batch: Batch) -> dict[str, npt.NDArray[Any]]:
         start = time.perf_counter_ns()
         out = {}
+        shapes = _row_shapes(batch)
         for name in self.model.input_names:
             arr = batch.numpy(name)
-            out[name] = np.ascontiguousarray(arr.reshape((arr.shape[0], *_row_shape(batch, name))))
+            out[name] = np.ascontiguousarray(_reshaped(arr, shapes.get(name)))
         self._phase_ns.input_ns = time.perf_counter_ns() - start
         return out
 
     def _finish(self, batch: Batch, outputs: Mapping[str, npt.NDArray[Any]], runtime: Runtime) -> Batch:
         start = time.perf_counter_ns()
-        base = batch.select([_REQ, _ROW]).record_batch
-        arrays, fields = list(base.columns), list(base.schema)
-        for name, arr in outputs.items():
-            col, f = _tensor_column(f"out:{name}", arr)
-            arrays.append(col)
-            fields.append(f)
-        arrays.append(pa.array(np.full(batch.num_rows, int(runtime.version), dtype=np.int64)))
-        fields.append(pa.field("_version", pa.int64()))
-        out = Batch(pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields)))
+        rb = batch.record_batch
+        named: list[tuple[str, Any]] = [(_REQ, rb.column(_REQ)), (_ROW, rb.column(_ROW))]
+        named += [(f"out:{name}", arr) for name, arr in outputs.items()]
+        named.append(("_version", np.full(batch.num_rows, int(runtime.version), dtype=np.int64)))
+        out = _tensor_batch(named)
         self._phase_ns.output_ns = time.perf_counter_ns() - start
         self._phase_ns.version = str(runtime.version)
         return out
@@ -258,10 +256,10 @@ class ModelServer:
         return out
 
     def _get(self, name: str, version: str | None = None) -> _Served:
-        check_model_name(name)
         with self._lock:
             s = self._served.get(name)
         if s is None:
+            check_model_name(name)  # a name that could never be a model is a bad request
             raise NotFound(f"Request for unknown model: {name!r} is not found")
         if version and version != s.model.version:
             raise NotFound(f"Request for unknown model: {name!r} version {version} is not found")
@@ -317,10 +315,11 @@ class ModelServer:
         priority: int,
         tier: int | None,
         timeout_s: float | None,
+        checked: bool,
     ) -> tuple[_Served, int, int, int | None]:
         """Check a request: (its model, rows, tier, deadline ns)."""
         served = self._get(name, version)
-        n = check_arrays(served.signature, inputs)
+        n = int(next(iter(inputs.values())).shape[0]) if checked else check_arrays(served.signature, inputs)
         tier = served.model.config.tier(priority) if tier is None else tier
         deadline = None if timeout_s is None else time.monotonic_ns() + int(timeout_s * 1e9)
         return served, n, tier, deadline
@@ -334,11 +333,13 @@ class ModelServer:
         priority: int = 0,
         tier: int | None = None,
         timeout_s: float | None = None,
+        checked: bool = False,
     ) -> InferResult:
         """Run ``inputs`` (arrays with the batch dimension first) through the model's batcher,
         from a thread (blocks until answered). Asyncio callers use ``infer_async``. The inputs
-        are checked first: ``BadRequest`` names what does not fit the model."""
-        served, n, tier, deadline = self._admit(name, inputs, version, priority, tier, timeout_s)
+        are checked first (``BadRequest`` names what does not fit the model), unless
+        ``checked`` says the caller has run ``oip.check_request`` on them against this model."""
+        served, n, tier, deadline = self._admit(name, inputs, version, priority, tier, timeout_s, checked)
         if _empty(inputs):
             return self._run_empty(served, inputs)
         req = next(self._ids)
@@ -380,11 +381,12 @@ class ModelServer:
         priority: int = 0,
         tier: int | None = None,
         timeout_s: float | None = None,
+        checked: bool = False,
     ) -> InferResult:
         """``infer`` for asyncio: the requests that arrive in one turn of the event loop are
         handed to the batcher together (one Arrow batch per input shape, one queue operation),
         and their answers come back to the loop in one call per model batch."""
-        served, n, tier, deadline = self._admit(name, inputs, version, priority, tier, timeout_s)
+        served, n, tier, deadline = self._admit(name, inputs, version, priority, tier, timeout_s, checked)
         if _empty(inputs):
             return await asyncio.to_thread(self._run_empty, served, inputs)
         loop = asyncio.get_running_loop()
@@ -524,9 +526,12 @@ class ModelServer:
         reqs = batch.numpy(_REQ)
         rows = batch.numpy(_ROW)
         version = str(int(batch.numpy("_version")[0]))
-        outs = {
-            c[4:]: (batch.numpy(c), _row_shape(batch, c)) for c in batch.column_names if c.startswith("out:")
-        }
+        shapes = _row_shapes(batch)
+        outs = {}
+        for c in batch.column_names:
+            if c.startswith("out:"):
+                arr = batch.numpy(c)
+                outs[c[4:]] = (arr, shapes.get(c, arr.shape[1:]))
         # rows of one request are contiguous unless tiers or a split reordered them
         bounds = np.flatnonzero(reqs[1:] != reqs[:-1]) + 1
         starts = [0, *bounds.tolist()]
@@ -588,47 +593,54 @@ def _request_batches(model: ServedModel, gathered: Sequence[_Gathered]) -> list[
 
 def _request_batch(model: ServedModel, gathered: Sequence[_Gathered]) -> Batch:
     ns = np.fromiter((it.rows for it in gathered), dtype=np.int64, count=len(gathered))
-    arrays, fields = [], []
+    named: list[tuple[str, Any]] = []
     for k in model.input_names:
         parts = [it.inputs[k] for it in gathered]
-        col, f = _tensor_column(k, parts[0] if len(parts) == 1 else np.concatenate(parts))
-        arrays.append(col)
-        fields.append(f)
+        named.append((k, parts[0] if len(parts) == 1 else np.concatenate(parts)))
     reqs = np.fromiter((it.req for it in gathered), dtype=np.int64, count=len(gathered))
     total = int(ns.sum())
     if total == len(gathered):
         row = np.zeros(total, dtype=np.int64)
     else:
         row = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(ns) - ns, ns)
-    meta = {
-        _REQ: np.repeat(reqs, ns),
-        _ROW: row,
-        TIER: np.repeat(np.fromiter((it.tier for it in gathered), dtype=np.int8, count=len(gathered)), ns),
-        ID: np.arange(total, dtype=np.int64),
-        INGEST_NS: np.full(total, time.monotonic_ns(), dtype=np.int64),
-    }
+    tiers = np.fromiter((it.tier for it in gathered), dtype=np.int8, count=len(gathered))
+    named += [(_REQ, np.repeat(reqs, ns)), (_ROW, row), (TIER, np.repeat(tiers, ns))]
     if any(it.deadline_ns is not None for it in gathered):
         d = np.fromiter((it.deadline_ns or 0 for it in gathered), dtype=np.int64, count=len(gathered))
-        meta[DEADLINE_NS] = np.repeat(d, ns)
-    for name, values in meta.items():
-        arrays.append(pa.array(values))
-        fields.append(pa.field(name, arrays[-1].type))
-    return Batch(pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields)))
+        named.append((DEADLINE_NS, np.repeat(d, ns)))
+    return _tensor_batch(named)
 
 
-def _tensor_column(name: str, arr: npt.NDArray[Any]) -> tuple[pa.Array, pa.Field]:
-    """A tensor with the batch first as one column: rows flattened, the per-row shape in the
-    field's metadata (read back by ``_row_shape``)."""
-    arr = np.asarray(arr)
-    col = pa.array(arr) if arr.ndim == 1 else matrix_column(arr.reshape(arr.shape[0], -1))
-    shape = ",".join(str(d) for d in arr.shape[1:]).encode()
-    return col, pa.field(name, col.type, metadata={_SHAPE: shape})
+def _tensor_batch(named: Sequence[tuple[str, Any]]) -> Batch:
+    """A batch of tensors whose first dimension is the row: 1-D and 2-D ones as plain and
+    fixed-size-list columns, larger ones flattened per row with their per-row shape in the
+    schema's metadata (``_row_shapes``), which also keeps batches of other shapes apart."""
+    arrays, names, shapes = [], [], {}
+    for name, arr in named:
+        if isinstance(arr, pa.Array):
+            arrays.append(arr)
+        elif arr.ndim == 1:
+            arrays.append(pa.array(arr))
+        else:
+            arrays.append(matrix_column(arr.reshape(arr.shape[0], -1)))
+            if arr.ndim > 2:
+                shapes[name] = arr.shape[1:]
+        names.append(name)
+    rb = pa.RecordBatch.from_arrays(arrays, names=names)
+    if shapes:
+        rb = rb.replace_schema_metadata({_SHAPES: msgspec.json.encode(shapes)})
+    return Batch(rb)
 
 
-def _row_shape(batch: Batch, name: str) -> tuple[int, ...]:
-    meta = batch.schema.field(name).metadata or {}
-    shape = meta.get(_SHAPE, b"")
-    return tuple(int(d) for d in shape.split(b",")) if shape else ()
+def _row_shapes(batch: Batch) -> dict[str, tuple[int, ...]]:
+    meta = batch.schema.metadata
+    if not meta or _SHAPES not in meta:
+        return {}
+    return {k: tuple(v) for k, v in msgspec.json.decode(meta[_SHAPES]).items()}
+
+
+def _reshaped(arr: npt.NDArray[Any], row_shape: tuple[int, ...] | None) -> npt.NDArray[Any]:
+    return arr if row_shape is None else arr.reshape((arr.shape[0], *row_shape))
 
 
 def _wake(done: Sequence[_Pending]) -> None:

@@ -79,6 +79,8 @@ _ITEMS: dict[str, tuple[np.dtype[Any], Any]] = {
 DATATYPES: dict[str, np.dtype[Any]] = {name: dtype for name, (dtype, _) in _ITEMS.items()}
 """OIP datatype names and the numpy dtype of their arrays (``object`` of ``str`` for BYTES)."""
 _NAMES = {dtype: name for name, dtype in DATATYPES.items()}
+_DECODERS = {name: msgspec.json.Decoder(items) for name, (_, items) in _ITEMS.items()}
+_NARROW_FLOATS = ("FP16", "FP32")  # JSON numbers may overflow them
 
 
 def datatype_of(dtype: np.dtype[Any]) -> str:
@@ -195,7 +197,7 @@ def array_from_json(name: str, datatype: str, shape: Sequence[int], data: bytes)
     dtype, items = _datatype(name, datatype)
     count = element_count(name, shape)
     try:
-        values = msgspec.json.decode(data, type=items)
+        values = _DECODERS[datatype].decode(data)
     except msgspec.ValidationError as exc:
         values = _nested(name, data, items, exc)
     except (msgspec.DecodeError, RecursionError) as exc:
@@ -204,13 +206,16 @@ def array_from_json(name: str, datatype: str, shape: Sequence[int], data: bytes)
         raise BadRequest(f"input {name!r}: unable to parse 'data': shape does not match true shape of 'data'")
     if len(values) < count:
         raise BadRequest(f"input {name!r}: failed to parse 'data' field: shape does not match true shape")
-    try:
+    if datatype in _NARROW_FLOATS:
         with np.errstate(over="ignore"):
-            arr = np.array(values, dtype=dtype) if values else np.empty(0, dtype=dtype)
-    except OverflowError:
+            arr = np.array(values, dtype=dtype)
+        if not np.isfinite(arr).all():
+            raise BadRequest(f"input {name!r}: a value of 'data' is out of range for {datatype}")
+        return arr.reshape(shape)
+    try:
+        arr = np.array(values, dtype=dtype) if values else np.empty(0, dtype=dtype)
+    except OverflowError:  # UINT64 past 2**64 - 1
         raise BadRequest(f"input {name!r}: a value of 'data' is out of range for {datatype}") from None
-    if dtype.kind == "f" and values and not np.isfinite(arr).all():
-        raise BadRequest(f"input {name!r}: a value of 'data' is out of range for {datatype}")
     return arr.reshape(shape)
 
 
