@@ -18,28 +18,33 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
-import pyarrow as pa
 
-from aisp.batch import DEADLINE_NS, TIER, Batch, matrix_column
-from aisp.errors import AispError, BadRequest, ModelError, NotFound, RequestError
+from aisp.batch import Batch
+from aisp.errors import AispError, BadRequest, NotFound, RequestError
 from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.config import BatcherConfig
 from aisp.infer.repository import ModelRepository, check_model_name
 from aisp.infer.runtime import Runtime
 from aisp.infer.versions import ServedModel
 from aisp.serve.model_stats import ModelStats
-from aisp.serve.oip import DATATYPES, Signature, TensorSignature, check_arrays, datatype_of
+from aisp.serve.oip import Signature, TensorSignature, check_arrays, signature_of
+from aisp.serve.tensors import (
+    REQ,
+    ROW,
+    Gathered,
+    empty_output,
+    has_empty,
+    request_batches,
+    reshaped,
+    row_shapes,
+    tensor_batch,
+)
 
-__all__ = ["InferResult", "ModelServer", "ModelStats", "RequestFailed", "signature_of"]
+__all__ = ["InferResult", "ModelServer", "ModelStats", "RequestFailed"]
 
 log = logging.getLogger("aisp.serve")
-
-_REQ = "_req"
-_ROW = "_row"
-_SHAPES = b"aisp.row_shapes"  # schema metadata: per-row shapes of tensors of 3 or more dims
 
 
 class RequestFailed(RequestError):
@@ -89,7 +94,7 @@ class _Served:
         self.model = model
         self.signature = signature_of(model)
         self.stats: dict[str, ModelStats] = {}
-        self.gather: list[_Gathered] = []  # asyncio requests of this loop turn (see infer_async)
+        self.gather: list[Gathered] = []  # asyncio requests of this loop turn (see infer_async)
         self._phase_ns = threading.local()
         self.batcher = DynamicBatcher(
             model,
@@ -116,57 +121,23 @@ class _Served:
     def _prepare(self, batch: Batch) -> dict[str, npt.NDArray[Any]]:
         start = time.perf_counter_ns()
         out = {}
-        shapes = _row_shapes(batch)
+        shapes = row_shapes(batch)
         for name in self.model.input_names:
             arr = batch.numpy(name)
-            out[name] = np.ascontiguousarray(_reshaped(arr, shapes.get(name)))
+            out[name] = np.ascontiguousarray(reshaped(arr, shapes.get(name)))
         self._phase_ns.input_ns = time.perf_counter_ns() - start
         return out
 
     def _finish(self, batch: Batch, outputs: Mapping[str, npt.NDArray[Any]], runtime: Runtime) -> Batch:
         start = time.perf_counter_ns()
         rb = batch.record_batch
-        named: list[tuple[str, Any]] = [(_REQ, rb.column(_REQ)), (_ROW, rb.column(_ROW))]
+        named: list[tuple[str, Any]] = [(REQ, rb.column(REQ)), (ROW, rb.column(ROW))]
         named += [(f"out:{name}", arr) for name, arr in outputs.items()]
         named.append(("_version", np.full(batch.num_rows, int(runtime.version), dtype=np.int64)))
-        out = _tensor_batch(named)
+        out = tensor_batch(named)
         self._phase_ns.output_ns = time.perf_counter_ns() - start
         self._phase_ns.version = str(runtime.version)
         return out
-
-
-def signature_of(model: ServedModel) -> Signature:
-    """The inputs and outputs requests are checked against: the model's ``config.pbtxt``, or,
-    where it lists none, what the ONNX model itself declares."""
-    cfg = model.config
-
-    def listed(tensors: Sequence[Any], specs: Mapping[str, Any]) -> tuple[TensorSignature, ...]:
-        out = []
-        for t in tensors:
-            datatype = datatype_of(np.dtype(t.dtype))
-            spec = specs.get(t.name)
-            if spec is None or (spec.dtype is not None and datatype_of(np.dtype(spec.dtype)) != datatype):
-                found = "no such tensor" if spec is None else f"{datatype_of(np.dtype(spec.dtype))}"
-                raise ModelError(
-                    f"{cfg.source}: {t.name!r} is {datatype} in config.pbtxt, but the model has {found}"
-                )
-            out.append(TensorSignature(t.name, datatype, tuple(t.dims)))
-        return tuple(out)
-
-    def declared(specs: Mapping[str, Any]) -> tuple[TensorSignature, ...]:
-        out = []
-        for name, spec in specs.items():
-            dims = tuple(-1 if d is None else d for d in (spec.shape or (None, None))[1:])
-            dtype = np.dtype(spec.dtype) if spec.dtype is not None else np.dtype(np.float32)
-            out.append(TensorSignature(name, datatype_of(dtype), dims))
-        return tuple(out)
-
-    return Signature(
-        cfg.name,
-        cfg.max_batch_size,
-        listed(cfg.inputs, model.input_specs) if cfg.inputs else declared(model.input_specs),
-        listed(cfg.outputs, model.output_specs) if cfg.outputs else declared(model.output_specs),
-    )
 
 
 class ModelServer:
@@ -340,11 +311,11 @@ class ModelServer:
         are checked first (``BadRequest`` names what does not fit the model), unless
         ``checked`` says the caller has run ``oip.check_request`` on them against this model."""
         served, n, tier, deadline = self._admit(name, inputs, version, priority, tier, timeout_s, checked)
-        if _empty(inputs):
+        if has_empty(inputs):
             return self._run_empty(served, inputs)
         req = next(self._ids)
         pending = _Pending(n, event=threading.Event())
-        batches = _request_batches(served.model, [_Gathered(req, inputs, n, tier, deadline, 0)])
+        batches = request_batches(served.model, [Gathered(req, inputs, n, tier, deadline, 0)])
         with self._lock:
             self._pending[req] = pending
         started = time.perf_counter_ns()
@@ -387,7 +358,7 @@ class ModelServer:
         handed to the batcher together (one Arrow batch per input shape, one queue operation),
         and their answers come back to the loop in one call per model batch."""
         served, n, tier, deadline = self._admit(name, inputs, version, priority, tier, timeout_s, checked)
-        if _empty(inputs):
+        if has_empty(inputs):
             return await asyncio.to_thread(self._run_empty, served, inputs)
         loop = asyncio.get_running_loop()
         req = next(self._ids)
@@ -396,7 +367,7 @@ class ModelServer:
         with self._lock:
             self._pending[req] = pending
         gather = served.gather
-        gather.append(_Gathered(req, inputs, n, tier, deadline, now + int(self.admission_wait_ms * 1e6)))
+        gather.append(Gathered(req, inputs, n, tier, deadline, now + int(self.admission_wait_ms * 1e6)))
         if len(gather) == 1:
             loop.call_soon(self._flush, served)
         started = time.perf_counter_ns()
@@ -428,7 +399,7 @@ class ModelServer:
         except AispError as exc:
             if rows == 0:
                 return InferResult(
-                    sig.model, served.model.version, {t.name: _empty_output(t) for t in sig.outputs}
+                    sig.model, served.model.version, {t.name: empty_output(t) for t in sig.outputs}
                 )
             raise BadRequest(f"model {sig.model!r} cannot compute an input of zero elements: {exc}") from exc
         return InferResult(sig.model, str(runtime.version), dict(outputs))
@@ -444,7 +415,7 @@ class ModelServer:
             log.exception("model %s: submitting %d requests failed", served.model.name, len(items))
             self._settle([it.req for it in items], f"internal error: {type(exc).__name__}: {exc}")
 
-    def _submit_gathered(self, served: _Served, items: list[_Gathered]) -> None:
+    def _submit_gathered(self, served: _Served, items: list[Gathered]) -> None:
         if not items:
             return
         batcher = served.batcher
@@ -456,14 +427,14 @@ class ModelServer:
         now = time.monotonic_ns()
         refused = items[take:]
         cost_ns = int(self.inline_max_us * 1e3)
-        for batch in _request_batches(served.model, items[:take]):
+        for batch in request_batches(served.model, items[:take]):
             try:
                 if not (cost_ns > 0 and batcher.run_inline(batch, max_cost_ns=cost_ns)):
                     batcher.submit(batch, timeout_ms=0)
             except TimeoutError:
-                self._settle(np.unique(batch.numpy(_REQ)).tolist(), "overloaded")
+                self._settle(np.unique(batch.numpy(REQ)).tolist(), "overloaded")
             except RuntimeError:  # the model was unloaded or the server is stopping
-                self._settle(np.unique(batch.numpy(_REQ)).tolist(), "unavailable")
+                self._settle(np.unique(batch.numpy(REQ)).tolist(), "unavailable")
         waiting = [it for it in refused if it.admit_until_ns > now]
         self._settle([it.req for it in refused if it.admit_until_ns <= now], "overloaded")
         if waiting:
@@ -523,10 +494,10 @@ class ModelServer:
             self.on_batch(model, rows)
 
     def _complete(self, batch: Batch) -> None:
-        reqs = batch.numpy(_REQ)
-        rows = batch.numpy(_ROW)
+        reqs = batch.numpy(REQ)
+        rows = batch.numpy(ROW)
         version = str(int(batch.numpy("_version")[0]))
-        shapes = _row_shapes(batch)
+        shapes = row_shapes(batch)
         outs = {}
         for c in batch.column_names:
             if c.startswith("out:"):
@@ -559,88 +530,7 @@ class ModelServer:
         _wake(done)
 
     def _fail(self, batch: Batch, reason: str) -> None:
-        self._settle(np.unique(batch.numpy(_REQ)).tolist(), reason)
-
-
-@dataclass(slots=True)
-class _Gathered:
-    req: int
-    inputs: Mapping[str, npt.NDArray[Any]]
-    rows: int
-    tier: int
-    deadline_ns: int | None
-    admit_until_ns: int
-
-
-def _empty(inputs: Mapping[str, npt.NDArray[Any]]) -> bool:
-    return any(a.size == 0 for a in inputs.values())
-
-
-def _empty_output(t: TensorSignature) -> npt.NDArray[Any]:
-    return np.empty((0, *(max(d, 0) for d in t.dims)), dtype=DATATYPES[t.datatype])
-
-
-def _request_batches(model: ServedModel, gathered: Sequence[_Gathered]) -> list[Batch]:
-    """Batches of the rows of requests ``gathered``, tagged with request id and row number: one
-    batch per per-row input shape (requests with other shapes of a variable dim never share a
-    model call)."""
-    groups: dict[tuple[tuple[int, ...], ...], list[_Gathered]] = {}
-    for it in gathered:
-        key = tuple(tuple(it.inputs[k].shape[1:]) for k in model.input_names)
-        groups.setdefault(key, []).append(it)
-    return [_request_batch(model, items) for items in groups.values()]
-
-
-def _request_batch(model: ServedModel, gathered: Sequence[_Gathered]) -> Batch:
-    ns = np.fromiter((it.rows for it in gathered), dtype=np.int64, count=len(gathered))
-    named: list[tuple[str, Any]] = []
-    for k in model.input_names:
-        parts = [it.inputs[k] for it in gathered]
-        named.append((k, parts[0] if len(parts) == 1 else np.concatenate(parts)))
-    reqs = np.fromiter((it.req for it in gathered), dtype=np.int64, count=len(gathered))
-    total = int(ns.sum())
-    if total == len(gathered):
-        row = np.zeros(total, dtype=np.int64)
-    else:
-        row = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(ns) - ns, ns)
-    tiers = np.fromiter((it.tier for it in gathered), dtype=np.int8, count=len(gathered))
-    named += [(_REQ, np.repeat(reqs, ns)), (_ROW, row), (TIER, np.repeat(tiers, ns))]
-    if any(it.deadline_ns is not None for it in gathered):
-        d = np.fromiter((it.deadline_ns or 0 for it in gathered), dtype=np.int64, count=len(gathered))
-        named.append((DEADLINE_NS, np.repeat(d, ns)))
-    return _tensor_batch(named)
-
-
-def _tensor_batch(named: Sequence[tuple[str, Any]]) -> Batch:
-    """A batch of tensors whose first dimension is the row: 1-D and 2-D ones as plain and
-    fixed-size-list columns, larger ones flattened per row with their per-row shape in the
-    schema's metadata (``_row_shapes``), which also keeps batches of other shapes apart."""
-    arrays, names, shapes = [], [], {}
-    for name, arr in named:
-        if isinstance(arr, pa.Array):
-            arrays.append(arr)
-        elif arr.ndim == 1:
-            arrays.append(pa.array(arr))
-        else:
-            arrays.append(matrix_column(arr.reshape(arr.shape[0], -1)))
-            if arr.ndim > 2:
-                shapes[name] = arr.shape[1:]
-        names.append(name)
-    rb = pa.RecordBatch.from_arrays(arrays, names=names)
-    if shapes:
-        rb = rb.replace_schema_metadata({_SHAPES: msgspec.json.encode(shapes)})
-    return Batch(rb)
-
-
-def _row_shapes(batch: Batch) -> dict[str, tuple[int, ...]]:
-    meta = batch.schema.metadata
-    if not meta or _SHAPES not in meta:
-        return {}
-    return {k: tuple(v) for k, v in msgspec.json.decode(meta[_SHAPES]).items()}
-
-
-def _reshaped(arr: npt.NDArray[Any], row_shape: tuple[int, ...] | None) -> npt.NDArray[Any]:
-    return arr if row_shape is None else arr.reshape((arr.shape[0], *row_shape))
+        self._settle(np.unique(batch.numpy(REQ)).tolist(), reason)
 
 
 def _wake(done: Sequence[_Pending]) -> None:

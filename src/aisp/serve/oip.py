@@ -27,7 +27,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from aisp.errors import BadRequest
+from aisp.errors import BadRequest, ModelError
+from aisp.infer.versions import ServedModel
 
 __all__ = [
     "DATATYPES",
@@ -45,6 +46,7 @@ __all__ = [
     "datatype_of",
     "decode_bytes",
     "element_count",
+    "signature_of",
     "empty_array",
     "encode_bytes",
 ]
@@ -399,3 +401,37 @@ def _check_input(sig: Signature, spec: TensorSignature, t: InferInput) -> None:
             f" {_dims((-1, *spec.dims))}, got {_dims(t.shape)}. NOTE: the first dimension is the batch"
             f" (at most max_batch_size {sig.max_batch_size})"
         )
+
+
+def signature_of(model: ServedModel) -> Signature:
+    """The inputs and outputs requests are checked against: the model's ``config.pbtxt``, or,
+    where it lists none, what the ONNX model itself declares."""
+    cfg = model.config
+
+    def listed(tensors: Sequence[Any], specs: Mapping[str, Any]) -> tuple[TensorSignature, ...]:
+        out = []
+        for t in tensors:
+            datatype = datatype_of(np.dtype(t.dtype))
+            spec = specs.get(t.name)
+            if spec is None or (spec.dtype is not None and datatype_of(np.dtype(spec.dtype)) != datatype):
+                found = "no such tensor" if spec is None else f"{datatype_of(np.dtype(spec.dtype))}"
+                raise ModelError(
+                    f"{cfg.source}: {t.name!r} is {datatype} in config.pbtxt, but the model has {found}"
+                )
+            out.append(TensorSignature(t.name, datatype, tuple(t.dims)))
+        return tuple(out)
+
+    def declared(specs: Mapping[str, Any]) -> tuple[TensorSignature, ...]:
+        out = []
+        for name, spec in specs.items():
+            dims = tuple(-1 if d is None else d for d in (spec.shape or (None, None))[1:])
+            dtype = np.dtype(spec.dtype) if spec.dtype is not None else np.dtype(np.float32)
+            out.append(TensorSignature(name, datatype_of(dtype), dims))
+        return tuple(out)
+
+    return Signature(
+        cfg.name,
+        cfg.max_batch_size,
+        listed(cfg.inputs, model.input_specs) if cfg.inputs else declared(model.input_specs),
+        listed(cfg.outputs, model.output_specs) if cfg.outputs else declared(model.output_specs),
+    )
