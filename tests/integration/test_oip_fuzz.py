@@ -448,3 +448,26 @@ def test_bytes_length_prefixes_are_checked(http: httpx.Client) -> None:
             headers={"Inference-Header-Content-Length": str(len(header))},
         )
         assert r.status_code == 400 and "string" in r.json()["error"], blob
+
+
+def test_a_killed_decoder_process_fails_one_request_clearly_and_is_replaced(pipeline: Served) -> None:
+    import psutil
+
+    url = f"http://{pipeline[0]}/v1/pipelines/fraud/events"
+    lines = mixed_lines(600, bad_every=5, seed=9)
+    body = b"\n".join(lines)
+    assert httpx.post(url, content=body, timeout=60).status_code == 200  # the decoder child is up
+    server = psutil.Process(pipeline[2].pid)
+    spawners = server.children()
+    decoders = [c for s in spawners for c in s.children()]
+    assert decoders, "no decoder process"
+    for d in decoders:
+        d.kill()
+        d.wait(10)
+    r = httpx.post(url, content=body, timeout=60)
+    assert r.status_code == 503 and "decoder process died" in r.json()["error"]
+    assert r.headers["Retry-After"]
+    r = httpx.post(url, content=body, timeout=60)  # a new child decodes it
+    assert r.status_code == 200
+    check_results(lines, r.content)
+    assert [c for s in server.children() for c in s.children()]

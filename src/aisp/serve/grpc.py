@@ -30,7 +30,7 @@ from google.protobuf.json_format import ParseDict
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from aisp.errors import AispError, BadRequest, Forbidden, ModelError, NotFound, Overloaded, Unavailable
+from aisp.errors import AispError, BadRequest, Forbidden, ModelError, NotFound, Overloaded
 from aisp.infer.repository import check_model_name
 from aisp.schedule.ratelimit import Limiter
 from aisp.serve.auth import Scope, Tokens, api_key
@@ -40,7 +40,7 @@ from aisp.serve.metrics import ServerMetrics
 from aisp.serve.models import ModelServer
 from aisp.serve.oip import check_request
 from aisp.serve.oip_grpc import encode_response, parse_request
-from aisp.serve.pipelines import Chunk, PipelineService
+from aisp.serve.pipelines import Chunk, InboxClosed, PipelineService
 
 __all__ = ["EVENTS_METHOD", "GrpcServer", "InferenceServicer", "PipelineStreams", "status_of"]
 
@@ -319,8 +319,8 @@ class PipelineStreams:
                             first_line=line,
                             trace_parent=parent,
                         )
-                    except Unavailable:
-                        raise
+                    except InboxClosed:
+                        raise  # shutting down: the call ends UNAVAILABLE
                     except AispError as exc:  # this message fails; the stream goes on
                         answers.put(_failed_message(len(lines), line, exc, fire=mode == "fire"))
                         line += len(lines)

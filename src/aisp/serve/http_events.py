@@ -78,11 +78,21 @@ class Events:
         self.max_line_bytes = max_line_bytes
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        started = False
+
+        async def tracked(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self._serve(scope, receive, send)
+            await self._serve(scope, receive, tracked)
         except ConnectionResetError:
             return
         except Exception as exc:  # noqa: BLE001 - answered on this request alone
+            if started:  # the status went out: nothing more can be said on this response
+                log.warning("pipeline request ended early: %s", exc)
+                return
             await error_response(exc)(scope, receive, send)
 
     async def _serve(self, scope: Any, receive: Any, send: Any) -> None:
