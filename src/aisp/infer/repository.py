@@ -35,11 +35,11 @@ from aisp.infer.config import BatcherConfig
 
 __all__ = [
     "ModelConfig",
-    "check_model_name",
     "ModelRepository",
     "TensorConfig",
     "UnsupportedConfigWarning",
     "VersionPolicy",
+    "check_model_name",
     "priority_to_tier",
 ]
 
