@@ -443,3 +443,18 @@ def test_bad_requests_never_hold_up_good_ones(served: Served) -> None:
     assert [r.status_code for r in responses] == [200] * 200
     shapes = {good: [1, 3], empty: [0, 3], odd: [1, 5]}
     assert [r.json()["outputs"][0]["shape"] for r in responses] == [shapes[b] for b in bodies]
+
+
+def test_a_request_the_http_parser_refuses_is_answered_in_json(served: Served) -> None:
+    import socket
+
+    host, port = served[0].rsplit(":", 1)
+    for raw in (b"GARBAGE\r\n\r\n", b"POST /v2/models/simple/infer HTTP/1.1\r\nContent-Length: x\r\n\r\n"):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(raw)
+            reply = b""
+            while chunk := sock.recv(4096):
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head.lower()
+        assert json.loads(body)["error"]

@@ -352,11 +352,13 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         assert proc.wait(timeout=30) == 0
 
 
-def check_results(lines: list[bytes], answer: bytes) -> None:
+def check_results(lines: list[bytes], answer: bytes, first_line: int = 1) -> None:
+    """Each non-blank line's result, in order: its output row, or an error with its line
+    number (counted over the request or stream, from ``first_line``)."""
     sent = [line for line in lines if line]  # blank lines are skipped
     results = [json.loads(x) for x in answer.splitlines()]
     assert len(results) == len(sent)
-    for n, (line, result) in enumerate(zip(sent, results, strict=True), 1):
+    for n, (line, result) in enumerate(zip(sent, results, strict=True), first_line):
         event = parse_valid(line)
         if event is None:
             assert result["error"] and result.get("line") == n, (line[:80], result)
@@ -404,7 +406,7 @@ def test_hostile_ndjson_over_the_grpc_stream(pipeline: Served) -> None:
     answers = list(call(iter(messages), timeout=60))
     assert len(answers) == len(messages)
     for message, answer in zip(messages, answers, strict=True):
-        lines = [x for x in message.split(b"\n") if x.strip()]
+        lines = [x for x in message.split(b"\n") if x]
         results = [json.loads(x) for x in answer.splitlines()]
         assert len(results) == len(lines)
         assert all(
@@ -450,24 +452,37 @@ def test_bytes_length_prefixes_are_checked(http: httpx.Client) -> None:
         assert r.status_code == 400 and "string" in r.json()["error"], blob
 
 
-def test_a_killed_decoder_process_fails_one_request_clearly_and_is_replaced(pipeline: Served) -> None:
+def test_a_killed_decoder_process_fails_one_message_clearly_and_is_replaced(pipeline: Served) -> None:
+    """Over the gRPC stream (one message is one block for the decoder process): the message in
+    flight when the decoder child dies is answered with a clear error, the next one decodes."""
+    import threading
+
     import psutil
 
-    url = f"http://{pipeline[0]}/v1/pipelines/fraud/events"
     lines = mixed_lines(600, bad_every=5, seed=9)
     body = b"\n".join(lines)
-    assert httpx.post(url, content=body, timeout=60).status_code == 200  # the decoder child is up
     server = psutil.Process(pipeline[2].pid)
-    spawners = server.children()
-    decoders = [c for s in spawners for c in s.children()]
+    killed = threading.Event()
+
+    def messages() -> Iterator[bytes]:
+        yield body
+        killed.wait(30)
+        yield body
+        yield body
+
+    channel = grpc.insecure_channel(pipeline[1])
+    answers = channel.stream_stream("/aisp.v1.Pipelines/Events")(messages(), timeout=60)
+    check_results(lines, next(answers))
+    decoders = [c for s in server.children() for c in s.children()]
     assert decoders, "no decoder process"
     for d in decoders:
         d.kill()
         d.wait(10)
-    r = httpx.post(url, content=body, timeout=60)
-    assert r.status_code == 503 and "decoder process died" in r.json()["error"]
-    assert r.headers["Retry-After"]
-    r = httpx.post(url, content=body, timeout=60)  # a new child decodes it
-    assert r.status_code == 200
-    check_results(lines, r.content)
+    killed.set()
+    failed = [json.loads(x) for x in next(answers).splitlines()]
+    assert len(failed) == sum(1 for line in lines if line)
+    assert all("decoder process died" in r["error"] for r in failed)
+    sent = sum(1 for line in lines if line)
+    check_results(lines, next(answers), first_line=2 * sent + 1)  # a new child decodes it
     assert [c for s in server.children() for c in s.children()]
+    channel.close()

@@ -312,6 +312,7 @@ def serve(
             import uvicorn
 
             from aisp.serve.http import create_app
+            from aisp.serve.http_errors import JsonErrorsHttpTools
 
             sock = socket.create_server((host, http_port))
             print(f"http {host}:{sock.getsockname()[1]}", flush=True)
@@ -327,7 +328,7 @@ def serve(
             server_config = uvicorn.Config(
                 asgi,
                 log_level="warning",
-                http="httptools",
+                http=JsonErrorsHttpTools,  # httptools, with JSON for requests it cannot parse
                 loop="uvloop",
                 lifespan="off",
                 timeout_graceful_shutdown=10,

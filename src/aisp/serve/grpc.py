@@ -297,7 +297,7 @@ class PipelineStreams:
             line = 1
             try:
                 for message in request_iterator:
-                    lines = [x for x in bytes(message).split(b"\n") if x.strip()]
+                    lines = [x for x in bytes(message).split(b"\n") if x]  # as over HTTP
                     if not lines:
                         continue
                     first = line == 1

@@ -13,14 +13,23 @@ import math
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import msgspec
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from aisp.errors import AispError
 from aisp.serve.headers import DEADLINE_HEADER, TIER_HEADER, parse_deadline_ms, parse_tier
 
-__all__ = ["EXCEPTION_HANDLERS", "error_response", "guarded", "parse_deadline_s", "parse_tier_header"]
+__all__ = [
+    "EXCEPTION_HANDLERS",
+    "JsonErrorsHttpTools",
+    "error_response",
+    "guarded",
+    "parse_deadline_s",
+    "parse_tier_header",
+]
 
 log = logging.getLogger("aisp.serve")
 
@@ -76,3 +85,22 @@ EXCEPTION_HANDLERS: dict[Any, Callable[[Request, Exception], Awaitable[Response]
     Exception: _server_error,
 }
 """Starlette ``exception_handlers``: JSON for unmatched routes and methods, and for faults."""
+
+
+class JsonErrorsHttpTools(HttpToolsProtocol):
+    """uvicorn's httptools protocol, answering a request it cannot parse (bad request line,
+    headers or framing) with a JSON error like every other, instead of plain text."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = b'{"error":' + msgspec.json.encode(msg) + b"}"
+        content = [b"HTTP/1.1 400 Bad Request\r\n"]
+        for name, value in self.server_state.default_headers:
+            content += [name, b": ", value, b"\r\n"]
+        content += [
+            b"content-type: application/json\r\n",
+            b"content-length: " + str(len(body)).encode() + b"\r\n",
+            b"connection: close\r\n\r\n",
+            body,
+        ]
+        self.transport.write(b"".join(content))
+        self.transport.close()
