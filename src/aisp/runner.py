@@ -112,6 +112,18 @@ class RunSummary:
 
 
 def peak_rss_mb() -> float:
+    """This process's peak resident memory, in MB.
+
+    Linux's ``VmHWM`` when it can be read: ``getrusage``'s ``ru_maxrss`` is kept across
+    ``fork`` and ``exec``, so a run started by a large process would report that process's size.
+    """
+    try:
+        with open("/proc/self/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
