@@ -33,12 +33,12 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from aisp.errors import AispError, BadRequest, Forbidden, ModelError, NotFound, Overloaded
 from aisp.infer.repository import check_model_name
 from aisp.schedule.ratelimit import Limiter
+from aisp.serve.admission import admit_infer
 from aisp.serve.auth import Scope, Tokens, api_key
 from aisp.serve.headers import TIER_KEY, parse_tier
 from aisp.serve.http_models import MODEL_CONTROL_OFF
 from aisp.serve.metrics import ServerMetrics
 from aisp.serve.models import ModelServer
-from aisp.serve.oip import check_request
 from aisp.serve.oip_grpc import encode_response, parse_request
 from aisp.serve.pipelines import Chunk, InboxClosed, PipelineService
 
@@ -204,27 +204,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         sig = self.models.signature(name, version)
         req = parse_request(request, sig)
         remaining = context.time_remaining() if context is not None else None
-        timeout_s = remaining if remaining is not None and remaining < 1e6 else None
-        if req.timeout_us is not None:
-            timeout_s = min(timeout_s or float("inf"), req.timeout_us / 1e6)
         metadata = dict(context.invocation_metadata() or ()) if context is not None else {}
-        tier = parse_tier(metadata.get(TIER_KEY))
-        if self.limiter is not None:
-            rows = int(req.inputs[0].shape[0]) if req.inputs and req.inputs[0].shape else 1
-            level = tier if tier is not None else self.models.tier_of(name, req.priority)
-            wait = self.limiter.admit(api_key(metadata.get("authorization"), context.peer()), level, rows)
-            if wait:
-                raise Overloaded(f"rate limit: retry in {wait:.3f} s", retry_after_s=wait)
-        arrays = check_request(req, sig)  # the requested outputs too
-        result = self.models.infer(
-            name,
-            arrays,
+        key = api_key(metadata.get("authorization"), context.peer()) if self.limiter is not None else ""
+        admitted = admit_infer(
+            self.models,
+            self.limiter,
+            req,
+            sig,
             version=version,
-            priority=req.priority,
-            tier=tier,
-            timeout_s=timeout_s,
-            checked=True,
+            tier=parse_tier(metadata.get(TIER_KEY)),
+            timeout_s=remaining if remaining is not None and remaining < 1e6 else None,
+            api_key=key,
         )
+        result = self.models.infer(name, admitted.arrays, **admitted.options)
         return encode_response(pb, req, sig, result.version, result.outputs)
 
 

@@ -21,14 +21,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from aisp.errors import BadRequest, Forbidden, ModelError, NotFound, Overloaded, PayloadTooLarge
+from aisp.errors import BadRequest, Forbidden, ModelError, NotFound, PayloadTooLarge
 from aisp.infer.repository import check_model_name
 from aisp.schedule.ratelimit import Limiter
+from aisp.serve.admission import admit_infer
 from aisp.serve.auth import api_key
 from aisp.serve.http_errors import error_response, guarded, parse_deadline_s, parse_tier_header
 from aisp.serve.metrics import ServerMetrics
 from aisp.serve.models import ModelServer
-from aisp.serve.oip import check_request
 from aisp.serve.oip_http import HEADER_LENGTH, encode_response, parse_request
 
 __all__ = ["MODEL_CONTROL_OFF", "config_json", "model_routes"]
@@ -141,26 +141,18 @@ def model_routes(
         sig = models.signature(name, version)  # an unknown model is a 404 before the body is read
         body = await _read_body(request, max_body_bytes)
         req = parse_request(body, request.headers.get(HEADER_LENGTH), sig)
-        timeout_s = parse_deadline_s(request.headers)
-        if req.timeout_us is not None:
-            timeout_s = min(timeout_s or float("inf"), req.timeout_us / 1e6)
-        tier = parse_tier_header(request.headers)
-        if limiter is not None:
-            rows = int(req.inputs[0].shape[0]) if req.inputs and req.inputs[0].shape else 1
-            level = tier if tier is not None else models.tier_of(name, req.priority)
-            wait = limiter.admit(api_key(request.headers.get("authorization"), _peer(request)), level, rows)
-            if wait:
-                raise Overloaded(f"rate limit: retry in {wait:.3f} s", retry_after_s=wait)
-        arrays = check_request(req, sig)  # the requested outputs too
-        result = await models.infer_async(
-            name,
-            arrays,
+        key = api_key(request.headers.get("authorization"), _peer(request)) if limiter is not None else ""
+        admitted = admit_infer(
+            models,
+            limiter,
+            req,
+            sig,
             version=version,
-            priority=req.priority,
-            tier=tier,
-            timeout_s=timeout_s,
-            checked=True,
+            tier=parse_tier_header(request.headers),
+            timeout_s=parse_deadline_s(request.headers),
+            api_key=key,
         )
+        result = await models.infer_async(name, admitted.arrays, **admitted.options)
         body, headers = encode_response(req, sig, result.version, result.outputs)
         return Response(body, headers=headers)
 
