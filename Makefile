@@ -21,6 +21,7 @@ run: $(STAMP)
 	  --output out/fraud-scores.jsonl --dead-letter out/dead-letters.jsonl --summary-json out/summary.json
 
 test: $(STAMP)
+	bash scripts/test-services.sh
 	$(BIN)/python -m pytest -q
 
 check: $(STAMP)
