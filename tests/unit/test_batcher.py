@@ -18,12 +18,14 @@ from onnx import TensorProto, helper, numpy_helper
 from aisp.batch import DEADLINE_NS, ID, TIER, Batch, matrix_column
 from aisp.errors import ConfigError
 from aisp.infer import (
+    BatcherClosed,
     BatcherConfig,
     BatcherStats,
     BatchQueue,
     DynamicBatcher,
     OnnxRuntime,
     PythonRuntime,
+    QueueFull,
     TensorSpec,
 )
 
@@ -438,7 +440,7 @@ def test_backpressure_blocks_submit_until_the_model_catches_up() -> None:
     batcher.submit(rows([0, 1, 2, 3]))
     assert entered.wait(WAIT_S)  # the model holds the first batch; the queue is empty again
     batcher.submit(rows([4, 5, 6, 7]))  # fills the queue
-    with pytest.raises(TimeoutError, match="queue full"):
+    with pytest.raises(QueueFull, match="queue full"):
         batcher.submit(rows([8]), timeout_ms=1)
 
     submitted = threading.Event()
@@ -466,7 +468,7 @@ def test_close_drains_rows_still_waiting() -> None:
     batcher.submit(rows([2]))
     batcher.close()
     assert ids_of(sink.out) == [0, 1, 2]
-    with pytest.raises(RuntimeError, match="is closed"):
+    with pytest.raises(BatcherClosed, match="is closed"):
         batcher.submit(rows([3]))
     batcher.close()  # idempotent
 

@@ -2,6 +2,7 @@
 
 from aisp.infer.adaptive import AdaptiveConfig, AdaptiveTuner
 from aisp.infer.batcher import (
+    BatcherClosed,
     BatcherConfig,
     BatcherStats,
     BatchQueue,
@@ -11,6 +12,7 @@ from aisp.infer.batcher import (
     Finish,
     OnBatch,
     Prepare,
+    QueueFull,
 )
 from aisp.infer.repository import (
     ModelConfig,
@@ -28,6 +30,7 @@ __all__ = [
     "AdaptiveConfig",
     "AdaptiveTuner",
     "BatchQueue",
+    "BatcherClosed",
     "BatcherConfig",
     "BatcherStats",
     "CostModel",
@@ -42,6 +45,7 @@ __all__ = [
     "OnnxRuntime",
     "Prepare",
     "PythonRuntime",
+    "QueueFull",
     "Runtime",
     "ServedModel",
     "TensorConfig",

@@ -23,6 +23,7 @@ from typing import Any
 import numpy.typing as npt
 
 from aisp.batch import Batch
+from aisp.errors import Overloaded, Unavailable
 from aisp.infer.adaptive import AdaptiveTuner, Setting
 from aisp.infer.config import _MS, BatcherConfig
 from aisp.infer.queue import BatchQueue
@@ -30,6 +31,7 @@ from aisp.infer.runtime import Runtime, resolve
 
 __all__ = [
     "BatchQueue",
+    "BatcherClosed",
     "BatcherConfig",
     "BatcherStats",
     "DeadLetter",
@@ -38,6 +40,7 @@ __all__ = [
     "Finish",
     "OnBatch",
     "Prepare",
+    "QueueFull",
 ]
 
 Prepare = Callable[[Batch], Mapping[str, npt.NDArray[Any]]]
@@ -47,6 +50,14 @@ Emit = Callable[[Batch], None]
 DeadLetter = Callable[[Batch, str], None]
 OnBatch = Callable[[int, int, int], None]
 """``on_batch(rows, queue_wait_ns, compute_ns)``: called after each successful model call."""
+
+
+class QueueFull(Overloaded):
+    """``submit`` waited its ``timeout_ms`` while the batcher's queue stayed full."""
+
+
+class BatcherClosed(Unavailable):
+    """``submit`` on a batcher that is closing: its model was unloaded or the server is stopping."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,8 +169,8 @@ class DynamicBatcher:
         """Queue ``batch``; block while the queue is full (admitted whole when it fits or is empty).
 
         Raises:
-            TimeoutError: ``timeout_ms`` passed while the queue stayed full.
-            RuntimeError: the batcher is closed.
+            QueueFull: ``timeout_ms`` passed while the queue stayed full.
+            BatcherClosed: the batcher is closed.
         """
         rows = batch.num_rows
         if rows == 0:
@@ -170,7 +181,7 @@ class DynamicBatcher:
         with self._lock:
             while True:
                 if self._closing:
-                    raise RuntimeError(f"batcher for model {self.runtime.name!r} is closed")
+                    raise BatcherClosed(f"batcher for model {self.runtime.name!r} is closed")
                 queued = self._queue.queued_rows
                 if queued == 0 or queued + rows <= self.config.capacity_rows:
                     break
@@ -181,7 +192,7 @@ class DynamicBatcher:
                     break
                 wait_s = None if limit is None else (limit - time.monotonic_ns()) / 1e9
                 if wait_s is not None and wait_s <= 0:
-                    raise TimeoutError(
+                    raise QueueFull(
                         f"batcher queue full ({queued} of {self.config.capacity_rows} rows)"
                         f" for {timeout_ms:g} ms"
                     )

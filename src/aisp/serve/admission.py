@@ -1,21 +1,30 @@
-"""Admission of an inference request, the same for every transport: its timeout (the
-transport's deadline, or the OIP ``timeout`` parameter if sooner), the rate limits of its API
-key and tier (``Overloaded``, 429 / RESOURCE_EXHAUSTED), and its check against the model's
-signature (``oip.check_request``, ``BadRequest``)."""
+"""Admission, one component for every transport (HTTP, gRPC and any later one).
+
+``admit_infer``: an inference request's timeout (the transport's deadline, or the OIP
+``timeout`` parameter if sooner), the rate limits of its API key and tier (``Overloaded``, 429
+/ RESOURCE_EXHAUSTED), and its check against the model's signature (``BadRequest``).
+``PipelineAdmission``: a served pipeline's events: rate limits, then room in its inbox.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy.typing as npt
 
+from aisp.batch import Batch
 from aisp.errors import Overloaded
 from aisp.schedule.ratelimit import Limiter
 from aisp.serve.models import ModelServer
 from aisp.serve.oip import InferRequest, Signature, check_request
+from aisp.serve.pipelines import Chunk, PipelineService
 
-__all__ = ["Admitted", "admit_infer"]
+__all__ = ["Admitted", "PipelineAdmission", "admit_infer"]
 
 
 @dataclass(frozen=True)
@@ -54,3 +63,81 @@ def admit_infer(
         "checked": True,
     }
     return Admitted(check_request(req, sig), options)
+
+
+def _pauses() -> Iterator[float]:
+    """Waits between offers to a full inbox: 0.2 ms, doubling up to 5 ms."""
+    pause = 0.0002
+    while True:
+        yield pause
+        pause = min(pause * 2, 0.005)
+
+
+class PipelineAdmission:
+    """Admission of a served pipeline's events, the same for every transport.
+
+    A request's events come in chunks. Each admitted chunk first passes the rate limits of its
+    API key and tier, then needs room in the pipeline's inbox (its bounded admission queue).
+    The first chunk of a request is refused (``Overloaded``: 429 with ``Retry-After`` /
+    RESOURCE_EXHAUSTED) when a rate limit applies, or when the inbox stays full for ``wait_s``;
+    later chunks of an accepted request wait instead, which is how a stream stops reading.
+    ``admit_async`` serves event loops, ``admit`` threads (which ``stop`` can release).
+    """
+
+    def __init__(self, service: PipelineService, *, limiter: Limiter | None, wait_s: float) -> None:
+        self.service, self.limiter, self.wait_s = service, limiter, wait_s
+
+    def _rate_wait(self, rows: int, key: str, tier: int | None, first: bool) -> float:
+        if self.limiter is None or not rows:
+            return 0.0
+        wait = self.limiter.admit(key, tier if tier is not None else 0, rows)
+        if wait and first:
+            self.service.refused(rows, rate_limited=True)
+            raise Overloaded(f"rate limit: retry in {wait:.3f} s", retry_after_s=wait)
+        return wait
+
+    def _give_up(self, rows: int, first: bool, deadline: float) -> None:
+        if first and time.monotonic() >= deadline:
+            self.service.refused(rows)
+            raise Overloaded(
+                f"pipeline {self.service.name!r} is overloaded: its admission queue is full; retry later"
+            )
+
+    async def admit_async(
+        self, batch: Batch | None, chunk: Chunk | None, *, key: str, tier: int | None, first: bool
+    ) -> None:
+        rows = 0 if batch is None else batch.num_rows
+        wait = self._rate_wait(rows, key, tier, first)
+        if wait:
+            await asyncio.sleep(wait)
+        deadline = time.monotonic() + self.wait_s
+        for pause in _pauses():
+            if self.service.offer(batch, chunk):
+                return
+            self._give_up(rows, first, deadline)
+            await asyncio.sleep(pause)
+
+    def admit(
+        self,
+        batch: Batch | None,
+        chunk: Chunk | None,
+        *,
+        key: str,
+        tier: int | None,
+        first: bool,
+        stop: threading.Event | None = None,
+    ) -> bool:
+        """``admit_async`` for a thread; False if ``stop`` was set before there was room."""
+        stop = stop or threading.Event()
+        rows = 0 if batch is None else batch.num_rows
+        wait = self._rate_wait(rows, key, tier, first)
+        if wait and stop.wait(wait):
+            return False
+        deadline = time.monotonic() + self.wait_s
+        for pause in _pauses():
+            if self.service.offer(batch, chunk):
+                return True
+            self._give_up(rows, first, deadline)
+            if stop.wait(pause):
+                return False
+        raise AssertionError("unreachable")  # _pauses never ends

@@ -33,7 +33,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from aisp.errors import AispError, BadRequest, Forbidden, ModelError, NotFound, Overloaded
 from aisp.infer.repository import check_model_name
 from aisp.schedule.ratelimit import Limiter
-from aisp.serve.admission import admit_infer
+from aisp.serve.admission import PipelineAdmission, admit_infer
 from aisp.serve.auth import Scope, Tokens, api_key
 from aisp.serve.headers import TIER_KEY, parse_tier
 from aisp.serve.http_models import MODEL_CONTROL_OFF
@@ -242,8 +242,10 @@ class PipelineStreams:
         window_messages: int = 64,
     ) -> None:
         self.pipelines = pipelines
-        self.admission_wait_s = admission_wait_s
-        self.limiter = limiter
+        self.admissions = {
+            name: PipelineAdmission(service, limiter=limiter, wait_s=admission_wait_s)
+            for name, service in pipelines.items()
+        }
         self.window_messages = window_messages
 
     def handler(self) -> grpc.GenericRpcHandler:
@@ -284,6 +286,7 @@ class PipelineStreams:
         parent = service.trace_parent(metadata.get("traceparent"), metadata.get("tracestate"))
         answers: queue.Queue[Any] = queue.Queue(self.window_messages)
         stop = threading.Event()
+        admission = self.admissions[service.name]
 
         def read() -> None:
             line = 1
@@ -293,35 +296,24 @@ class PipelineStreams:
                     if not lines:
                         continue
                     first = line == 1
-                    if self.limiter is not None:
-                        wait = self.limiter.admit(key, tier if tier is not None else 0, len(lines))
-                        if wait and first:
-                            service.refused(len(lines), rate_limited=True)
-                            answers.put(Overloaded(f"rate limit: retry in {wait:.3f} s", retry_after_s=wait))
-                            return
-                        stop.wait(wait)
                     try:
-                        chunk, errors, admitted = service.submit(
+                        batch, chunk, errors = service.prepare(
                             lines,
                             deadline_ns=deadline_ns,
                             tier=tier,
                             track=mode == "results",
-                            wait_s=self.admission_wait_s if first else None,
-                            stop=stop,
                             first_line=line,
                             trace_parent=parent,
                         )
-                    except InboxClosed:
-                        raise  # shutting down: the call ends UNAVAILABLE
+                        admitted = admission.admit(batch, chunk, key=key, tier=tier, first=first, stop=stop)
+                    except (InboxClosed, Overloaded):
+                        raise  # shutting down, or a refused first message: the call ends with it
                     except AispError as exc:  # this message fails; the stream goes on
                         answers.put(_failed_message(len(lines), line, exc, fire=mode == "fire"))
                         line += len(lines)
                         continue
                     if not admitted:
-                        if first:
-                            service.refused(len(lines))
-                            answers.put(Overloaded(f"pipeline {service.name!r} is overloaded; retry later"))
-                        return
+                        return  # the call ended while this message waited for room
                     line += len(lines)
                     if chunk is not None:
                         answers.put(chunk)

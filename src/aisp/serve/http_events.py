@@ -13,8 +13,9 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from aisp.errors import AispError, BadRequest, NotFound, Overloaded, PayloadTooLarge
+from aisp.errors import AispError, BadRequest, NotFound, PayloadTooLarge
 from aisp.schedule.ratelimit import Limiter
+from aisp.serve.admission import PipelineAdmission
 from aisp.serve.auth import api_key
 from aisp.serve.http_errors import error_response, parse_deadline_s, parse_tier_header
 from aisp.serve.pipelines import Chunk, PipelineService
@@ -73,7 +74,10 @@ class Events:
     ) -> None:
         self.pipelines = pipelines
         self.limiter = limiter
-        self.admission_wait_s = admission_wait_s
+        self.admissions = {
+            name: PipelineAdmission(service, limiter=limiter, wait_s=admission_wait_s)
+            for name, service in pipelines.items()
+        }
         self.window_events = window_events
         self.max_line_bytes = max_line_bytes
 
@@ -119,34 +123,6 @@ class Events:
         else:
             await self._results(service, stream, key, opts, send)
 
-    async def _admit(
-        self,
-        service: PipelineService,
-        batch: Any,
-        chunk: Chunk | None,
-        key: str,
-        tier: int | None,
-        first: bool,
-    ) -> None:
-        """Rate limits, then room in the inbox: refused (first chunk) or waited for (the rest)."""
-        rows = 0 if batch is None else batch.num_rows
-        if self.limiter is not None and rows:
-            wait = self.limiter.admit(key, tier if tier is not None else 0, rows)
-            if wait and first:
-                service.refused(rows, rate_limited=True)
-                raise Overloaded(f"rate limit: retry in {wait:.3f} s", retry_after_s=wait)
-            if wait:
-                await asyncio.sleep(wait)
-        deadline = time.monotonic() + self.admission_wait_s
-        pause = 0.0002
-        while not service.offer(batch, chunk):
-            if first and time.monotonic() >= deadline:
-                service.refused(rows)
-                message = f"pipeline {service.name!r} is overloaded: its admission queue is full; retry later"
-                raise Overloaded(message)
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.005)
-
     async def _fire(
         self, service: PipelineService, stream: AsyncIterator[list[bytes]], key: str, opts: dict[str, Any]
     ) -> Response:
@@ -157,7 +133,9 @@ class Events:
             async for lines in stream:
                 decoded = await service.decode_async(lines)
                 batch, _, bad = service.prepare(lines, decoded=decoded, track=False, first_line=line, **opts)
-                await self._admit(service, batch, None, key, opts["tier"], first=line == 1)
+                await self.admissions[service.name].admit_async(
+                    batch, None, key=key, tier=opts["tier"], first=line == 1
+                )
                 line += len(lines)
                 accepted += len(lines) - len(bad)
                 errors += bad[: max(0, 100 - len(errors))]
@@ -192,7 +170,9 @@ class Events:
                 lines, decoded=decoded, notify=notify, first_line=state["line"], **opts
             )
             assert chunk is not None
-            await self._admit(service, batch, chunk, key, opts["tier"], first=first)
+            await self.admissions[service.name].admit_async(
+                batch, chunk, key=key, tier=opts["tier"], first=first
+            )
             state["line"] += len(lines)
             state["unanswered"] += chunk.n
             pending.append(chunk)

@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from aisp.batch import Batch
 from aisp.errors import AispError, BadRequest, NotFound, RequestError
-from aisp.infer.batcher import DynamicBatcher
+from aisp.infer.batcher import BatcherClosed, DynamicBatcher, QueueFull
 from aisp.infer.config import BatcherConfig
 from aisp.infer.repository import ModelRepository, check_model_name
 from aisp.infer.runtime import Runtime
@@ -322,13 +322,13 @@ class ModelServer:
         try:
             try:
                 served.batcher.submit(batches[0], timeout_ms=self.admission_wait_ms)
-            except TimeoutError as exc:
+            except QueueFull as exc:
                 pending.error = "overloaded"
                 raise RequestFailed(
                     f"model {name!r} is overloaded: its queue is full ({exc}); retry later",
                     reason="overloaded",
                 ) from exc
-            except RuntimeError as exc:
+            except BatcherClosed as exc:
                 pending.error = "unavailable"
                 raise RequestFailed(f"model {name!r} is unavailable: {exc}", reason="unavailable") from exc
             assert pending.event is not None
@@ -431,9 +431,9 @@ class ModelServer:
             try:
                 if not (cost_ns > 0 and batcher.run_inline(batch, max_cost_ns=cost_ns)):
                     batcher.submit(batch, timeout_ms=0)
-            except TimeoutError:
+            except QueueFull:
                 self._settle(np.unique(batch.numpy(REQ)).tolist(), "overloaded")
-            except RuntimeError:  # the model was unloaded or the server is stopping
+            except BatcherClosed:  # the model was unloaded or the server is stopping
                 self._settle(np.unique(batch.numpy(REQ)).tolist(), "unavailable")
         waiting = [it for it in refused if it.admit_until_ns > now]
         self._settle([it.req for it in refused if it.admit_until_ns <= now], "overloaded")
