@@ -28,6 +28,7 @@ check: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 fmt: $(STAMP)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, urlparse
 
 import msgspec
@@ -32,8 +32,18 @@ from aisp.sinks.base import Sink
 from aisp.sinks.deadletter import DeadLetterSink
 from aisp.sinks.files import JsonlFileSink, NullSink
 
-if TYPE_CHECKING:
-    from aisp.pipeline import Pipeline
+
+class Pipeline(Protocol):
+    """What a connector needs of a pipeline (``aisp.Pipeline`` has it): its name, the schema its
+    input decodes to, and the columns its output writes."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def input_schema(self) -> type[msgspec.Struct] | None: ...
+    @property
+    def output_columns(self) -> list[str] | None: ...
+
 
 __all__ = ["alert_to", "dead_letter_sink", "sink_from_url", "source_for"]
 

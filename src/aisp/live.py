@@ -10,7 +10,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from aisp.schedule.executor import LocalExecutor
+from aisp.observe.view import PipelineView
 
 __all__ = ["LiveView"]
 
@@ -18,7 +18,7 @@ __all__ = ["LiveView"]
 class LiveView:
     """Redraws a small table a few times a second while the executor runs."""
 
-    def __init__(self, ex: LocalExecutor, console: Console | None = None) -> None:
+    def __init__(self, ex: PipelineView, console: Console | None = None) -> None:
         self._ex = ex
         self._live = Live(console=console or Console(stderr=True), refresh_per_second=4, transient=False)
         self._last_in = 0

@@ -95,7 +95,7 @@ def test_bad_traceparents_are_ignored_and_config_is_checked() -> None:
 
 
 def test_cli_trace_options_and_the_standard_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aisp.cli import _trace_config
+    from aisp.cli.common import _trace_config
 
     for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_SAMPLER"):
         monkeypatch.delenv(name, raising=False)

@@ -1,8 +1,9 @@
 """``aisp bench``: open- and closed-loop load against a pipeline, rate sweeps to the highest
 rate meeting an SLO, and their reports (JSON, PNG, HTML)."""
 
-from aisp.bench.load import LoadSpec, PointResult, make_target, run_point, workload_lines
+from aisp.bench.load import LoadSpec, PointResult, run_point, workload_lines
 from aisp.bench.report import Sweep, plot_html, plot_png, sweep, write_report
+from aisp.bench.targets import make_target
 
 __all__ = [
     "LoadSpec",

@@ -34,7 +34,7 @@ import numpy as np
 from aisp.errors import ConfigError
 from aisp.observe.latency import LatencyHistogram
 
-__all__ = ["LoadSpec", "PointResult", "make_target", "run_point", "workload_lines"]
+__all__ = ["GrpcPipeline", "HttpPipeline", "LoadSpec", "PointResult", "run_point", "workload_lines"]
 
 MAX_IN_FLIGHT = 4096  # requests; beyond this the client counts a scheduled request as a backlog error
 
@@ -251,29 +251,6 @@ class GrpcPipeline:
             await self._channel.close()
 
 
-def make_target(target: str) -> Any:
-    """A network target (HTTP, gRPC, a Redis stream pair), or the path of a local pipeline file
-    (returned as is)."""
-    if target.startswith(("http://", "https://")):
-        return HttpPipeline(target)
-    if target.startswith("grpc://"):
-        return GrpcPipeline(target)
-    if target.startswith("redis://"):
-        from aisp.bench.broker import RedisStreamsTarget
-
-        return RedisStreamsTarget(target)
-    if target.startswith("nats://"):
-        from aisp.bench.broker import JetStreamTarget
-
-        return JetStreamTarget(target)
-    if target.endswith(".py") and Path(target).is_file():
-        return target
-    raise ConfigError(
-        "bench target must be http(s)://…, grpc://HOST:PORT/PIPELINE, redis:// or nats://HOST:PORT/IN?output=OUT"
-        f" or a pipeline file, got {target!r}"
-    )
-
-
 class _Meter:
     """Counts and latencies of one point, measured after the warm-up."""
 
@@ -402,7 +379,7 @@ def run_point(
     lines: list[bytes] | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> PointResult:
-    """Run one load point against ``target`` (see ``make_target``)."""
+    """Run one load point against ``target`` (see ``bench.targets.make_target``)."""
     if isinstance(target, str):
         return _local_point(target, spec)
     k = spec.events_per_request

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from aisp.cli import app, err
+from aisp.cli.common import app, err
 from aisp.errors import AispError
 
 chaos_app = typer.Typer(no_args_is_help=True, help="Fault injection that proves recovery.")

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from aisp.cli import app, err
+from aisp.cli.common import app, err
 from aisp.errors import AispError
 
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from aisp.cli import (
+from aisp.cli.common import (
     TraceEndpoint,
     TraceMaxPerS,
     TraceSample,

@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib.resources import files
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -29,9 +29,7 @@ from aisp.observe.diagnose import Scrape, diagnose
 from aisp.observe.latency import LatencyHistogram
 from aisp.observe.metrics import PipelineCollector
 from aisp.observe.stats import AdmissionStats
-
-if TYPE_CHECKING:
-    from aisp.schedule.executor import LocalExecutor
+from aisp.observe.view import PipelineView
 
 __all__ = ["DashboardState", "page", "serve_dashboard"]
 
@@ -46,7 +44,7 @@ class DashboardState:
     ``update`` (callers share one instance; ``update`` at most once per ``min_interval_s``)."""
 
     def __init__(
-        self, executor: LocalExecutor, *, admission: AdmissionStats | None = None, min_interval_s: float = 1.0
+        self, executor: PipelineView, *, admission: AdmissionStats | None = None, min_interval_s: float = 1.0
     ) -> None:
         self._ex = executor
         self._registry = CollectorRegistry()
@@ -164,7 +162,7 @@ def sse(state: DashboardState, stop: threading.Event, period_s: float = 1.0) -> 
 
 
 def serve_dashboard(
-    executor: LocalExecutor, port: int, host: str = "127.0.0.1"
+    executor: PipelineView, port: int, host: str = "127.0.0.1"
 ) -> tuple[ThreadingHTTPServer, int]:
     """Serve the dashboard (and ``/metrics``) for ``executor`` in a daemon thread; returns
     (server, port). ``server.shutdown()`` stops it."""

@@ -47,7 +47,7 @@ import gc
 import time
 from collections import Counter
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -56,10 +56,8 @@ from prometheus_client.process_collector import ProcessCollector
 
 from aisp.observe.latency import LatencyHistogram
 from aisp.observe.stats import AdmissionStats, StageStats
+from aisp.observe.view import PipelineView
 from aisp.retry import RETRIES
-
-if TYPE_CHECKING:
-    from aisp.schedule.executor import LocalExecutor
 
 __all__ = ["GcPauses", "PipelineCollector", "gc_pauses", "serve_metrics"]
 
@@ -80,7 +78,7 @@ def _buckets(hist: LatencyHistogram, bounds: tuple[float, ...], scale: float) ->
 class PipelineCollector:
     """A ``prometheus_client`` collector over one executor (see the module docstring)."""
 
-    def __init__(self, executor: LocalExecutor, admission: AdmissionStats | None = None) -> None:
+    def __init__(self, executor: PipelineView, admission: AdmissionStats | None = None) -> None:
         self._ex = executor
         self._admission = admission
 
@@ -264,7 +262,7 @@ def gc_pauses() -> GcPauses:
     return _GC_PAUSES
 
 
-def serve_metrics(executor: LocalExecutor, port: int, host: str = "127.0.0.1") -> tuple[Any, int]:
+def serve_metrics(executor: PipelineView, port: int, host: str = "127.0.0.1") -> tuple[Any, int]:
     """Serve ``/metrics`` for ``executor`` on ``host:port`` (0: a free port) in a daemon thread;
     returns (server, port). Process and GC metrics come with it."""
     registry = CollectorRegistry()

@@ -1,0 +1,86 @@
+"""What the ``aisp`` command's modules share: the app, the pipeline loader and option types."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from aisp.pipeline import Pipeline
+
+__all__ = ["app", "err", "load_pipeline", "main"]
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="AISP: AI-native stream processing.")
+err = Console(stderr=True)
+
+
+def load_pipeline(path: str, **params: Any) -> Pipeline:
+    """Import a pipeline file and return its pipeline.
+
+    The file defines ``build(**params) -> Pipeline`` (preferred; it receives options such as
+    ``events`` and ``schema``-dependent ``input``) or a module-level ``pipeline``.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise typer.BadParameter(f"no pipeline file at {path!r}")
+    spec = importlib.util.spec_from_file_location(f"aisp_user_{file.stem}", file)
+    if spec is None or spec.loader is None:
+        raise typer.BadParameter(f"cannot import {path!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    build = getattr(module, "build", None)
+    p = build(**params) if callable(build) else getattr(module, "pipeline", None)
+    if not isinstance(p, Pipeline):
+        raise typer.BadParameter(f"{path!r} defines neither build() -> Pipeline nor a `pipeline` object")
+    return p
+
+
+TraceSample = Annotated[
+    float, typer.Option(help="Trace this share of the events (OpenTelemetry over OTLP/HTTP; 0: off).")
+]
+TraceEndpoint = Annotated[
+    str | None, typer.Option(help="OTLP/HTTP traces endpoint (default: OTEL_EXPORTER_OTLP_* or :4318).")
+]
+TraceMaxPerS = Annotated[float, typer.Option(help="At most this many new traces a second (0: no cap).")]
+
+
+def _trace_config(sample: float, endpoint: str | None, max_per_s: float) -> Any:
+    """``--trace-*`` options as a ``TraceConfig`` (None: tracing off). With an endpoint and no
+    sample, only events whose client sent a sampled ``traceparent`` are traced. Without either,
+    the standard ``OTEL_*`` variables decide (``TraceConfig.from_env``)."""
+    from aisp.observe.tracing import TraceConfig
+
+    if sample <= 0 and endpoint is None:
+        from_env = TraceConfig.from_env()
+        return None if from_env is None else replace(from_env, max_traces_per_s=max_per_s)
+    return TraceConfig(sample_ratio=sample, endpoint=endpoint, max_traces_per_s=max_per_s)
+
+
+def _params(pairs: list[str] | None) -> dict[str, Any]:
+    """``--param KEY=VALUE`` pairs for ``build()`` (values stay strings)."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise typer.BadParameter(f"--param takes KEY=VALUE, got {pair!r}")
+        out[key] = value
+    return out
+
+
+def _bind(p: Pipeline, input: str | None, output: str | None) -> None:  # noqa: A002
+    from aisp.connectors import sink_from_url, source_for
+
+    if input is not None:
+        p.bind(source=source_for(p, input))
+    if output is not None:
+        p.bind(sink=sink_from_url(output, p))
+
+
+def main() -> None:
+    app()
