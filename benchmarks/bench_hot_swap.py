@@ -32,7 +32,7 @@ def main() -> int:
     ap.add_argument("--swap-at-s", type=float, default=4.0)
     args = ap.parse_args()
 
-    from aisp import JsonlFileSink, JsonlFileSource, RunOptions, run
+    from aisp import ExecutorOptions, JsonlFileSink, JsonlFileSource, ObserveOptions, RunOptions, run
     from aisp.observe.latency import LatencyHistogram
 
     work = Path(tempfile.mkdtemp(prefix="aisp-swap-"))
@@ -69,7 +69,12 @@ def main() -> int:
         windows.append((t, snap.since(state["last"]), version))
         state["last"] = snap
 
-    summary = run(p, RunOptions(rate_events_per_s=args.rate, repository_poll_s=0.1, on_progress=progress))
+    options = RunOptions(
+        execution=ExecutorOptions(rate_events_per_s=args.rate),
+        observe=ObserveOptions(on_progress=progress),
+        repository_poll_s=0.1,
+    )
+    summary = run(p, options)
     swap_t = state["swap_t"]
     steady = LatencyHistogram()
     during = LatencyHistogram()

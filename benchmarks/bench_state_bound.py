@@ -28,7 +28,7 @@ CHILD = """
 import json, resource, sys, time
 from aisp import Pipeline
 from aisp.ingest.generator import WorkloadFSource
-from aisp.runner import RunOptions, run
+from aisp.runner import CheckpointOptions, RunOptions, run
 from aisp.sinks.files import NullSink
 
 events, users, max_keys, interval, chk, zipf = sys.argv[1:7]
@@ -36,8 +36,9 @@ p = Pipeline("state-bound")
 s = p.source("src", WorkloadFSource(events=int(events), users=int(users), seed=7, zipf=float(zipf)))
 s.key_by("by_user", "user").running_stats("stats", "amount").sink("out", NullSink())
 t0 = time.monotonic()
-summary = run(p, RunOptions(checkpoint_dir=chk, checkpoint_interval_s=float(interval), state_store=True,
-                            state_max_keys=int(max_keys)))
+checkpoints = CheckpointOptions(dir=chk, interval_s=float(interval), state_store=True,
+                                state_max_keys=int(max_keys))
+summary = run(p, RunOptions(checkpoints=checkpoints))
 print(json.dumps({"events_per_s": summary.events_per_s, "seconds": summary.seconds,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "state": summary.state, "checkpoints": summary.checkpoints,

@@ -17,16 +17,19 @@ from aisp.graph import Graph, Node
 from aisp.infer import BatcherConfig, ModelRepository, OnnxRuntime, PythonRuntime, ServedModel
 from aisp.ingest import JsonlFileSource, Source, WorkloadFSource
 from aisp.pipeline import KeyedStream, Pipeline, Stream
-from aisp.runner import RunOptions, RunSummary, run
+from aisp.runner import CheckpointOptions, ObserveOptions, RunOptions, RunSummary, run
+from aisp.schedule.executor import ExecutorOptions
 from aisp.sinks import CollectSink, DeadLetterSink, JsonlFileSink, NullSink, Sink
 
 __all__ = [
     "AispError",
     "Batch",
     "BatcherConfig",
+    "CheckpointOptions",
     "CollectSink",
     "ConfigError",
     "DeadLetterSink",
+    "ExecutorOptions",
     "Graph",
     "GraphError",
     "JsonlFileSink",
@@ -37,6 +40,7 @@ __all__ = [
     "ModelTimeoutError",
     "Node",
     "NullSink",
+    "ObserveOptions",
     "OnnxRuntime",
     "Pipeline",
     "PythonRuntime",

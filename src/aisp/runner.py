@@ -10,7 +10,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -24,59 +25,72 @@ from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.versions import ServedModel
 from aisp.observe.clock import wall_ms
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
-from aisp.state.checkpoint import CheckpointStore
+from aisp.state.checkpoint import Checkpoint, CheckpointStore
 
 if TYPE_CHECKING:
     from aisp.observe.tracing import TraceConfig
     from aisp.pipeline import Pipeline
 
-__all__ = ["RunOptions", "RunSummary", "run"]
+__all__ = ["CheckpointOptions", "ObserveOptions", "RunOptions", "RunSummary", "run"]
 
 log = logging.getLogger("aisp.runner")
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunOptions:
-    """How to run: dead-letter file, pacing, batch and queue sizes, live view, signal handling."""
+class CheckpointOptions:
+    """Checkpoints, so that a run survives ``kill -9``, and where keyed state lives."""
 
-    dead_letter: str | None = None
-    rate_events_per_s: float = 0.0
-    batch_rows: int = 512
-    channel_capacity_rows: int = 8192
-    live: bool = False
-    handle_signals: bool = False
-    summary_json: str | None = None
-    offload_sources: bool = True
-    offload_sinks: bool = False
-    tune_gc: bool = True
-    repository_poll_s: float = 1.0
-    on_progress: Callable[[LocalExecutor], None] | None = None
-    checkpoint_dir: str | None = None
+    dir: str
     """Take checkpoints here, and restore from the newest verified one at start."""
-    checkpoint_interval_s: float = 1.0
-    checkpoint_keep: int = 3
+    interval_s: float = 1.0
+    keep: int = 3
     state_store: bool = False
-    """With ``checkpoint_dir``: keep keyed state in an LMDB store there (``state/``), written
-    incrementally at checkpoints (only keys that changed), instead of whole in each checkpoint."""
-    partition_state_dir: str | None = None
-    """With ``checkpoint_dir`` and a Kafka input: checkpoint keyed state per input partition in
-    this directory, shared by the processes of the consumer group, so the state moves with the
-    partitions when the group rebalances (each process keeps its own ``checkpoint_dir``)."""
+    """Keep keyed state in an LMDB store (``DIR/state/``), written incrementally at checkpoints
+    (only keys that changed), instead of whole in each checkpoint."""
     state_max_keys: int = 0
     """With ``state_store``: keep about this many keys per key space in memory (0: all); the
     least recently seen are evicted at checkpoints and read back from the store when seen again,
     so keyed state may be larger than memory."""
-    dashboard_port: int | None = None
-    """Serve the live dashboard on 127.0.0.1 at this port while the run lasts (0: a free port,
-    announced on stderr as ``dashboard http://127.0.0.1:PORT/``)."""
-    slo_ms: float | None = None
-    """The end-to-end latency target the summary's ``slo_attainment`` is measured against
-    (default: the pipeline's static latency bound)."""
-    trace: TraceConfig | None = None
-    """Trace a sample of the events (OpenTelemetry, exported over OTLP/HTTP)."""
+    partition_state_dir: str | None = None
+    """With a Kafka input: checkpoint keyed state per input partition in this directory, shared
+    by the processes of the consumer group, so the state moves with the partitions when the
+    group rebalances (each process keeps its own ``dir``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObserveOptions:
+    """What a run shows of itself while it runs, and what it reports at the end."""
+
+    live: bool = False
+    """A live view on the terminal."""
     metrics_port: int | None = None
     """Serve Prometheus ``/metrics`` on 127.0.0.1 at this port while the run lasts (0: a free
     port, announced on stderr as ``metrics http://127.0.0.1:PORT/metrics``)."""
+    dashboard_port: int | None = None
+    """Serve the live dashboard on 127.0.0.1 at this port while the run lasts (0: a free port,
+    announced on stderr as ``dashboard http://127.0.0.1:PORT/``)."""
+    trace: TraceConfig | None = None
+    """Trace a sample of the events (OpenTelemetry, exported over OTLP/HTTP)."""
+    slo_ms: float | None = None
+    """The end-to-end latency target the summary's ``slo_attainment`` is measured against
+    (default: the pipeline's static latency bound)."""
+    summary_json: str | None = None
+    on_progress: Callable[[LocalExecutor], None] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """How to run, by concern: the executor (``execution``: batch and queue sizes, pacing,
+    worker processes), ``checkpoints`` (None: none), ``observe``; and the dead-letter target,
+    signal handling, GC tuning and how often versioned models are polled."""
+
+    dead_letter: str | None = None
+    execution: ExecutorOptions = field(default_factory=ExecutorOptions)
+    checkpoints: CheckpointOptions | None = None
+    observe: ObserveOptions = field(default_factory=ObserveOptions)
+    handle_signals: bool = False
+    tune_gc: bool = True
+    repository_poll_s: float = 1.0
 
 
 @dataclass
@@ -96,7 +110,7 @@ class RunSummary:
     checkpoints: int = 0
     restored_from: int | None = None
     slo_ms: float = 0.0
-    """The latency target: ``RunOptions.slo_ms``, else the pipeline's latency bound."""
+    """The latency target: ``ObserveOptions.slo_ms``, else the pipeline's latency bound."""
     slo_attainment: float = 0.0
     """The share of the events written within ``slo_ms``."""
     active_seconds: float = 0.0
@@ -173,126 +187,134 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
     """Build, start and drain ``pipeline``; SIGINT/SIGTERM (when handled) trigger a clean drain."""
     opts = options or RunOptions()
     graph = pipeline.build()
-    if opts.checkpoint_dir is None:
-        return _run(graph, opts, None)
-    store = CheckpointStore(opts.checkpoint_dir, keep=opts.checkpoint_keep)
-    store.lock()  # one process per checkpoint directory
-    try:
-        return _run(graph, opts, store)
-    finally:
-        store.unlock()
+    with ExitStack() as resources:
+        ck = opts.checkpoints
+        store = None
+        if ck is not None:
+            store = CheckpointStore(ck.dir, keep=ck.keep)
+            store.lock()  # one process per checkpoint directory
+            resources.callback(store.unlock)
+        latest = _restore_point(graph, store)
+        ex = _executor(graph, opts, store, latest, resources)
+        if opts.handle_signals:
+            resources.callback(_install_signals(ex) or (lambda: None))
+        if opts.tune_gc:
+            resources.callback(_tune_gc())
+        _observe(ex, opts.observe, resources)  # starts the executor
+        _drive(ex, opts, store)
+    if ex.errors:
+        raise ex.errors[0]
+    return _summary(ex, graph, opts, latest)
 
 
-def _run(graph: Graph, opts: RunOptions, store: CheckpointStore | None) -> RunSummary:
+def _restore_point(graph: Graph, store: CheckpointStore | None) -> Checkpoint | None:
     latest = store.latest() if store is not None else None
     if latest is not None and latest.meta.get("pipeline") != graph.name:
         raise ConfigError(
             f"checkpoint {latest.path} is of pipeline {latest.meta.get('pipeline')!r}, not {graph.name!r}"
         )
+    return latest
+
+
+def _executor(
+    graph: Graph, opts: RunOptions, store: CheckpointStore | None, latest: Checkpoint | None, res: ExitStack
+) -> LocalExecutor:
+    """The executor and what it owns (dead letters, state store, partition states), each
+    closed by ``res`` when the run ends."""
+    ck = opts.checkpoints
     writer = dead_letter_sink(opts.dead_letter).open(
         latest.meta.get("dead_letter_bytes") if latest is not None else None
     )
-    partition_states = None
-    if opts.partition_state_dir is not None:
-        if store is None:
-            raise ConfigError("state that follows partitions is checkpointed: it needs --checkpoint-dir too")
+    res.callback(writer.close)
+    partition_states = state_store = None
+    if ck is not None and ck.partition_state_dir is not None:
         from aisp.state.partitions import PartitionStates
 
-        partition_states = PartitionStates(opts.partition_state_dir, keep=opts.checkpoint_keep)
-    state_store = None
-    if opts.state_max_keys and not opts.state_store:
+        partition_states = PartitionStates(ck.partition_state_dir, keep=ck.keep)
+        res.callback(partition_states.close)
+    if ck is not None and ck.state_max_keys and not ck.state_store:
         raise ConfigError("a bound on the keys in memory needs the state store (--state-store)")
-    if opts.state_store:
-        if opts.checkpoint_dir is None:
-            raise ConfigError("a state store needs --checkpoint-dir (it lives there)")
+    if ck is not None and ck.state_store:
         from aisp.state.store import LmdbStateStore
 
-        state_store = LmdbStateStore(Path(opts.checkpoint_dir) / "state", writer_process=True)
-    ex = LocalExecutor(
+        state_store = LmdbStateStore(Path(ck.dir) / "state", writer_process=True)
+        res.callback(state_store.close)
+    execution = opts.execution
+    if ck is not None and ck.state_max_keys:
+        execution = replace(execution, state_max_keys=ck.state_max_keys)
+    return LocalExecutor(
         graph,
         state_store=state_store,
         partition_states=partition_states,
         restore=latest,
         dead_letter=writer,
-        options=ExecutorOptions(
-            channel_capacity_rows=opts.channel_capacity_rows,
-            source_batch_rows=opts.batch_rows,
-            rate_events_per_s=opts.rate_events_per_s,
-            offload_sources=opts.offload_sources,
-            offload_sinks=opts.offload_sinks,
-            state_max_keys=opts.state_max_keys,
-        ),
+        options=execution,
     )
-    restore = _install_signals(ex) if opts.handle_signals else None
-    metrics_server: Any = None
-    dashboard_server: Any = None
-    gc_restore = _tune_gc() if opts.tune_gc else None
+
+
+def _observe(ex: LocalExecutor, opts: ObserveOptions, res: ExitStack) -> None:
+    """Tracing, /metrics and the dashboard for ``ex``, stopped by ``res`` when the run ends."""
     if opts.trace is not None:
         from aisp.observe.tracing import EventTracer
 
-        ex.tracer = EventTracer(opts.trace, graph.name)
-    try:
-        ex.start()
-        if ex.tracer is not None:  # after start: its export thread must not keep workers from forking
-            ex.tracer.start()
-        if opts.metrics_port is not None:
-            from aisp.observe.metrics import serve_metrics
+        ex.tracer = EventTracer(opts.trace, ex.graph.name)
+        res.callback(ex.tracer.close)
+    ex.start()
+    res.callback(ex.request_stop)  # a failure below still drains what started
+    if ex.tracer is not None:  # after start: its export thread must not keep workers from forking
+        ex.tracer.start()
+    if opts.metrics_port is not None:
+        from aisp.observe.metrics import serve_metrics
 
-            metrics_server, port = serve_metrics(ex, opts.metrics_port)
-            print(f"metrics http://127.0.0.1:{port}/metrics", file=sys.stderr, flush=True)
-        if opts.dashboard_port is not None:
-            from aisp.observe.dashboard import serve_dashboard
+        server, port = serve_metrics(ex, opts.metrics_port)
+        res.callback(server.shutdown)
+        print(f"metrics http://127.0.0.1:{port}/metrics", file=sys.stderr, flush=True)
+    if opts.dashboard_port is not None:
+        from aisp.observe.dashboard import serve_dashboard
 
-            dashboard_server, port = serve_dashboard(ex, opts.dashboard_port)
-            print(f"dashboard http://127.0.0.1:{port}/", file=sys.stderr, flush=True)
-        watcher = _VersionWatcher(ex, opts.repository_poll_s)
-        checkpoints = _Checkpointer(ex, store, opts.checkpoint_interval_s)
-        if store is not None:
-            ex.on_drained = lambda: ex.checkpoint(store)
-        else:
-            ex.on_drained = ex.commit_sources
-        if opts.live:
-            from aisp.live import LiveView
+        server, port = serve_dashboard(ex, opts.dashboard_port)
+        res.callback(server.shutdown)
+        print(f"dashboard http://127.0.0.1:{port}/", file=sys.stderr, flush=True)
 
-            with LiveView(ex) as view:
-                while not ex.join(timeout_s=0.25):
-                    view.update()
-                    watcher.poll()
-                    checkpoints.poll()
-        else:
-            tick = 0.05 if opts.state_max_keys else 0.25  # a bounded hot layer is watched closely
-            while not ex.join(timeout_s=tick):
-                watcher.poll()
-                if opts.on_progress is not None:
-                    opts.on_progress(ex)
-                checkpoints.poll()
-    finally:
-        if ex.tracer is not None:
-            ex.tracer.close()
-        if metrics_server is not None:
-            metrics_server.shutdown()
-        if dashboard_server is not None:
-            dashboard_server.shutdown()
-        if state_store is not None:
-            state_store.close()
-        if partition_states is not None:
-            partition_states.close()
-        if restore is not None:
-            restore()
-        if gc_restore is not None:
-            gc_restore()
-        writer.close()
-    if ex.errors:
-        raise ex.errors[0]
+
+def _drive(ex: LocalExecutor, opts: RunOptions, store: CheckpointStore | None) -> None:
+    """Run until the pipeline is drained: checkpoints, model version polls, the live view."""
+    interval = opts.checkpoints.interval_s if opts.checkpoints is not None else 1.0
+    watcher = _VersionWatcher(ex, opts.repository_poll_s)
+    checkpoints = _Checkpointer(ex, store, interval)
+    ex.on_drained = (lambda: ex.checkpoint(store)) if store is not None else ex.commit_sources
+    bounded = opts.checkpoints is not None and opts.checkpoints.state_max_keys
+    tick = 0.05 if bounded else 0.25  # a bounded hot layer is watched closely
+
+    def poll() -> None:
+        watcher.poll()
+        if opts.observe.on_progress is not None:
+            opts.observe.on_progress(ex)
+        checkpoints.poll()
+
+    if not opts.observe.live:
+        while not ex.join(timeout_s=tick):
+            poll()
+        return
+    from aisp.live import LiveView
+
+    with LiveView(ex) as view:
+        while not ex.join(timeout_s=0.25):
+            view.update()
+            poll()
+
+
+def _summary(ex: LocalExecutor, graph: Graph, opts: RunOptions, latest: Checkpoint | None) -> RunSummary:
     summary = summarize(ex)
     summary.checkpoints = ex.stats.checkpoints
     summary.restored_from = latest.id if latest is not None else None
-    summary.slo_ms = opts.slo_ms if opts.slo_ms is not None else graph.latency_bound_ms()
+    slo_ms = opts.observe.slo_ms
+    summary.slo_ms = slo_ms if slo_ms is not None else graph.latency_bound_ms()
     if summary.slo_ms > 0 and ex.stats.e2e.count:
         within = ex.stats.e2e.cumulative([summary.slo_ms * 1e6])[0]
         summary.slo_attainment = round(within / ex.stats.e2e.count, 6)
-    if opts.summary_json:
-        with open(opts.summary_json, "wb") as fh:
+    if opts.observe.summary_json:
+        with open(opts.observe.summary_json, "wb") as fh:
             fh.write(summary.to_json())
     return summary
 

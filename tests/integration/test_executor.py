@@ -13,6 +13,7 @@ import pytest
 from aisp import (
     Batch,
     CollectSink,
+    ExecutorOptions,
     GraphError,
     JsonlFileSource,
     Pipeline,
@@ -60,7 +61,7 @@ def test_operator_error_dead_letters_the_batch_and_goes_on(tmp_path: Path) -> No
         "out", out
     )
     dl = tmp_path / "dl.jsonl"
-    summary = run(p, RunOptions(batch_rows=100, dead_letter=str(dl)))
+    summary = run(p, RunOptions(execution=ExecutorOptions(source_batch_rows=100), dead_letter=str(dl)))
     assert summary.events_out == 500 and summary.dead_letters == 500
     rec = msgspec.json.decode(dl.read_text().splitlines()[0])
     assert rec["step"] == "maybe" and rec["reason"] == "ValueError: bad batch" and "amount" in rec["row"]
@@ -156,7 +157,7 @@ def test_backpressure_bounds_what_the_source_reads_ahead() -> None:
     p.source("events", src).map_batch("m", lambda b: b).map_batch("n", lambda b: b).sink("out", sink)
     timer = threading.Timer(0.2, sink.gate.set)
     timer.start()
-    summary = run(p, RunOptions(channel_capacity_rows=50, batch_rows=10))
+    summary = run(p, RunOptions(execution=ExecutorOptions(channel_capacity_rows=50, source_batch_rows=10)))
     timer.join()
     assert summary.events_out == 5000
     # the chain runs in the source's thread, so the source can be at most a batch or two ahead
@@ -185,7 +186,7 @@ def test_jsonl_pipeline_same_output_with_and_without_process_offload(tmp_path: P
 
     p = Pipeline("offload")
     p.source("events", JsonlFileSource(path=str(src), schema=Ev)).sink("out", JsonlFileSink(path=str(out)))
-    summary = run(p, RunOptions(offload_sources=offload, offload_sinks=offload))
+    summary = run(p, RunOptions(execution=ExecutorOptions(offload_sources=offload, offload_sinks=offload)))
     rows = [msgspec.json.decode(x) for x in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == list(range(5000))
     assert summary.events_out == 5000 and summary.dead_letters == 1

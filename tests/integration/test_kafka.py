@@ -74,7 +74,7 @@ def test_traceparent_headers_are_read_from_and_written_to_kafka_messages(broker:
     from aisp.cli import load_pipeline
     from aisp.connectors import sink_from_url, source_for
     from aisp.observe.tracing import TraceConfig
-    from aisp.runner import RunOptions, run
+    from aisp.runner import ObserveOptions, RunOptions, run
     from tests.support.otlp import otlp_receiver
 
     name = uuid.uuid4().hex[:8]
@@ -98,7 +98,10 @@ def test_traceparent_headers_are_read_from_and_written_to_kafka_messages(broker:
         sink=sink_from_url(f"kafka://{broker}/{dst}", pipeline),
     )
     with otlp_receiver() as (endpoint, received):
-        summary = run(pipeline, RunOptions(trace=TraceConfig(sample_ratio=0.0, endpoint=endpoint)))
+        summary = run(
+            pipeline,
+            RunOptions(observe=ObserveOptions(trace=TraceConfig(sample_ratio=0.0, endpoint=endpoint))),
+        )
     assert summary.events_out == 20
     # the group forming and the 2 s idle wait count in seconds, not in the active window
     assert 0 < summary.active_seconds <= summary.seconds - 2.0 and summary.active_from_ms > 0

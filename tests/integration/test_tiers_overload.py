@@ -8,7 +8,16 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from aisp import BatcherConfig, CollectSink, Pipeline, PythonRuntime, RunOptions, WorkloadFSource, run
+from aisp import (
+    BatcherConfig,
+    CollectSink,
+    ExecutorOptions,
+    Pipeline,
+    PythonRuntime,
+    RunOptions,
+    WorkloadFSource,
+    run,
+)
 
 
 def slow_model(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -36,7 +45,12 @@ def test_overload_sheds_bronze_first_and_never_gold(tmp_path: Path) -> None:
         .sink("out", out)
     )
     dl = tmp_path / "dl.jsonl"
-    summary = run(p, RunOptions(rate_events_per_s=30_000, batch_rows=128, dead_letter=str(dl)))
+    summary = run(
+        p,
+        RunOptions(
+            execution=ExecutorOptions(rate_events_per_s=30_000, source_batch_rows=128), dead_letter=str(dl)
+        ),
+    )
     dead = [msgspec.json.decode(x) for x in dl.read_text().splitlines()]
     shed_tiers = [d["row"]["tier"] for d in dead if d["reason"] == "shed"]
     served = [r["tier"] for r in out.rows]

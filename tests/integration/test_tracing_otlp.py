@@ -13,7 +13,7 @@ import httpx
 
 from aisp.cli import load_pipeline
 from aisp.observe.tracing import TraceConfig
-from aisp.runner import RunOptions, run
+from aisp.runner import ObserveOptions, RunOptions, run
 from benchmarks.workload import write_events
 from tests.support.otlp import Received, otlp_receiver
 from tests.support.serving import aisp_serve, wait_http
@@ -50,7 +50,7 @@ def test_sampled_events_of_a_run_arrive_as_traces_covering_every_stage() -> None
     with otlp_receiver() as (endpoint, received):
         pipeline = load_pipeline(str(FRAUD), events=20_000)
         trace = TraceConfig(sample_ratio=0.01, max_traces_per_s=0, endpoint=endpoint)
-        summary = run(pipeline, RunOptions(trace=trace))
+        summary = run(pipeline, RunOptions(observe=ObserveOptions(trace=trace)))
         assert summary.events_out == 20_000
     by_trace = traces(received)
     events = {t: s for t, s in by_trace.items() if any(x.name == "aisp.event" for x in s)}
@@ -72,7 +72,7 @@ def test_the_rate_cap_bounds_new_traces() -> None:
         pipeline = load_pipeline(str(FRAUD), events=50_000)
         trace = TraceConfig(sample_ratio=1.0, max_traces_per_s=20, endpoint=endpoint)
         started = time.monotonic()
-        run(pipeline, RunOptions(trace=trace))
+        run(pipeline, RunOptions(observe=ObserveOptions(trace=trace)))
         seconds = time.monotonic() - started
     roots = [s for s in received.snapshot() if s.name == "aisp.event"]
     assert 0 < len(roots) <= 20 * (seconds + 1)
@@ -147,7 +147,9 @@ def _broker_run(input_url: str, output_url: str, endpoint: str) -> None:
     from aisp.connectors import sink_from_url, source_for
 
     pipeline.bind(source=source_for(pipeline, input_url), sink=sink_from_url(output_url, pipeline))
-    summary = run(pipeline, RunOptions(trace=TraceConfig(sample_ratio=0.0, endpoint=endpoint)))
+    summary = run(
+        pipeline, RunOptions(observe=ObserveOptions(trace=TraceConfig(sample_ratio=0.0, endpoint=endpoint)))
+    )
     assert summary.events_out == 30
 
 

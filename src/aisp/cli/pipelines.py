@@ -22,7 +22,7 @@ from aisp.cli.common import (
     err,
     load_pipeline,
 )
-from aisp.errors import AispError
+from aisp.errors import AispError, ConfigError
 
 
 @app.command()
@@ -91,8 +91,9 @@ def run(
     ] = 0,
 ) -> None:
     """Run PIPELINE to the end of its input (Ctrl-C / SIGTERM drain cleanly)."""
-    from aisp.runner import RunOptions
+    from aisp.runner import ObserveOptions, RunOptions
     from aisp.runner import run as run_pipeline
+    from aisp.schedule.executor import ExecutorOptions
 
     params: dict[str, Any] = _params(param)
     if events is not None:
@@ -107,21 +108,20 @@ def run(
             p,
             RunOptions(
                 dead_letter=dead_letter,
-                rate_events_per_s=rate,
-                batch_rows=batch_rows,
-                live=show_live,
+                execution=ExecutorOptions(rate_events_per_s=rate, source_batch_rows=batch_rows),
+                checkpoints=_checkpoints(
+                    checkpoint_dir, checkpoint_interval_s, state_store, state_max_keys, partition_state
+                ),
+                observe=ObserveOptions(
+                    live=show_live,
+                    summary_json=summary_json,
+                    metrics_port=metrics_port,
+                    trace=_trace_config(trace_sample, trace_endpoint, trace_max_per_s),
+                    slo_ms=slo_ms,
+                    dashboard_port=dashboard_port if dashboard else None,
+                ),
                 handle_signals=True,
-                summary_json=summary_json,
                 repository_poll_s=repository_poll_s,
-                checkpoint_dir=checkpoint_dir,
-                checkpoint_interval_s=checkpoint_interval_s,
-                state_store=state_store,
-                state_max_keys=state_max_keys,
-                partition_state_dir=partition_state,
-                metrics_port=metrics_port,
-                trace=_trace_config(trace_sample, trace_endpoint, trace_max_per_s),
-                slo_ms=slo_ms,
-                dashboard_port=dashboard_port if dashboard else None,
             ),
         )
     except AispError as exc:
@@ -349,6 +349,32 @@ def serve(
         if models is not None:
             models.close()
     err.print("stopped")
+
+
+def _checkpoints(
+    directory: str | None,
+    interval_s: float,
+    state_store: bool,
+    state_max_keys: int,
+    partition_state: str | None,
+) -> Any:
+    """The checkpoint options of ``aisp run`` (None: no checkpoints), refusing state options that
+    need a checkpoint directory without one."""
+    from aisp.runner import CheckpointOptions
+
+    if directory is None:
+        if state_store or state_max_keys:
+            raise ConfigError("a state store needs --checkpoint-dir (it lives there)")
+        if partition_state is not None:
+            raise ConfigError("state that follows partitions is checkpointed: it needs --checkpoint-dir too")
+        return None
+    return CheckpointOptions(
+        dir=directory,
+        interval_s=interval_s,
+        state_store=state_store,
+        state_max_keys=state_max_keys,
+        partition_state_dir=partition_state,
+    )
 
 
 @app.command()
