@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test check fmt lint types bench chaos clean
+.PHONY: run test check docs fmt lint types bench chaos clean
 
 # uv installs in seconds; plain pip is the fallback when uv cannot be had.
 $(STAMP): pyproject.toml
@@ -29,11 +29,15 @@ check: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	$(BIN)/mkdocs build --strict --site-dir $(VENV)/site
 	$(BIN)/python -m pytest -q
 
 fmt: $(STAMP)
 	$(BIN)/ruff format src tests benchmarks examples
 	$(BIN)/ruff check --fix src tests benchmarks examples
+
+docs: $(STAMP)
+	$(BIN)/mkdocs serve
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_fraud.py --events 1000000 --repeats 3

@@ -75,3 +75,18 @@ def test_the_cycle_finder_finds_cycles() -> None:
     graph.add_import(importer="c", imported="a")
     graph.add_import(importer="c", imported="d")
     assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_the_docs_build_strictly(tmp_path: Path) -> None:
+    """docs/ builds with mkdocs --strict: a broken link or anchor fails."""
+    mkdocs = Path(sys.executable).with_name("mkdocs")
+    res = subprocess.run(
+        [str(mkdocs), "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / "site" / "architecture" / "index.html").is_file()
