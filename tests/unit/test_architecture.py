@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -90,3 +91,33 @@ def test_the_docs_build_strictly(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert (tmp_path / "site" / "architecture" / "index.html").is_file()
+
+
+def _body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    body = fn.body
+    if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring does not count
+    return (fn.end_lineno or fn.lineno) - body[0].lineno + 1
+
+
+def test_functions_stay_short() -> None:
+    long = []
+    for path in sorted((ROOT / "src" / "aisp").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and _body_lines(node) > 80:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({_body_lines(node)} lines)")
+    assert long == []
+
+
+# Modules still over 500 lines, to be split (schedule/executor.py: a checkpoint coordinator out of
+# it; faults/chaos.py: broker helpers into per-scheme connectors). No other module may join them.
+OVER_500 = {"src/aisp/schedule/executor.py", "src/aisp/faults/chaos.py"}
+
+
+def test_modules_stay_small() -> None:
+    big = {
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "src" / "aisp").rglob("*.py")
+        if len(path.read_text().splitlines()) > 500
+    }
+    assert big <= OVER_500, sorted(big - OVER_500)

@@ -130,6 +130,42 @@ def plot_png(result: Sweep, path: str | Path) -> None:
 _COLORS = {"p50": "#1f77b4", "p90": "#2ca02c", "p99": "#ff7f0e", "p999": "#9467bd"}
 
 
+def _table(result: Sweep) -> tuple[str, str]:
+    """The HTML rows and header of the points' table."""
+    rows = "".join(
+        "<tr>"
+        + "".join(
+            f"<td>{html.escape(str(c))}</td>"
+            for c in (
+                f"{p.offered_rate:,.0f}",
+                f"{p.achieved_rate:,.0f}",
+                *(p.latency_ms[q] for q in (*PERCENTILES, "max")),
+                f"{100 * p.slo_attainment:.2f}%",
+                sum(p.errors.values()),
+                "yes" if p.meets_slo() else "no",
+            )
+        )
+        + "</tr>"
+        for p in sorted(result.points, key=lambda p: p.offered_rate)
+    )
+    head = "".join(
+        f"<th>{c}</th>"
+        for c in (
+            "offered/s",
+            "achieved/s",
+            "p50 ms",
+            "p90 ms",
+            "p99 ms",
+            "p99.9 ms",
+            "max ms",
+            "within SLO",
+            "errors",
+            "meets SLO",
+        )
+    )
+    return rows, head
+
+
 def plot_html(result: Sweep, path: str | Path) -> None:
     """The same chart as ``plot_png`` as an HTML page with an inline SVG, and the points' table."""
     xs, ys = _series(result)
@@ -177,37 +213,7 @@ def plot_html(result: Sweep, path: str | Path) -> None:
     turn = f'transform="rotate(-90 14 {h / 2})"'
     parts.append(f'<text x="14" y="{h / 2}" {turn} text-anchor="middle">latency (ms, log)</text>')
     parts.append("</svg>")
-    rows = "".join(
-        "<tr>"
-        + "".join(
-            f"<td>{html.escape(str(c))}</td>"
-            for c in (
-                f"{p.offered_rate:,.0f}",
-                f"{p.achieved_rate:,.0f}",
-                *(p.latency_ms[q] for q in (*PERCENTILES, "max")),
-                f"{100 * p.slo_attainment:.2f}%",
-                sum(p.errors.values()),
-                "yes" if p.meets_slo() else "no",
-            )
-        )
-        + "</tr>"
-        for p in sorted(result.points, key=lambda p: p.offered_rate)
-    )
-    head = "".join(
-        f"<th>{c}</th>"
-        for c in (
-            "offered/s",
-            "achieved/s",
-            "p50 ms",
-            "p90 ms",
-            "p99 ms",
-            "p99.9 ms",
-            "max ms",
-            "within SLO",
-            "errors",
-            "meets SLO",
-        )
-    )
+    rows, head = _table(result)
     best = result.best
     verdict = (
         f"highest rate meeting the SLO: {best.offered_rate:,.0f} events/s" if best else "no rate met the SLO"

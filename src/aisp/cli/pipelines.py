@@ -6,6 +6,7 @@ import contextlib
 import signal
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -242,26 +243,80 @@ def serve(
     SIGTERM / Ctrl-C stop accepting, finish what was accepted, and exit 0. The bound addresses
     are printed on stdout as ``http HOST:PORT`` and ``grpc HOST:PORT``.
     """
-    import socket
-    import threading
-
     from aisp.schedule.ratelimit import Limiter
     from aisp.serve.auth import Tokens
     from aisp.serve.grpc import GrpcServer
-    from aisp.serve.metrics import ServerMetrics
-    from aisp.serve.models import ModelServer
-    from aisp.serve.pipelines import PipelineService
 
     if (tls_cert is None) != (tls_key is None):
         err.print("[red]error:[/red] --tls-cert and --tls-key go together")
         raise typer.Exit(2)
-    pipelines: dict[str, PipelineService] = {}
-    models: ModelServer | None = None
     try:
         tokens = Tokens.load(config)
         limits = _limits(config)
+        trace = _trace_config(trace_sample, trace_endpoint, trace_max_per_s)
+        served = _ServeTargets.start(
+            target, model_repository, _params(param), admission_rows, admission_wait_ms, dead_letter,
+            decode_process, trace,
+        )  # fmt: skip
+    except AispError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    limiter = Limiter(limits) if limits is not None and limits.enabled else None
+    common = {
+        "tokens": tokens,
+        "metrics": served.metrics,
+        "limiter": limiter,  # one set of buckets for HTTP and gRPC
+        "pipelines": served.pipelines,
+        "admission_wait_ms": admission_wait_ms,
+        "model_control": allow_model_control or tokens.enabled,  # with tokens, only admin ones may
+    }
+    grpc_server = None
+    if grpc_port >= 0:
+        grpc_server = GrpcServer(
+            served.models, host=host, port=grpc_port, tls=_tls_pair(tls_cert, tls_key), **common
+        )
+        grpc_server.start()
+        print(f"grpc {grpc_server.address}", flush=True)
+    try:
+        if http_port >= 0:
+            _serve_http(served.models, host, http_port, tls_cert, tls_key, common)
+        else:
+            _wait_for_a_signal()
+    finally:
+        if grpc_server is not None:
+            grpc_server.stop(grace_s=10)  # finish accepted requests, refuse new ones
+        served.close()
+    err.print("stopped")
+
+
+@dataclass
+class _ServeTargets:
+    """What ``aisp serve`` serves: a pipeline service, a model server, or both, and /metrics."""
+
+    pipelines: dict[str, Any]
+    models: Any
+    metrics: Any
+
+    @classmethod
+    def start(
+        cls,
+        target: str,
+        model_repository: str | None,
+        params: dict[str, Any],
+        admission_rows: int,
+        admission_wait_ms: float,
+        dead_letter: str | None,
+        decode_process: bool,
+        trace: Any,
+    ) -> _ServeTargets:
+        from aisp.observe.metrics import PipelineCollector
+        from aisp.serve.metrics import ServerMetrics
+        from aisp.serve.models import ModelServer
+        from aisp.serve.pipelines import PipelineService
+
+        pipelines: dict[str, PipelineService] = {}
+        repository: str | None = target
         if _is_pipeline_file(target):
-            params = _params(param)
             if model_repository is not None:
                 params["model_repository"] = model_repository
             service = PipelineService(
@@ -269,12 +324,11 @@ def serve(
                 capacity_rows=admission_rows,
                 dead_letter=dead_letter,
                 decode_process=decode_process,
-                trace=_trace_config(trace_sample, trace_endpoint, trace_max_per_s),
+                trace=trace,
             )
             pipelines[service.name] = service
             repository = model_repository
-        else:
-            repository = target
+        models = None
         if repository is not None:
             models = ModelServer(repository, admission_wait_ms=admission_wait_ms)
             models.start()
@@ -283,72 +337,49 @@ def serve(
         # served models' batch sizes get their own name beside a pipeline's per-stage family
         metrics = ServerMetrics(models, batch_metric="aisp_model_batch_size_rows" if pipelines else None)
         for service in pipelines.values():  # the pipeline's stages on the same /metrics
-            from aisp.observe.metrics import PipelineCollector
-
             metrics.registry.register(PipelineCollector(service.executor, service.admission))
-    except AispError as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
-    grpc_server = None
-    limiter = Limiter(limits) if limits is not None and limits.enabled else None
-    model_control = allow_model_control or tokens.enabled  # with tokens, only admin ones may
-    if grpc_port >= 0:
-        grpc_server = GrpcServer(
-            models,
-            host=host,
-            port=grpc_port,
-            tokens=tokens,
-            tls=_tls_pair(tls_cert, tls_key),
-            metrics=metrics,
-            limiter=limiter,
-            pipelines=pipelines,
-            admission_wait_ms=admission_wait_ms,
-            model_control=model_control,
-        )
-        grpc_server.start()
-        print(f"grpc {grpc_server.address}", flush=True)
-    try:
-        if http_port >= 0:
-            import uvicorn
+        return cls(pipelines, models, metrics)
 
-            from aisp.serve.http import create_app
-            from aisp.serve.http_errors import JsonErrorsHttpTools
-
-            sock = socket.create_server((host, http_port))
-            print(f"http {host}:{sock.getsockname()[1]}", flush=True)
-            asgi = create_app(
-                models,
-                pipelines=pipelines,
-                admission_wait_ms=admission_wait_ms,
-                tokens=tokens,
-                metrics=metrics,
-                limiter=limiter,  # one set of buckets for HTTP and gRPC
-                model_control=model_control,
-            )
-            server_config = uvicorn.Config(
-                asgi,
-                log_level="warning",
-                http=JsonErrorsHttpTools,  # httptools, with JSON for requests it cannot parse
-                loop="uvloop",
-                lifespan="off",
-                timeout_graceful_shutdown=10,
-                ssl_certfile=tls_cert,
-                ssl_keyfile=tls_key,
-            )
-            _graceful_server(server_config).run(sockets=[sock])
-        else:
-            stop = threading.Event()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: stop.set())
-            stop.wait()
-    finally:
-        if grpc_server is not None:
-            grpc_server.stop(grace_s=10)  # finish accepted requests, refuse new ones
-        for service in pipelines.values():
+    def close(self) -> None:
+        for service in self.pipelines.values():
             service.close()
-        if models is not None:
-            models.close()
-    err.print("stopped")
+        if self.models is not None:
+            self.models.close()
+
+
+def _serve_http(
+    models: Any, host: str, port: int, tls_cert: str | None, tls_key: str | None, common: dict[str, Any]
+) -> None:
+    """The HTTP app on uvicorn, until SIGTERM / Ctrl-C (then a graceful drain)."""
+    import socket
+
+    import uvicorn
+
+    from aisp.serve.http import create_app
+    from aisp.serve.http_errors import JsonErrorsHttpTools
+
+    sock = socket.create_server((host, port))
+    print(f"http {host}:{sock.getsockname()[1]}", flush=True)
+    server_config = uvicorn.Config(
+        create_app(models, **common),
+        log_level="warning",
+        http=JsonErrorsHttpTools,  # httptools, with JSON for requests it cannot parse
+        loop="uvloop",
+        lifespan="off",
+        timeout_graceful_shutdown=10,
+        ssl_certfile=tls_cert,
+        ssl_keyfile=tls_key,
+    )
+    _graceful_server(server_config).run(sockets=[sock])
+
+
+def _wait_for_a_signal() -> None:
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
 
 
 def _checkpoints(

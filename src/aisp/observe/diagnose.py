@@ -172,42 +172,56 @@ def _classify(st: _Stage, thread_busy: float) -> tuple[str, str, dict[str, Any]]
         ev["budget_ms"] = _ms(st.budget_s)
     per_row_us = round(st.own_s / st.batch_rows * 1e6, 2) if st.batch_rows else 0.0
     if st.kind == "infer":
-        cap = st.settings.get("max_batch_rows", 0.0)
-        delay = st.settings.get("max_queue_delay_seconds", 0.0)
-        instances = int(st.settings.get("instances", 1) or 1)
-        ev.update(max_batch_rows=int(cap), instances=instances, compute_us_per_row=per_row_us)
-        at_cap = cap > 0 and st.batch_rows >= 0.8 * cap
-        if at_cap and cap <= TINY_BATCH_ROWS and st.wait_s >= st.mean("compute"):
-            need = st.rows_in * st.mean("compute") * 4  # rows arriving during four calls
-            size = _pow2_at_least(need, int(cap) * 4, 1024)
-            return (
-                "small_batches",
-                f"raise max_batch_size of step {st.name!r} from {int(cap)} to {size}: each call takes "
-                f"{_ms(st.mean('compute'))} ms for {st.batch_rows:.0f} rows while rows wait "
-                f"{_ms(st.wait_s)} ms for a call",
-                ev,
-            )
-        # rows also wait in the batcher while every instance is busy: then the model is the
-        # reason, not the batching
-        idle = thread_busy < BUSY_MODEL
-        filling = cap > 0 and st.batch_rows < 0.5 * cap and delay > 0 and st.mean("batch") >= 0.5 * delay
-        if idle and filling and st.mean("batch") > st.mean("compute"):
-            target = max(st.mean("compute"), delay / 4)
-            ev["max_queue_delay_ms"] = _ms(delay)
-            return (
-                "slow_batch_fill",
-                f"batches of step {st.name!r} wait {_ms(st.mean('batch'))} ms to fill and hold "
-                f"{st.batch_rows:.0f} of {int(cap)} rows: lower max_queue_delay_ms from "
-                f"{_ms(delay)} to {_ms(target)} (or set eager=True)",
-                ev,
-            )
+        return _classify_model(st, thread_busy, ev, per_row_us)
+    if st.kind in ("sink", "source"):
+        return _classify_io(st, ev, per_row_us)
+    return _classify_operator(st, ev, per_row_us)
+
+
+def _classify_model(
+    st: _Stage, thread_busy: float, ev: dict[str, Any], per_row_us: float
+) -> tuple[str, str, dict[str, Any]]:
+    """A model step's cause: batches too small, batches slow to fill, or the model itself."""
+    cap = st.settings.get("max_batch_rows", 0.0)
+    delay = st.settings.get("max_queue_delay_seconds", 0.0)
+    instances = int(st.settings.get("instances", 1) or 1)
+    ev.update(max_batch_rows=int(cap), instances=instances, compute_us_per_row=per_row_us)
+    at_cap = cap > 0 and st.batch_rows >= 0.8 * cap
+    if at_cap and cap <= TINY_BATCH_ROWS and st.wait_s >= st.mean("compute"):
+        need = st.rows_in * st.mean("compute") * 4  # rows arriving during four calls
+        size = _pow2_at_least(need, int(cap) * 4, 1024)
         return (
-            "slow_model",
-            f"calls of step {st.name!r} take {_ms(st.mean('compute'))} ms (p99 {_ms(st.p99('compute'))} ms) "
-            f"for {st.batch_rows:.0f} rows ({per_row_us} us/row): add instances (now {instances}), use a "
-            "faster execution provider or a quantized (int8) or smaller model",
+            "small_batches",
+            f"raise max_batch_size of step {st.name!r} from {int(cap)} to {size}: each call takes "
+            f"{_ms(st.mean('compute'))} ms for {st.batch_rows:.0f} rows while rows wait "
+            f"{_ms(st.wait_s)} ms for a call",
             ev,
         )
+    # rows also wait in the batcher while every instance is busy: then the model is the
+    # reason, not the batching
+    idle = thread_busy < BUSY_MODEL
+    filling = cap > 0 and st.batch_rows < 0.5 * cap and delay > 0 and st.mean("batch") >= 0.5 * delay
+    if idle and filling and st.mean("batch") > st.mean("compute"):
+        target = max(st.mean("compute"), delay / 4)
+        ev["max_queue_delay_ms"] = _ms(delay)
+        return (
+            "slow_batch_fill",
+            f"batches of step {st.name!r} wait {_ms(st.mean('batch'))} ms to fill and hold "
+            f"{st.batch_rows:.0f} of {int(cap)} rows: lower max_queue_delay_ms from "
+            f"{_ms(delay)} to {_ms(target)} (or set eager=True)",
+            ev,
+        )
+    return (
+        "slow_model",
+        f"calls of step {st.name!r} take {_ms(st.mean('compute'))} ms (p99 {_ms(st.p99('compute'))} ms) "
+        f"for {st.batch_rows:.0f} rows ({per_row_us} us/row): add instances (now {instances}), use a "
+        "faster execution provider or a quantized (int8) or smaller model",
+        ev,
+    )
+
+
+def _classify_io(st: _Stage, ev: dict[str, Any], per_row_us: float) -> tuple[str, str, dict[str, Any]] | None:
+    """A source's or a sink's cause: waiting on its peer, or (de)serialising on the CPU."""
     # busy wall time off the CPU: waiting on I/O or a peer (or for the GIL, in a busy process)
     waiting = st.cpu_share is not None and st.cpu_share < WAITING_CPU_SHARE
     if st.kind == "sink":
@@ -227,17 +241,22 @@ def _classify(st: _Stage, thread_busy: float) -> tuple[str, str, dict[str, Any]]
             "a worker process",
             ev,
         )
-    if st.kind == "source":
-        if waiting:  # a source waiting for input is idle, not slow
-            return None
-        return (
-            "serialization",
-            f"source {st.name!r} spends {_ms(st.mean('serialize'))} ms per batch decoding "
-            f"({per_row_us} us/row): "
-            "drop unused fields at the source, declare a schema with fixed types, use a binary "
-            "format, or decode in a worker process",
-            ev,
-        )
+    if waiting:  # a source waiting for input is idle, not slow
+        return None
+    return (
+        "serialization",
+        f"source {st.name!r} spends {_ms(st.mean('serialize'))} ms per batch decoding "
+        f"({per_row_us} us/row): "
+        "drop unused fields at the source, declare a schema with fixed types, use a binary "
+        "format, or decode in a worker process",
+        ev,
+    )
+
+
+def _classify_operator(
+    st: _Stage, ev: dict[str, Any], per_row_us: float
+) -> tuple[str, str, dict[str, Any]] | None:
+    """An operator's cause: a per-row Python function, or slow vectorised work."""
     ev["compute_us_per_row"] = per_row_us
     if st.kind == "map":
         return (

@@ -85,6 +85,15 @@ class PipelineCollector:
     def collect(self) -> Iterator[Any]:
         stats = self._ex.stats
         stages: list[StageStats] = list(stats.stages.values())
+        yield from self._latency(stats, stages)
+        yield from self._stages(stages)
+        yield from self._events(stats)
+        yield from self._models()
+        yield from self._serving()
+        yield self._slo(stats, stages)
+        yield from self._drift()
+
+    def _latency(self, stats: Any, stages: list[StageStats]) -> Iterator[Any]:
         latency = HistogramMetricFamily(
             "aisp_stage_latency_seconds", "Per-batch time in each phase of a stage", labels=["stage", "phase"]
         )
@@ -98,6 +107,8 @@ class PipelineCollector:
         pairs, total = _buckets(stats.e2e, LATENCY_BUCKETS_S, 1e9)
         e2e.add_metric([], pairs, total)
         yield e2e
+
+    def _stages(self, stages: list[StageStats]) -> Iterator[Any]:
         rows = CounterMetricFamily(
             "aisp_stage_rows", "Rows into and out of a stage", labels=["stage", "direction"]
         )
@@ -131,6 +142,8 @@ class PipelineCollector:
             info.add_metric([st.step_id, st.kind, threads.get(st.step_id, st.step_id)], 1)
             budgets.add_metric([st.step_id], self._ex.graph.node(st.step_id).latency_budget_ms / 1000)
         yield from (rows, queue, sizes, errors, busy, cpu, info, budgets)
+
+    def _events(self, stats: Any) -> Iterator[Any]:
         dead = CounterMetricFamily("aisp_dead_letters", "Events dead-lettered, by the step", labels=["stage"])
         for step, n in sorted(self._ex.dead_letter.by_step.items()):
             dead.add_metric([step], n)
@@ -143,6 +156,8 @@ class PipelineCollector:
         yield GaugeMetricFamily(
             "aisp_uptime_seconds", "Seconds since the pipeline started", value=stats.seconds()
         )
+
+    def _models(self) -> Iterator[Any]:
         fates = CounterMetricFamily(
             "aisp_model_rows", "Rows a model step took, by fate", labels=["stage", "outcome"]
         )
@@ -179,6 +194,8 @@ class PipelineCollector:
                 for name, value in batcher.settings().items():
                     setting.add_metric([sid, name], value)
             yield setting
+
+    def _serving(self) -> Iterator[Any]:
         retries = CounterMetricFamily(
             "aisp_retries",
             "Retried calls to brokers and remote models, by target and reason",
@@ -194,6 +211,8 @@ class PipelineCollector:
             for outcome in AdmissionStats.OUTCOMES:
                 admission.add_metric([outcome], getattr(self._admission, outcome))
             yield admission
+
+    def _slo(self, stats: Any, stages: list[StageStats]) -> Any:
         slo = GaugeMetricFamily(
             "aisp_slo_attainment_ratio",
             "Share of events (pipeline) or batches (stage compute) within the latency budget",
@@ -210,7 +229,9 @@ class PipelineCollector:
                 slo.add_metric(
                     [st.step_id, repr(budget / 1000)], hist.cumulative([budget * 1e6])[0] / hist.count
                 )
-        yield slo
+        return slo
+
+    def _drift(self) -> Iterator[Any]:
         monitors = self._ex.drift_monitors
         if monitors:
             labels = ["stage", "feature"]

@@ -31,7 +31,7 @@ from aisp.serve.metrics import ServerMetrics
 from aisp.serve.models import ModelServer
 from aisp.serve.oip_http import HEADER_LENGTH, encode_response, parse_request
 
-__all__ = ["MODEL_CONTROL_OFF", "config_json", "model_routes"]
+__all__ = ["MODEL_CONTROL_OFF", "ModelRoutes", "config_json", "model_routes"]
 
 MODEL_CONTROL_OFF = (
     "explicit model load / unload is not allowed: model control is off on this server"
@@ -104,42 +104,76 @@ def model_routes(
     model_control: bool,
 ) -> list[Route]:
     """OIP v2 model routes, model repository extension and statistics."""
+    return ModelRoutes(models, metrics, limiter, max_body_bytes, model_control=model_control).routes()
 
-    def version_of(request: Request) -> str | None:
-        version = request.path_params.get("version")
-        return None if version is None else str(version)
 
-    @guarded
-    async def model_metadata(request: Request) -> Response:
-        return JSONResponse(models.metadata(request.path_params["model"], version_of(request)))
+def _version(request: Request) -> str | None:
+    version = request.path_params.get("version")
+    return None if version is None else str(version)
 
-    @guarded
-    async def model_ready(request: Request) -> Response:
+
+class ModelRoutes:
+    """The endpoints of ``model_routes`` over one ``ModelServer``."""
+
+    def __init__(
+        self,
+        models: ModelServer,
+        metrics: ServerMetrics,
+        limiter: Limiter | None,
+        max_body_bytes: int,
+        *,
+        model_control: bool,
+    ) -> None:
+        self.models, self.metrics, self.limiter = models, metrics, limiter
+        self.max_body_bytes, self.model_control = max_body_bytes, model_control
+
+    def routes(self) -> list[Route]:
+        routes = [Route("/v2/models/stats", guarded(self.statistics))]
+        for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version:int}"):
+            routes += [
+                Route(f"{prefix}/infer", self.infer, methods=["POST"]),  # first: matched on every request
+                Route(prefix, guarded(self.metadata)),
+                Route(f"{prefix}/ready", guarded(self.ready)),
+                Route(f"{prefix}/config", guarded(self.config)),
+                Route(f"{prefix}/stats", guarded(self.statistics)),
+            ]
+        return [
+            *routes,
+            Route("/v2/repository/index", guarded(self.repository_index), methods=["POST"]),
+            # {model:path}: a name with separators must reach the name check (400), not miss the route
+            Route("/v2/repository/models/{model:path}/load", guarded(self.load), methods=["POST"]),
+            Route("/v2/repository/models/{model:path}/unload", guarded(self.unload), methods=["POST"]),
+        ]
+
+    async def metadata(self, request: Request) -> Response:
+        return JSONResponse(self.models.metadata(request.path_params["model"], _version(request)))
+
+    async def ready(self, request: Request) -> Response:
         model = request.path_params["model"]
-        if not models.ready(model, version_of(request)):
+        if not self.models.ready(model, _version(request)):
             raise NotFound(f"Request for unknown model: {model!r} is not found")
         return Response(status_code=200)
 
-    @guarded
-    async def model_config(request: Request) -> Response:
-        cfg = models.served(request.path_params["model"], version_of(request)).config
+    async def config(self, request: Request) -> Response:
+        cfg = self.models.served(request.path_params["model"], _version(request)).config
         return JSONResponse(config_json(cfg.message))
 
-    async def infer(request: Request) -> Response:
+    async def infer(self, request: Request) -> Response:
         started = time.perf_counter()
         try:
-            response = await _infer(request)
+            response = await self._infer(request)
         except Exception as exc:  # noqa: BLE001 - every failure is answered, typed or not
             response = error_response(exc)
         model = request.path_params["model"]
-        label = model if models.is_loaded(model) else "unknown"
-        metrics.observe("http", label, str(response.status_code), time.perf_counter() - started)
+        label = model if self.models.is_loaded(model) else "unknown"
+        self.metrics.observe("http", label, str(response.status_code), time.perf_counter() - started)
         return response
 
-    async def _infer(request: Request) -> Response:
-        name, version = request.path_params["model"], version_of(request)
+    async def _infer(self, request: Request) -> Response:
+        models, limiter = self.models, self.limiter
+        name, version = request.path_params["model"], _version(request)
         sig = models.signature(name, version)  # an unknown model is a 404 before the body is read
-        body = await _read_body(request, max_body_bytes)
+        body = await _read_body(request, self.max_body_bytes)
         req = parse_request(body, request.headers.get(HEADER_LENGTH), sig)
         key = api_key(request.headers.get("authorization"), _peer(request)) if limiter is not None else ""
         admitted = admit_infer(
@@ -156,22 +190,21 @@ def model_routes(
         body, headers = encode_response(req, sig, result.version, result.outputs)
         return Response(body, headers=headers)
 
-    @guarded
-    async def statistics(request: Request) -> Response:
-        stats = models.statistics(request.path_params.get("model"), version_of(request))
+    async def statistics(self, request: Request) -> Response:
+        stats = self.models.statistics(request.path_params.get("model"), _version(request))
         return JSONResponse({"model_stats": stats})
 
-    @guarded
-    async def repository_index(request: Request) -> Response:
+    async def repository_index(self, request: Request) -> Response:
         body = await _read_body(request, _SMALL_BODY)
         ready = _decode(body, _IndexRequest, "repository index request").ready if body.strip() else False
-        index = models.index()
+        index = self.models.index()
         return JSONResponse([e for e in index if e["state"] == "READY"] if ready else index)
 
-    def control(request: Request, body: bytes, allowed: frozenset[str] = frozenset()) -> str:
+    def _control(self, request: Request, body: bytes, allowed: frozenset[str] = frozenset()) -> str:
+        """The model a load or unload names, once the name, the mode and the body are checked."""
         name = request.path_params["model"]
         check_model_name(name)
-        if not model_control:
+        if not self.model_control:
             raise Forbidden(MODEL_CONTROL_OFF)
         params = _decode(body, _LoadRequest, "request").parameters if body.strip() else None
         unknown = sorted(set(params or ()) - allowed)
@@ -179,39 +212,20 @@ def model_routes(
             raise BadRequest(f"parameters {unknown} are not supported: models load from the repository")
         return str(name)
 
-    @guarded
-    async def load(request: Request) -> Response:
-        name = control(request, await _read_body(request, _SMALL_BODY))
+    async def load(self, request: Request) -> Response:
+        name = self._control(request, await _read_body(request, _SMALL_BODY))
         try:
-            await run_in_threadpool(models.load, name)
+            await run_in_threadpool(self.models.load, name)
         except NotFound:
             raise
         except ModelError as exc:
             raise BadRequest(f"load failed for model {name!r}: {exc}") from exc
         return Response(status_code=200)
 
-    @guarded
-    async def unload(request: Request) -> Response:
+    async def unload(self, request: Request) -> Response:
         body = await _read_body(request, _SMALL_BODY)
-        models.unload(control(request, body, frozenset({"unload_dependents"})))  # there are none
+        self.models.unload(self._control(request, body, frozenset({"unload_dependents"})))  # there are none
         return Response(status_code=200)
-
-    routes = [Route("/v2/models/stats", statistics)]
-    for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version:int}"):
-        routes += [
-            Route(f"{prefix}/infer", infer, methods=["POST"]),  # first: matched on every request
-            Route(prefix, model_metadata),
-            Route(f"{prefix}/ready", model_ready),
-            Route(f"{prefix}/config", model_config),
-            Route(f"{prefix}/stats", statistics),
-        ]
-    routes += [
-        Route("/v2/repository/index", repository_index, methods=["POST"]),
-        # {model:path}: a name with separators must reach the name check (400), not miss the route
-        Route("/v2/repository/models/{model:path}/load", load, methods=["POST"]),
-        Route("/v2/repository/models/{model:path}/unload", unload, methods=["POST"]),
-    ]
-    return routes
 
 
 def _peer(request: Request) -> str:

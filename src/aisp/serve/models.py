@@ -15,21 +15,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from aisp.batch import Batch
-from aisp.errors import AispError, BadRequest, NotFound, RequestError
-from aisp.infer.batcher import BatcherClosed, DynamicBatcher, QueueFull
+from aisp.errors import AispError, BadRequest, NotFound
+from aisp.infer.batcher import BatcherClosed, QueueFull
 from aisp.infer.config import BatcherConfig
 from aisp.infer.repository import ModelRepository, check_model_name
-from aisp.infer.runtime import Runtime
 from aisp.infer.versions import ServedModel
 from aisp.serve.model_stats import ModelStats
-from aisp.serve.oip import Signature, TensorSignature, check_arrays, signature_of
+from aisp.serve.oip import Signature, TensorSignature, check_arrays
+from aisp.serve.served import InferResult, Pending, RequestFailed, Served, wake
 from aisp.serve.tensors import (
     REQ,
     ROW,
@@ -37,107 +36,12 @@ from aisp.serve.tensors import (
     empty_output,
     has_empty,
     request_batches,
-    reshaped,
     row_shapes,
-    tensor_batch,
 )
 
 __all__ = ["InferResult", "ModelServer", "ModelStats", "RequestFailed"]
 
 log = logging.getLogger("aisp.serve")
-
-
-class RequestFailed(RequestError):
-    """An accepted request did not complete; ``reason`` says why, and sets the status: shed or
-    overloaded (429, retriable), a timeout or passed deadline (504), the model unloaded or the
-    server stopping (503), the model call failing (500: a fault of the server or the model)."""
-
-    def __init__(self, message: str, *, reason: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.overloaded = reason in ("shed", "overloaded")
-        timed_out = reason.startswith(("timeout", "deadline"))
-        self.retriable = self.overloaded or timed_out or reason == "unavailable"
-        if self.overloaded:
-            self.http_status, self.grpc_code = 429, "RESOURCE_EXHAUSTED"
-        elif timed_out:
-            self.http_status, self.grpc_code = 504, "DEADLINE_EXCEEDED"
-        elif reason == "unavailable":
-            self.http_status, self.grpc_code = 503, "UNAVAILABLE"
-        else:
-            self.http_status, self.grpc_code = 500, "INTERNAL"
-
-
-@dataclass
-class InferResult:
-    model: str
-    version: str
-    outputs: dict[str, npt.NDArray[Any]]
-
-
-@dataclass(slots=True)
-class _Pending:
-    rows: int
-    future: asyncio.Future[None] | None = None
-    loop: asyncio.AbstractEventLoop | None = None
-    outputs: dict[str, npt.NDArray[Any]] = field(default_factory=dict)
-    done_rows: int = 0
-    version: str = ""
-    error: str | None = None
-    event: threading.Event | None = None  # thread callers wait on it; asyncio ones on ``future``
-
-
-class _Served:
-    """One loaded model, its signature and its batcher."""
-
-    def __init__(self, server: ModelServer, model: ServedModel, config: BatcherConfig | None = None) -> None:
-        self.model = model
-        self.signature = signature_of(model)
-        self.stats: dict[str, ModelStats] = {}
-        self.gather: list[Gathered] = []  # asyncio requests of this loop turn (see infer_async)
-        self._phase_ns = threading.local()
-        self.batcher = DynamicBatcher(
-            model,
-            config or model.config.batcher,
-            prepare=self._prepare,
-            finish=self._finish,
-            emit=server._complete,
-            dead_letter=server._fail,
-            on_batch=lambda rows, wait_ns, compute_ns: self._batched(server, rows, wait_ns, compute_ns),
-        )
-        self.batcher.start()
-
-    def stats_of(self, version: str) -> ModelStats:
-        s = self.stats.get(version)
-        if s is None:
-            s = self.stats.setdefault(version, ModelStats(self.model.name, version))
-        return s
-
-    def _batched(self, server: ModelServer, rows: int, wait_ns: int, compute_ns: int) -> None:
-        t = self._phase_ns
-        self.stats_of(t.version).batch(rows, wait_ns, t.input_ns, compute_ns, t.output_ns)
-        server._batched(self.model.name, rows)
-
-    def _prepare(self, batch: Batch) -> dict[str, npt.NDArray[Any]]:
-        start = time.perf_counter_ns()
-        out = {}
-        shapes = row_shapes(batch)
-        for name in self.model.input_names:
-            arr = batch.numpy(name)
-            out[name] = np.ascontiguousarray(reshaped(arr, shapes.get(name)))
-        self._phase_ns.input_ns = time.perf_counter_ns() - start
-        return out
-
-    def _finish(self, batch: Batch, outputs: Mapping[str, npt.NDArray[Any]], runtime: Runtime) -> Batch:
-        start = time.perf_counter_ns()
-        rb = batch.record_batch
-        named: list[tuple[str, Any]] = [(REQ, rb.column(REQ)), (ROW, rb.column(ROW))]
-        named += [(f"out:{name}", arr) for name, arr in outputs.items()]
-        named.append(("_version", np.full(batch.num_rows, int(runtime.version), dtype=np.int64)))
-        out = tensor_batch(named)
-        self._phase_ns.output_ns = time.perf_counter_ns() - start
-        self._phase_ns.version = str(runtime.version)
-        return out
 
 
 class ModelServer:
@@ -173,9 +77,9 @@ class ModelServer:
             repository if isinstance(repository, ModelRepository) else ModelRepository(repository)
         )
         self._initial = list(models) if models is not None else None
-        self._served: dict[str, _Served] = {}
+        self._served: dict[str, Served] = {}
         self._lock = threading.Lock()
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, Pending] = {}
         self._ids = itertools.count(1)
         self.started_ns = time.monotonic_ns()
 
@@ -200,7 +104,13 @@ class ModelServer:
         if current is not None:
             return current.model.load(version)
         model = ServedModel(self.repository, name, version=version)
-        served = _Served(self, model, self._batching.get(name))
+        served = Served(
+            model,
+            self._batching.get(name),
+            emit=self._complete,
+            dead_letter=self._fail,
+            on_batch=self._batched,
+        )
         with self._lock:
             self._served[name] = served
         return model.version
@@ -226,7 +136,7 @@ class ModelServer:
                 out.append({"name": name, "version": str(v), "state": "READY" if ready else "UNAVAILABLE"})
         return out
 
-    def _get(self, name: str, version: str | None = None) -> _Served:
+    def _get(self, name: str, version: str | None = None) -> Served:
         with self._lock:
             s = self._served.get(name)
         if s is None:
@@ -287,7 +197,7 @@ class ModelServer:
         tier: int | None,
         timeout_s: float | None,
         checked: bool,
-    ) -> tuple[_Served, int, int, int | None]:
+    ) -> tuple[Served, int, int, int | None]:
         """Check a request: (its model, rows, tier, deadline ns)."""
         served = self._get(name, version)
         n = int(next(iter(inputs.values())).shape[0]) if checked else check_arrays(served.signature, inputs)
@@ -314,7 +224,7 @@ class ModelServer:
         if has_empty(inputs):
             return self._run_empty(served, inputs)
         req = next(self._ids)
-        pending = _Pending(n, event=threading.Event())
+        pending = Pending(n, event=threading.Event())
         batches = request_batches(served.model, [Gathered(req, inputs, n, tier, deadline, 0)])
         with self._lock:
             self._pending[req] = pending
@@ -362,7 +272,7 @@ class ModelServer:
             return await asyncio.to_thread(self._run_empty, served, inputs)
         loop = asyncio.get_running_loop()
         req = next(self._ids)
-        pending = _Pending(n, future=loop.create_future(), loop=loop)
+        pending = Pending(n, future=loop.create_future(), loop=loop)
         now = time.monotonic_ns()
         with self._lock:
             self._pending[req] = pending
@@ -388,7 +298,7 @@ class ModelServer:
             )
         return self._result(name, pending, timeout_s)
 
-    def _run_empty(self, served: _Served, inputs: Mapping[str, npt.NDArray[Any]]) -> InferResult:
+    def _run_empty(self, served: Served, inputs: Mapping[str, npt.NDArray[Any]]) -> InferResult:
         """A request with a tensor of no elements, computed alone (batches cannot hold one).
         Zero rows that the model cannot compute are answered empty all the same."""
         sig = served.signature
@@ -404,7 +314,7 @@ class ModelServer:
             raise BadRequest(f"model {sig.model!r} cannot compute an input of zero elements: {exc}") from exc
         return InferResult(sig.model, str(runtime.version), dict(outputs))
 
-    def _flush(self, served: _Served) -> None:
+    def _flush(self, served: Served) -> None:
         """(Event loop) Submit the requests gathered this turn: those that fit in the model's
         queue, one batch per input shape; the rest wait for room until their admission time is
         up. Never raises into the loop: a failure fails the requests it concerns."""
@@ -415,7 +325,7 @@ class ModelServer:
             log.exception("model %s: submitting %d requests failed", served.model.name, len(items))
             self._settle([it.req for it in items], f"internal error: {type(exc).__name__}: {exc}")
 
-    def _submit_gathered(self, served: _Served, items: list[Gathered]) -> None:
+    def _submit_gathered(self, served: Served, items: list[Gathered]) -> None:
         if not items:
             return
         batcher = served.batcher
@@ -444,7 +354,7 @@ class ModelServer:
 
     def _settle(self, reqs: Sequence[int], error: str | None) -> None:
         """Finish requests ``reqs`` (with ``error``, or done)."""
-        done: list[_Pending] = []
+        done: list[Pending] = []
         with self._lock:
             for req in reqs:
                 p = self._pending.get(req)
@@ -452,9 +362,9 @@ class ModelServer:
                     if error is not None:
                         p.error = error
                     done.append(p)
-        _wake(done)
+        wake(done)
 
-    def _result(self, name: str, pending: _Pending, timeout_s: float | None) -> InferResult:
+    def _result(self, name: str, pending: Pending, timeout_s: float | None) -> InferResult:
         if pending.error == "overloaded":
             raise RequestFailed(
                 f"model {name!r} is overloaded: its queue is full; retry later", reason="overloaded"
@@ -527,37 +437,7 @@ class ModelServer:
             p.done_rows += e - s
             if p.done_rows >= p.rows:
                 done.append(p)
-        _wake(done)
+        wake(done)
 
     def _fail(self, batch: Batch, reason: str) -> None:
         self._settle(np.unique(batch.numpy(REQ)).tolist(), reason)
-
-
-def _wake(done: Sequence[_Pending]) -> None:
-    """Wake the waiters of finished requests: threads directly, each event loop once."""
-    loops: dict[asyncio.AbstractEventLoop, list[_Pending]] = {}
-    for p in done:
-        if p.event is not None:
-            p.event.set()
-        elif p.loop is not None:
-            loops.setdefault(p.loop, []).append(p)
-    if not loops:
-        return
-    try:
-        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    for loop, ps in loops.items():
-        if loop is running:  # an inline call: already on the loop's thread
-            _resolve(ps)
-            continue
-        try:
-            loop.call_soon_threadsafe(_resolve, ps)
-        except RuntimeError:  # the loop is closed: nobody is waiting any more
-            pass
-
-
-def _resolve(ps: Sequence[_Pending]) -> None:
-    for p in ps:
-        if p.future is not None and not p.future.done():
-            p.future.set_result(None)
