@@ -23,13 +23,14 @@ import numpy as np
 import numpy.typing as npt
 
 from aisp.batch import TIER, Batch
-from aisp.errors import GraphError
+from aisp.connectors import dead_letter_sink
+from aisp.errors import ConfigError, GraphError
 from aisp.graph import DEFAULT_PORT, Graph, Node
 from aisp.infer.batcher import BatcherConfig
 from aisp.infer.runtime import Runtime
 from aisp.infer.stage import InferSpec
 from aisp.ingest.base import Source
-from aisp.observe.drift import DriftConfig
+from aisp.observe.drift import DriftConfig, alert_sink
 from aisp.runner import RunOptions, RunSummary, run
 from aisp.sinks.base import Sink
 from aisp.transform.operators import (
@@ -111,6 +112,19 @@ class Pipeline:
         """
         opts = options or RunOptions()
         return run(self, replace(opts, **overrides) if overrides else opts)
+
+
+def _check_alert(step_id: str, alert: Any) -> None:
+    """A drift alert target that cannot work fails where it is declared, naming the step."""
+    if not isinstance(alert, str):
+        return  # a callable
+    try:
+        to_stream = alert.startswith(("redis://", "nats://"))
+        ok = dead_letter_sink(alert).stream is not None if to_stream else bool(alert_sink(alert))
+    except ConfigError as exc:
+        raise GraphError(f"step {step_id!r}: drift alert target {alert!r}: {exc}", step=step_id) from exc
+    if not ok:
+        raise GraphError(f"step {step_id!r}: drift alert target {alert!r} is not a stream", step=step_id)
 
 
 @dataclass(frozen=True)
@@ -232,6 +246,8 @@ class Stream:
 
         ``drift`` watches the input features (PSI and KS per feature against a reference) and
         alerts when they shift (``aisp.observe.drift``)."""
+        if drift is not None:
+            _check_alert(step_id, drift.alert)
         spec = InferSpec(
             runtime=runtime,
             inputs=dict(inputs),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from aisp import Batch, CollectSink, Pipeline, PythonRuntime, WorkloadFSource, run
-from aisp.errors import ConfigError
+from aisp.errors import ConfigError, GraphError
 from aisp.observe.drift import DriftConfig, DriftMonitor, ks_statistic, psi
 
 
@@ -95,3 +95,14 @@ def test_alerts_can_go_to_a_redis_stream() -> None:
         assert [json.loads(f[b"data"]) for _, f in r.xrange(stream)] == [alert]
     finally:
         r.delete(stream, *r.scan_iter(f"aisp:dedupe:{stream}:*"))
+
+
+@pytest.mark.parametrize("alert", ["ftp://alerts", "kafka://127.0.0.1:9092/alerts", "slack"])
+def test_a_bad_alert_target_fails_when_the_pipeline_is_built(alert: str) -> None:
+    p = Pipeline("bad-alert")
+    model = PythonRuntime(lambda xs: {"y": xs["x"]}, input_names=["x"], output_names=["y"], name="m")
+    with pytest.raises(GraphError, match="step 'score': drift alert target") as info:
+        p.source("events", WorkloadFSource(events=1)).infer(
+            "score", model, inputs={"x": "x"}, outputs={"y": "y"}, drift=DriftConfig(alert=alert)
+        )
+    assert info.value.step == "score"

@@ -117,7 +117,10 @@ def alert_sink(target: str | Callable[[dict[str, Any]], None]) -> Callable[[dict
             threading.Thread(target=send, name="aisp-drift-webhook", daemon=True).start()
 
         return post
-    raise ConfigError(f"drift alert must be 'log', an http(s):// URL or a callable, got {target!r}")
+    raise ConfigError(
+        "drift alert must be 'log', an http(s):// URL, a redis:// or nats:// stream or a callable,"
+        f" got {target!r}"
+    )
 
 
 class DriftMonitor:

@@ -136,6 +136,16 @@ class _InferOp:
         self.batcher = batcher
         self._step, self._spec = step_id, spec
         self.drift: DriftMonitor | None = None
+        drift = spec.drift
+        if (
+            drift is not None
+            and isinstance(drift.alert, str)
+            and drift.alert.startswith(("redis://", "nats://"))
+        ):
+            from aisp.connectors import alert_to
+
+            # connected when the executor starts, so that an unreachable target fails the start
+            self._spec = replace(spec, drift=replace(drift, alert=alert_to(drift.alert)))
 
     def process(self, batch: Batch) -> Emit:
         if self._spec.drift is not None and batch.num_rows:
@@ -153,10 +163,6 @@ class _InferOp:
                 for c, arr in zip(columns, parts, strict=True)
                 for name in ([c] if arr.shape[1] == 1 else [f"{c}[{i}]" for i in range(arr.shape[1])])
             ]
-            if isinstance(config.alert, str) and config.alert.startswith(("redis://", "nats://")):
-                from aisp.connectors import alert_to
-
-                config = replace(config, alert=alert_to(config.alert))
             self.drift = DriftMonitor(self._step, config, matrix.shape[1], names)
         self.drift.observe(matrix)
 
