@@ -23,7 +23,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -383,6 +383,35 @@ class EventTracer:
                 gone.append(eid)
         if gone:
             self._close(gone, now)
+
+    def entered(self, step: str, kind: str, traced: npt.NDArray[np.int64], batch: Batch) -> None:
+        """Traced rows enter ``step`` (of ``kind``): a model step notes when (its span ends at
+        its output); a sink gets their ``traceparent`` values for its outgoing messages."""
+        if kind == "infer":
+            self.model_in(step, traced, time.monotonic_ns())
+        elif kind == "sink":
+            batch.traceparents = self.headers(traced) or None
+
+    def left(
+        self,
+        step: str,
+        kind: str,
+        traced: npt.NDArray[np.int64],
+        start_ns: int,
+        rows: int,
+        outs: Sequence[tuple[str, Batch]],
+    ) -> None:
+        """Traced rows left ``step``: a step span each; a sink ends their traces, a step that
+        let some of them go (a filter) ends theirs."""
+        if kind == "sink":
+            self.written(step, traced, start_ns, rows)
+            return
+        kept: set[int] = set()
+        for _, out in outs:
+            self.among(out, traced)
+            if out.traced is not None:
+                kept.update(out.traced.tolist())
+        self.stage(step, traced, start_ns, rows, kept)
 
     def model_in(self, step: str, ids: npt.NDArray[np.int64], now_ns: int) -> None:
         """Traced rows were handed to model step ``step``'s batcher."""

@@ -1,0 +1,268 @@
+"""Checkpoints of a running pipeline, and keyed state that follows Kafka partitions.
+
+``Flight`` is the barrier: it counts the rows in flight (read, not yet written, dropped or
+dead-lettered) and holds the pause that sources obey between batches. The executor reports to
+it; ``CheckpointCoordinator`` uses it and owns what happens around it. A checkpoint, in order:
+
+1. the barrier: the sources pause between batches and the rows in flight finish;
+2. capture, under the pause, only copies or views that stay valid: operator state and key spaces
+   (or, with a state store, the keys that changed), source, sink and dead-letter positions,
+   model versions;
+3. the sources resume;
+4. beside the running pipeline: the captured views become Arrow tables, sinks and dead letters
+   sync to disk, the state store writes the changed keys, the checkpoint's files and then its
+   manifest are written, then per-partition state;
+5. the sources are told (brokers acknowledge up to there).
+
+If the pipeline does not go quiet in time nothing is written. Partition handoff (a Kafka
+rebalance) drains what is in flight, then writes or loads one partition's state.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import pyarrow as pa
+
+from aisp.errors import ConfigError
+from aisp.infer.batcher import DynamicBatcher
+from aisp.ingest.base import Source, SourcePartition
+from aisp.observe.stats import RunStats
+from aisp.schedule.keyed_state import KeyedStateKeeper
+from aisp.sinks.base import SinkPartition
+from aisp.sinks.deadletter import DeadLetterWriter
+from aisp.state.checkpoint import CheckpointStore
+from aisp.state.keyed import KeyIndex
+from aisp.state.partitions import PartitionStates
+from aisp.state.store import LmdbStateStore
+from aisp.transform.operators import Checkpointable, IncrementalState, Operator
+
+__all__ = ["CheckpointCoordinator", "Flight"]
+
+log = logging.getLogger("aisp.executor")
+
+
+class Flight:
+    """Rows in flight and the pause sources obey between batches (see the module docstring).
+
+    ``full`` says when keyed state is over its bound: sources wait then too, until a
+    checkpoint evicts.
+    """
+
+    def __init__(self, stop: threading.Event, errors: list[BaseException], full: Callable[[], bool]) -> None:
+        self._stop, self._errors, self._full = stop, errors, full
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._pause = False
+        self._sources_waiting = 0
+        self._sources_running = 0
+
+    def landed(self, rows: int) -> None:
+        """``rows`` more (or, negative, fewer) rows are in flight."""
+        if rows:
+            with self._cond:
+                self._in_flight += rows
+                if self._in_flight <= 0:
+                    self._cond.notify_all()
+
+    def sources_started(self, n: int) -> None:
+        self._sources_running = n
+
+    def source_ended(self) -> None:
+        with self._cond:
+            self._sources_running -= 1
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        """Whether a source should wait before its next batch."""
+        return self._pause or self._full()
+
+    def wait_while_paused(self) -> None:
+        """(A source, between batches) wait while the pause lasts."""
+        with self._cond:
+            self._sources_waiting += 1
+            self._cond.notify_all()
+            while (self._pause or self._full()) and not self._stop.is_set():
+                self._cond.wait(0.05)
+            self._sources_waiting -= 1
+
+    def quiesce(self, timeout_s: float) -> bool:
+        """Pause the sources between batches and wait until no row is in flight."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._pause = True
+            while self._sources_waiting < self._sources_running or self._in_flight > 0:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    return False
+                self._cond.wait(min(left, 0.05))
+        return True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._pause = False
+            self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Wait until every row read so far is written, dropped or dead-lettered (called by the
+        only source, which reads nothing meanwhile)."""
+        with self._cond:
+            while self._in_flight > 0 and not self._stop.is_set():
+                self._cond.wait(0.05)
+
+    def consistent(self) -> bool:
+        """No task failed and no row is in flight: state and positions agree."""
+        with self._cond:
+            return not self._errors and self._in_flight == 0
+
+
+class CheckpointCoordinator:
+    """Checkpoints (see the module docstring) and partition handoff, over the executor's
+    operators, key spaces, source and sink partitions and keyed-state keeper."""
+
+    def __init__(
+        self,
+        pipeline: str,
+        flight: Flight,
+        *,
+        ops: Mapping[str, Operator],
+        key_indexes: Mapping[str, KeyIndex],
+        source_parts: Mapping[str, SourcePartition],
+        sink_parts: Mapping[str, SinkPartition],
+        batchers: Mapping[str, DynamicBatcher],
+        dead_letter: DeadLetterWriter,
+        stats: RunStats,
+        keyed: KeyedStateKeeper,
+        state_store: LmdbStateStore | None,
+        partition_states: PartitionStates | None,
+        state_max_keys: int,
+    ) -> None:
+        self.pipeline, self.flight = pipeline, flight
+        self._ops, self._key_indexes = ops, key_indexes
+        self._source_parts, self._sink_parts, self._batchers = source_parts, sink_parts, batchers
+        self._dead_letter, self._stats, self.keyed = dead_letter, stats, keyed
+        self.state_store, self.partition_states = state_store, partition_states
+        self._state_max_keys = state_max_keys
+
+    def checkpoint(self, store: CheckpointStore, *, timeout_s: float = 10.0) -> int | None:
+        """Take a checkpoint; returns its id, or None when the pipeline did not go quiet within
+        ``timeout_s`` (then nothing is written)."""
+        try:
+            if not self.flight.quiesce(timeout_s):
+                return None
+            captured = self._capture()
+        finally:
+            self.flight.resume()
+        return self._write(store, *captured)
+
+    def _capture(self) -> tuple[Any, ...]:
+        """(Under the pause) copies, or views that stay valid; conversions come after."""
+        columns_of: dict[str, dict[str, Any]] = {}
+        key_views: dict[str, Callable[[], pa.Array]] = {}
+        dirty: dict[str, tuple[Callable[[], pa.Array], dict[str, Any]]] = {}
+        if self.state_store is not None:  # only the keys that changed, written below
+            for sid, op in self._ops.items():
+                if isinstance(op, IncrementalState):
+                    codes, columns = op.take_dirty()
+                    dirty[sid] = (op.index.frozen_keys(codes), columns)
+            if self._state_max_keys:
+                self.keyed.evict()
+        elif self.partition_states is None:
+            key_views = {space: index.frozen_keys() for space, index in self._key_indexes.items()}
+        for index in self._key_indexes.values():
+            index.advance()
+        for sid, op in self._ops.items():
+            keyed_elsewhere = self.partition_states is not None and isinstance(op, IncrementalState)
+            if isinstance(op, Checkpointable) and sid not in dirty and not keyed_elsewhere:
+                columns_of[sid] = op.snapshot()
+        sources = {sid: part.snapshot() for sid, part in self._source_parts.items()}
+        partitions = (
+            self.keyed.capture_partitions(self.partition_states.owned) if self.partition_states else {}
+        )
+        meta = {
+            "pipeline": self.pipeline,
+            "sources": sources,
+            "sinks": {sid: part.snapshot() for sid, part in self._sink_parts.items()},
+            "models": {sid: str(getattr(b.runtime, "version", "")) for sid, b in self._batchers.items()},
+            "dead_letter_bytes": self._dead_letter.snapshot(),
+            "events_in": self._stats.events_in,
+        }
+        return columns_of, key_views, dirty, sources, partitions, meta
+
+    def _write(
+        self,
+        store: CheckpointStore,
+        columns_of: dict[str, dict[str, Any]],
+        key_views: dict[str, Callable[[], pa.Array]],
+        dirty: dict[str, tuple[Callable[[], pa.Array], dict[str, Any]]],
+        sources: dict[str, Any],
+        partitions: dict[int, Any],
+        meta: dict[str, Any],
+    ) -> int:
+        """(Beside the running pipeline) the durable part of a checkpoint; its id."""
+        tables = {f"keys.{space}": pa.table({"key": view()}) for space, view in key_views.items()}
+        tables.update({f"op.{sid}": pa.table(columns) for sid, columns in columns_of.items()})
+        changed = {sid: (keys(), columns) for sid, (keys, columns) in dirty.items()}
+        for sink in self._sink_parts.values():
+            sink.sync()
+        self._dead_letter.sync()
+        checkpoint_id = store.next_id()
+        if self.state_store is not None:  # every 10th drops what no kept checkpoint reads
+            kept = store.ids()
+            before = kept[0] if kept and checkpoint_id % 10 == 0 else 0
+            meta["state_store"] = self.keyed.write_to_store(checkpoint_id, changed, before)
+        store.write(checkpoint_id, tables, meta)
+        if partitions:  # after the local manifest: the outputs they cover are durable
+            (offsets,) = (position["offsets"] for position in sources.values())
+            self.keyed.write_partitions(partitions, offsets)
+        for sid, part in self._source_parts.items():
+            part.commit(sources[sid])
+        self._stats.checkpoints += 1
+        return checkpoint_id
+
+    def commit_sources(self) -> None:
+        """Tell every source that all it handed out is done (a drained run without checkpoints:
+        brokers get their acks, at-least-once)."""
+        for part in self._source_parts.values():
+            part.commit(part.snapshot())
+
+    # -- keyed state that follows input partitions ---------------------------------------------
+    def follow_partitions(self, sources: Sequence[Source]) -> None:
+        partition_of = getattr(sources[0], "partition_of", None) if len(sources) == 1 else None
+        if partition_of is None:
+            raise ConfigError("keyed state that follows input partitions needs a single Kafka input")
+        self.keyed.follow_partitions(partition_of)
+
+    def partitions_assigned(self, partitions: list[int]) -> dict[int, int]:
+        """Claim newly assigned partitions and load their state; where to start each."""
+        assert self.partition_states is not None
+        self.flight.drain()
+        log.info("input partitions %s assigned", partitions)
+        offsets: dict[int, int] = {}
+        for partition in partitions:
+            checkpoint = self.partition_states.claim(partition)
+            if checkpoint is not None:
+                offsets[partition] = self.keyed.load_partition(partition, checkpoint)
+        return offsets
+
+    def partitions_revoked(self, partitions: list[int]) -> None:
+        """Flush the state of partitions taken away (outputs first), release them, drop their
+        keys. A failed run (or a stop that cut the drain short) writes nothing: the last
+        checkpoint stands."""
+        assert self.partition_states is not None
+        self.flight.drain()
+        owned = [p for p in partitions if p in self.partition_states.owned]
+        if self.flight.consistent():
+            for sink in self._sink_parts.values():
+                sink.snapshot()  # the outputs their state covers are durable (a Kafka sink commits)
+            (source,) = self._source_parts.values()
+            self.keyed.write_partitions(self.keyed.capture_partitions(owned), source.snapshot()["offsets"])
+        for partition in owned:
+            self.partition_states.release(partition)
+        log.info("input partitions %s revoked: their state is checkpointed and released", partitions)
+        self.keyed.drop_partitions(partitions)

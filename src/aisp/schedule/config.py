@@ -1,0 +1,45 @@
+"""The executor's settings, and the hook that follows each event through it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from aisp.batch import Batch
+from aisp.transform.operators import Emit
+
+__all__ = ["ExecutorOptions", "Lineage"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecutorOptions:
+    """Executor settings. ``rate_events_per_s`` paces sources open-loop (0: as fast as possible)."""
+
+    channel_capacity_rows: int = 8192
+    source_batch_rows: int = 512
+    rate_events_per_s: float = 0.0
+    paced_linger_ms: float = 1.0
+    offload_sources: bool = True
+    offload_sinks: bool = False
+    state_max_keys: int = 0
+    """With a state store: keep about this many keys per key space in memory (0: all); at a
+    checkpoint, keys not seen for the longest are evicted (their state is in the store) and
+    read back from the store when seen again."""
+
+
+class Lineage(Protocol):
+    """Follows each event (by ``_id``) through the graph, so a caller can tell when it is done.
+
+    An event starts with one open branch. ``forwarded`` is told what an operator made of a batch
+    before its outputs move on (a filter closes branches, a route to two ports opens one), and
+    of every output that goes to several consumers, or to none;
+    ``written`` that a sink took rows (each closes a branch); ``failed`` that rows went to the
+    dead-letter sink (each closes a branch, unless ``closes`` is False: an operator dead-lettered
+    them itself, and ``forwarded`` closes their branch). Calls come from the executor's threads.
+    """
+
+    def forwarded(self, step: str, batch: Batch, outs: Emit) -> None: ...
+
+    def written(self, step: str, batch: Batch) -> None: ...
+
+    def failed(self, step: str, batch: Batch, reason: str, *, closes: bool = True) -> None: ...

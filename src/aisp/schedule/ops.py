@@ -1,0 +1,102 @@
+"""The executor's own operators: the one that writes to a sink, the one that hands rows to a
+model's batcher (and watches their drift); and when a step may fork a worker process."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import replace
+
+import numpy as np
+import numpy.typing as npt
+
+from aisp.batch import INGEST_NS, Batch
+from aisp.infer.batcher import DynamicBatcher
+from aisp.infer.stage import InferSpec
+from aisp.observe.drift import DriftConfig, DriftMonitor
+from aisp.observe.stats import RunStats
+from aisp.sinks.base import SinkPartition
+from aisp.transform.operators import Emit
+
+__all__ = ["InferOp", "SinkOp", "can_fork"]
+
+log = logging.getLogger("aisp.executor")
+
+
+def can_fork(step_id: str) -> bool:
+    """Process offload forks; that is only safe while this is the process's only thread."""
+    if threading.active_count() == 1:
+        return True
+    log.warning(
+        "step %r runs in-process: %d threads are already running, so forking a worker is unsafe",
+        step_id,
+        threading.active_count(),
+    )
+    return False
+
+
+class SinkOp:
+    """Writes to a sink partition and records each row's end-to-end latency once written."""
+
+    def __init__(self, part: SinkPartition, run: RunStats) -> None:
+        self.part, self._run = part, run
+        if part.reports_written:
+            part.on_written = self._written
+
+    def _written(self, ingest_ns: npt.NDArray[np.int64], written_ns: int) -> None:
+        self._run.e2e.record(written_ns - ingest_ns)
+        self._run.events_out += ingest_ns.shape[0]
+        self._run.last_written_ns = written_ns
+
+    def process(self, batch: Batch) -> Emit:
+        if not batch.num_rows:
+            return []
+        self.part.write(batch)
+        if not self.part.reports_written:
+            self._written(batch.numpy(INGEST_NS), time.monotonic_ns())
+        return []
+
+    def flush(self) -> Emit:
+        self.part.flush()
+        return []
+
+
+class InferOp:
+    def __init__(self, batcher: DynamicBatcher, step_id: str, spec: InferSpec) -> None:
+        self.batcher = batcher
+        self._step, self._spec = step_id, spec
+        self.drift: DriftMonitor | None = None
+        drift = spec.drift
+        if (
+            drift is not None
+            and isinstance(drift.alert, str)
+            and drift.alert.startswith(("redis://", "nats://"))
+        ):
+            from aisp.connectors import alert_to
+
+            # connected when the executor starts, so that an unreachable target fails the start
+            self._spec = replace(spec, drift=replace(drift, alert=alert_to(drift.alert)))
+
+    def process(self, batch: Batch) -> Emit:
+        if self._spec.drift is not None and batch.num_rows:
+            self._watch(batch, self._spec.drift)
+        self.batcher.submit(batch)
+        return []
+
+    def _watch(self, batch: Batch, config: DriftConfig) -> None:
+        columns = list(self._spec.inputs.values())
+        parts = [batch.numpy(c).reshape(batch.num_rows, -1) for c in columns]
+        matrix = parts[0] if len(parts) == 1 else np.hstack(parts)
+        if self.drift is None:
+            names = [
+                name
+                for c, arr in zip(columns, parts, strict=True)
+                for name in ([c] if arr.shape[1] == 1 else [f"{c}[{i}]" for i in range(arr.shape[1])])
+            ]
+            self.drift = DriftMonitor(self._step, config, matrix.shape[1], names)
+        self.drift.observe(matrix)
+
+    def flush(self) -> Emit:
+        self.batcher.close()
+        return []
