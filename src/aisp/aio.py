@@ -7,6 +7,7 @@ Connectors run in executor threads, but some broker clients (``nats-py``) are as
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -14,6 +15,7 @@ from typing import Any, TypeVar
 __all__ = ["LoopThread", "connect_nats"]
 
 T = TypeVar("T")
+log = logging.getLogger("aisp.nats")
 
 
 class LoopThread:
@@ -59,7 +61,21 @@ async def _cancel_others() -> None:
 
 async def connect_nats(servers: str) -> Any:
     """A NATS connection as the connectors use it: reconnecting for ever, quickly (the
-    connectors bound how long they wait, with their own ``retry_s``)."""
+    connectors bound how long they wait, with their own ``retry_s``); a lost connection is
+    logged as one line, not the client's traceback per reconnect attempt."""
     import nats
 
-    return await nats.connect(servers, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    async def error(exc: Exception) -> None:
+        log.warning("NATS at %s: %s: %s", servers, type(exc).__name__, exc)
+
+    async def disconnected() -> None:
+        log.info("NATS at %s: disconnected, reconnecting", servers)
+
+    return await nats.connect(
+        servers,
+        connect_timeout=2,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.2,
+        error_cb=error,
+        disconnected_cb=disconnected,
+    )

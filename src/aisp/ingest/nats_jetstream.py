@@ -12,14 +12,17 @@ checkpointed sequence, so the messages after it are delivered again at once (not
 wait): exactly-once together with checkpoints and a deduplicating sink. Without a checkpoint an
 existing consumer is recreated to start after its acknowledged floor (at-least-once). Lost connections are
 retried by the client; a call that keeps failing for ``retry_s`` stops the source with a clear
-error.
+error. Messages the server delivered into a reply lost in a disconnect are delivered again: a
+gap in the consumer sequence shows them at once, and a quiet consumer asks the server every
+half second (and before the input ends idle) whether it delivered more than arrived.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 import numpy as np
@@ -32,6 +35,10 @@ from aisp.ingest.decode import ColumnarDecoder
 from aisp.retry import call_with_retry
 
 __all__ = ["JetStreamSource"]
+
+T = TypeVar("T")
+_CHECK_S = 0.5
+"""How often a quiet consumer asks the server whether a delivery was lost."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +74,8 @@ class _JetStreamPartition(SourcePartition):
         self._unacked: dict[int, Any] = {}  # stream seq -> message, the newest of each batch
         self._idle_since = time.monotonic()
         self._sub: Any = None
+        self._start: int | None = None
+        self._checked = time.monotonic()
         self._delivered = 0
         what = f"JetStream stream {cfg.stream!r} at {cfg.servers}"
         self._aio.start(self._connect(), cfg.retry_s + 5, SourceError, what)
@@ -81,33 +90,71 @@ class _JetStreamPartition(SourcePartition):
     async def _subscribe(self, start: int | None) -> None:
         """(Re)create the durable consumer to deliver from stream sequence ``start`` (None: after
         its ack floor): what an earlier run, or a delivery lost in a disconnect, was handed but
-        never acknowledged comes again at once and in order, not after the ack wait."""
+        never acknowledged comes again at once and in order, not after the ack wait. Safe to
+        call again after a failure part-way (a reply lost in a disconnect)."""
         import nats
-        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
         cfg, js = self._cfg, self._js
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            await sub.unsubscribe()
+        if start is None:
+            try:
+                info = await js.consumer_info(cfg.stream, cfg.durable)
+                start = info.ack_floor.stream_seq + 1 if info.ack_floor else 1
+            except nats.js.errors.NotFoundError:
+                start = 1
+        self._start = start  # a retry after this point keeps it (the consumer may be gone)
+        try:
+            await js.delete_consumer(cfg.stream, cfg.durable)
+        except nats.js.errors.NotFoundError:
+            pass
+        self._sub = await js.pull_subscribe(
+            cfg.subject or "", durable=cfg.durable, stream=cfg.stream, config=self._consumer_config(start)
+        )
+        self._delivered = 0  # consumer sequence of the last message received
+        self._checked = time.monotonic()
+
+    def _consumer_config(self, start: int) -> Any:
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        cfg = self._cfg
         config = ConsumerConfig(
             durable_name=cfg.durable,
             ack_policy=AckPolicy.ALL,
             filter_subject=cfg.subject,
             max_ack_pending=cfg.max_ack_pending,  # acks wait for checkpoints: allow many
         )
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-        try:
-            info = await js.consumer_info(cfg.stream, cfg.durable)
-            if start is None:
-                start = info.ack_floor.stream_seq + 1 if info.ack_floor else 1
-            await js.delete_consumer(cfg.stream, cfg.durable)
-        except nats.js.errors.NotFoundError:
-            pass
-        if start is not None and start > 1:
+        if start > 1:
             config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
             config.opt_start_seq = start
-        self._sub = await js.pull_subscribe(
-            cfg.subject or "", durable=cfg.durable, stream=cfg.stream, config=config
+        return config
+
+    def _resubscribe(self) -> None:
+        """Deliver again from the message after the last one handed out (or the ack floor)."""
+        start = self._start if self._last is None else self._last + 1
+        self._call(lambda: self._subscribe(start))
+
+    def _call(self, coro: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Run ``coro()`` on the client's loop, retried while the broker is unreachable (a lost
+        reply is a timeout) for up to ``retry_s``."""
+        import nats
+
+        cfg = self._cfg
+        return call_with_retry(
+            lambda: self._aio.run(coro(), timeout_s=cfg.retry_s),
+            retry_on=(ConnectionError, OSError, TimeoutError, nats.errors.Error),
+            give_up_after_s=cfg.retry_s,
+            what=f"JetStream at {cfg.servers}",
+            error=SourceError,
         )
-        self._delivered = 0  # consumer sequence of the last message received
+
+    async def _lost_deliveries(self) -> bool:
+        """Whether the server delivered messages this consumer never received (a reply lost in a
+        disconnect when nothing came after it to show the gap) or still holds undelivered ones
+        although fetches come back empty."""
+        info = await self._js.consumer_info(self._cfg.stream, self._cfg.durable)
+        return bool(info.delivered.consumer_seq > self._delivered or info.num_pending)
 
     async def _fetch(self, n: int) -> list[Any]:
         import nats
@@ -118,34 +165,19 @@ class _JetStreamPartition(SourcePartition):
             return []
 
     def next_batch(self, max_rows: int) -> Batch | None:
-        import nats
-
-        cfg = self._cfg
-        msgs = call_with_retry(
-            lambda: self._aio.run(self._fetch(max_rows), timeout_s=cfg.retry_s),
-            retry_on=(ConnectionError, OSError, TimeoutError, nats.errors.Error),
-            give_up_after_s=cfg.retry_s,
-            what=f"JetStream at {cfg.servers}",
-            error=SourceError,
-        )
+        msgs = self._call(lambda: self._fetch(max_rows))
         delivered = [m.metadata.sequence.consumer for m in msgs]
         if delivered != list(range(self._delivered + 1, self._delivered + 1 + len(msgs))):
             # a delivery was lost (a disconnect mid-fetch): deliver again from the last message
             # handed out, in order, instead of acking past the hole
-            start = None if self._last is None else self._last + 1
-            self._aio.run(self._subscribe(start), timeout_s=self._cfg.retry_s)
+            self._resubscribe()
             return self._empty
         if msgs:
             self._delivered = delivered[-1]
         if self._last is not None:  # redelivered after the ack wait: already handed out
             msgs = [m for m in msgs if m.metadata.sequence.stream > self._last]
-        if not msgs and not self._nc.is_connected:
-            self._idle_since = time.monotonic()  # a broker away is not the end of the input
         if not msgs:
-            idle = self._cfg.stop_when_idle_s
-            if idle is not None and time.monotonic() - self._idle_since >= idle:
-                return None
-            return self._empty
+            return self._nothing_new()
         self._idle_since = time.monotonic()
         seqs = [m.metadata.sequence.stream for m in msgs]
         self._last = seqs[-1]
@@ -171,6 +203,25 @@ class _JetStreamPartition(SourcePartition):
         if any(m.headers for m in msgs):
             attach_traceparents(batch, kept, [(m.headers or {}).get("traceparent") for m in msgs])
         return batch
+
+    def _nothing_new(self) -> Batch | None:
+        """An empty fetch: nothing new yet, a delivery lost with nothing after it to show the gap
+        (checked every ``_CHECK_S`` of quiet: delivered again), or the end of the input."""
+        now = time.monotonic()
+        if not self._nc.is_connected:
+            self._idle_since = now  # a broker away is not the end of the input
+            return self._empty
+        quiet = now - self._idle_since
+        idle = self._cfg.stop_when_idle_s
+        ending = idle is not None and quiet >= idle
+        if (ending or (quiet >= _CHECK_S and now - self._checked >= _CHECK_S)) and self._call(
+            self._lost_deliveries
+        ):
+            self._resubscribe()
+            self._idle_since = time.monotonic()
+            return self._empty
+        self._checked = now
+        return None if ending else self._empty
 
     def snapshot(self) -> Any:
         return {"seq": self._last} if self._last is not None else None
