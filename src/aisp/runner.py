@@ -68,7 +68,8 @@ class ObserveOptions:
     port, announced on stderr as ``metrics http://127.0.0.1:PORT/metrics``)."""
     dashboard_port: int | None = None
     """Serve the live dashboard on 127.0.0.1 at this port while the run lasts (0: a free port,
-    announced on stderr as ``dashboard http://127.0.0.1:PORT/``)."""
+    announced on stderr as ``dashboard http://127.0.0.1:PORT/``). One server per process serves
+    both: with ``metrics_port`` too, the dashboard is on that port (this one is 0 or the same)."""
     trace: TraceConfig | None = None
     """Trace a sample of the events (OpenTelemetry, exported over OTLP/HTTP)."""
     slo_ms: float | None = None
@@ -76,6 +77,14 @@ class ObserveOptions:
     (default: the pipeline's static latency bound)."""
     summary_json: str | None = None
     on_progress: Callable[[LocalExecutor], None] | None = None
+
+    def __post_init__(self) -> None:
+        both = self.metrics_port is not None and self.dashboard_port is not None
+        if both and self.dashboard_port not in (0, self.metrics_port):
+            raise ConfigError(
+                "/metrics and the dashboard share one server: give the dashboard no port of its own"
+                f" (--metrics-port {self.metrics_port} serves it), not {self.dashboard_port}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -263,18 +272,16 @@ def _observe(ex: LocalExecutor, opts: ObserveOptions, res: ExitStack) -> None:
     res.callback(ex.request_stop)  # a failure below still drains what started
     if ex.tracer is not None:  # after start: its export thread must not keep workers from forking
         ex.tracer.start()
-    if opts.metrics_port is not None:
-        from aisp.observe.metrics import serve_metrics
+    if opts.metrics_port is None and opts.dashboard_port is None:
+        return
+    from aisp.observe.server import ObserveServer
 
-        server, port = serve_metrics(ex, opts.metrics_port)
-        res.callback(server.shutdown)
-        print(f"metrics http://127.0.0.1:{port}/metrics", file=sys.stderr, flush=True)
+    port = opts.metrics_port if opts.metrics_port is not None else opts.dashboard_port
+    server = ObserveServer(ex, port or 0, dashboard=opts.dashboard_port is not None)
+    res.callback(server.close)
+    print(f"metrics http://127.0.0.1:{server.port}/metrics", file=sys.stderr, flush=True)
     if opts.dashboard_port is not None:
-        from aisp.observe.dashboard import serve_dashboard
-
-        server, port = serve_dashboard(ex, opts.dashboard_port)
-        res.callback(server.shutdown)
-        print(f"dashboard http://127.0.0.1:{port}/", file=sys.stderr, flush=True)
+        print(f"dashboard http://127.0.0.1:{server.port}/", file=sys.stderr, flush=True)
 
 
 def _drive(ex: LocalExecutor, opts: RunOptions, store: CheckpointStore | None) -> None:

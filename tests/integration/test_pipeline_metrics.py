@@ -67,3 +67,38 @@ def test_metrics_of_a_running_pipeline_parse_and_cover_every_stage(tmp_path: Pat
     attainment = value("aisp_slo_attainment_ratio", stage="pipeline")
     assert 0.0 <= attainment <= 1.0
     assert {"process_cpu_seconds", "process_resident_memory_bytes", "aisp_gc_pause_seconds"} <= set(families)
+
+
+def test_metrics_and_the_dashboard_are_one_server(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--events", "200000", "--rate", "20000"]
+    cmd += ["--output", str(tmp_path / "out.jsonl"), "--no-live", "--metrics-port", "0", "--dashboard"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    try:
+        metrics, dashboard = proc.stderr.readline().split()[1], proc.stderr.readline().split()[1]
+        assert metrics == dashboard + "metrics", (metrics, dashboard)
+        state = httpx.get(dashboard + "dashboard/state", timeout=10).json()
+        text = httpx.get(metrics, timeout=5).text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert state["pipeline"] == "fraud"
+    names = {f.name for f in text_string_to_metric_families(text)}
+    assert {"aisp_stage_latency_seconds", "process_cpu_seconds", "aisp_gc_pause_seconds"} <= names
+
+
+def test_a_dashboard_port_apart_from_the_metrics_port_is_refused(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--events", "10", "--no-live"]
+    cmd += [
+        "--output",
+        str(tmp_path / "out.jsonl"),
+        "--metrics-port",
+        "9",
+        "--dashboard",
+        "--dashboard-port",
+        "7",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "share one server" in done.stderr, done.stderr

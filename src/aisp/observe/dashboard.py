@@ -1,10 +1,9 @@
-"""The live dashboard: a JSON state of a running pipeline, the page that draws it, and a small
-HTTP server for ``aisp run --dashboard`` (``aisp serve`` mounts the same endpoints).
+"""The live dashboard: a JSON state of a running pipeline and the page that draws it, served by
+``aisp run``'s observability server (``aisp.observe.server``) and mounted by ``aisp serve``.
 
 Endpoints: ``/`` (or ``/dashboard``): the page (plain HTML and JavaScript in one file, no build
 step, nothing fetched from elsewhere); ``/dashboard/state``: the current state as JSON;
-``/dashboard/events``: the same state as server-sent events, one a second; ``/metrics``:
-Prometheus (``aisp run`` only; ``aisp serve`` has its own).
+``/dashboard/events``: the same state as server-sent events, one a second.
 
 The state: the DAG (steps, kinds, edges); per stage over the last interval rows/s in and out,
 queue depth, p99 of each phase, mean batch size; end-to-end p50/p90/p99 over the interval and
@@ -18,7 +17,6 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib.resources import files
 from typing import Any
 
@@ -31,7 +29,7 @@ from aisp.observe.metrics import PipelineCollector
 from aisp.observe.stats import AdmissionStats
 from aisp.observe.view import PipelineView
 
-__all__ = ["DashboardState", "page", "serve_dashboard"]
+__all__ = ["DashboardState", "page", "sse"]
 
 
 def page() -> bytes:
@@ -159,57 +157,3 @@ def sse(state: DashboardState, stop: threading.Event, period_s: float = 1.0) -> 
     while not stop.is_set():
         yield b"data: " + json.dumps(state.update()).encode() + b"\n\n"
         stop.wait(period_s)
-
-
-def serve_dashboard(
-    executor: PipelineView, port: int, host: str = "127.0.0.1"
-) -> tuple[ThreadingHTTPServer, int]:
-    """Serve the dashboard (and ``/metrics``) for ``executor`` in a daemon thread; returns
-    (server, port). ``server.shutdown()`` stops it."""
-    state = DashboardState(executor)
-    stop = threading.Event()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            path = self.path.split("?", 1)[0]
-            if path in ("/", "/dashboard", "/dashboard/"):
-                self._reply(200, "text/html; charset=utf-8", page())
-            elif path == "/dashboard/state":
-                self._reply(200, "application/json", json.dumps(state.update()).encode())
-            elif path == "/dashboard/events":
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Cache-Control", "no-cache")
-                self.end_headers()
-                try:
-                    for chunk in sse(state, stop):
-                        self.wfile.write(chunk)
-                        self.wfile.flush()
-                except (BrokenPipeError, ConnectionResetError):
-                    return
-            elif path == "/metrics":
-                self._reply(200, "text/plain; version=0.0.4", generate_latest(state._registry))
-            else:
-                self._reply(404, "application/json", b'{"error": "not found"}')
-
-        def _reply(self, code: int, content_type: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
-            return
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    original_shutdown = server.shutdown
-
-    def shutdown() -> None:
-        stop.set()
-        original_shutdown()
-
-    server.shutdown = shutdown  # type: ignore[method-assign]
-    threading.Thread(target=server.serve_forever, name="aisp-dashboard", daemon=True).start()
-    return server, int(server.server_address[1])

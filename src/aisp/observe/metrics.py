@@ -49,7 +49,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -59,7 +59,7 @@ from aisp.observe.stats import AdmissionStats, StageStats
 from aisp.observe.view import PipelineView
 from aisp.retry import RETRIES
 
-__all__ = ["GcPauses", "PipelineCollector", "gc_pauses", "serve_metrics"]
+__all__ = ["GcPauses", "PipelineCollector", "gc_pauses", "metrics_registry"]
 
 LATENCY_BUCKETS_S = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -283,13 +283,11 @@ def gc_pauses() -> GcPauses:
     return _GC_PAUSES
 
 
-def serve_metrics(executor: PipelineView, port: int, host: str = "127.0.0.1") -> tuple[Any, int]:
-    """Serve ``/metrics`` for ``executor`` on ``host:port`` (0: a free port) in a daemon thread;
-    returns (server, port). Process and GC metrics come with it."""
+def metrics_registry(executor: PipelineView) -> CollectorRegistry:
+    """A registry of ``executor``'s families with the process's (CPU, memory, GC and its pauses)."""
     registry = CollectorRegistry()
     registry.register(PipelineCollector(executor))
     ProcessCollector(registry=registry)
     GCCollector(registry=registry)
     registry.register(gc_pauses())
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server, int(server.server_address[1])
+    return registry
