@@ -40,9 +40,9 @@ def run(data: Path, out: Path, summary: Path, *extra: str) -> dict[str, object]:
 
 def restore_seconds(chk: Path, out: Path, state_store: bool) -> tuple[float, int]:
     from aisp.cli import load_pipeline
+    from aisp.connectors.file import JsonlFileSink
     from aisp.schedule.executor import LocalExecutor
     from aisp.sinks.deadletter import DeadLetterSink
-    from aisp.sinks.files import JsonlFileSink
     from aisp.state.checkpoint import CheckpointStore
 
     pipeline = load_pipeline(str(PIPELINE))

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
-from aisp.faults.chaos import tansu_broker  # noqa: E402
+from aisp.connectors.kafka import tansu_broker  # noqa: E402
 from benchmarks.workload import write_events  # noqa: E402
 
 PIPELINE = ROOT / "examples" / "fraud" / "pipeline.py"

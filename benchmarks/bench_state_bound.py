@@ -29,7 +29,7 @@ import json, resource, sys, time
 from aisp import Pipeline
 from aisp.ingest.generator import WorkloadFSource
 from aisp.runner import CheckpointOptions, RunOptions, run
-from aisp.sinks.files import NullSink
+from aisp.sinks import NullSink
 
 events, users, max_keys, interval, chk, zipf = sys.argv[1:7]
 p = Pipeline("state-bound")

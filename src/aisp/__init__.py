@@ -4,6 +4,7 @@ Build a pipeline with ``Pipeline``/``Stream``, run it with ``Pipeline.run()`` or
 """
 
 from aisp.batch import Batch, matrix_column
+from aisp.connectors.file import JsonlFileSink, JsonlFileSource
 from aisp.errors import (
     AispError,
     ConfigError,
@@ -15,11 +16,11 @@ from aisp.errors import (
 )
 from aisp.graph import Graph, Node
 from aisp.infer import BatcherConfig, ModelRepository, OnnxRuntime, PythonRuntime, ServedModel
-from aisp.ingest import JsonlFileSource, Source, WorkloadFSource
+from aisp.ingest import Source, WorkloadFSource
 from aisp.pipeline import KeyedStream, Pipeline, Stream
 from aisp.runner import CheckpointOptions, ObserveOptions, RunOptions, RunSummary, run
 from aisp.schedule.executor import ExecutorOptions
-from aisp.sinks import CollectSink, DeadLetterSink, JsonlFileSink, NullSink, Sink
+from aisp.sinks import CollectSink, DeadLetterSink, NullSink, Sink
 
 __all__ = [
     "AispError",

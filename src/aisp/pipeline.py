@@ -23,14 +23,14 @@ import numpy as np
 import numpy.typing as npt
 
 from aisp.batch import TIER, Batch
-from aisp.connectors import dead_letter_sink
+from aisp.connectors import connector_for
 from aisp.errors import ConfigError, GraphError
 from aisp.graph import DEFAULT_PORT, Graph, Node
 from aisp.infer.batcher import BatcherConfig
 from aisp.infer.runtime import Runtime
 from aisp.infer.stage import InferSpec
 from aisp.ingest.base import Source
-from aisp.observe.drift import DriftConfig, alert_sink
+from aisp.observe.drift import DriftConfig, alert_sink, local_alert
 from aisp.runner import RunOptions, RunSummary, run
 from aisp.sinks.base import Sink
 from aisp.transform.operators import (
@@ -119,12 +119,12 @@ def _check_alert(step_id: str, alert: Any) -> None:
     if not isinstance(alert, str):
         return  # a callable
     try:
-        to_stream = alert.startswith(("redis://", "nats://"))
-        ok = dead_letter_sink(alert).stream is not None if to_stream else bool(alert_sink(alert))
+        if local_alert(alert):
+            alert_sink(alert)
+        else:  # a stream: its connector builds the record sink (connecting when the run starts)
+            connector_for(alert).record_sink(alert)
     except ConfigError as exc:
         raise GraphError(f"step {step_id!r}: drift alert target {alert!r}: {exc}", step=step_id) from exc
-    if not ok:
-        raise GraphError(f"step {step_id!r}: drift alert target {alert!r} is not a stream", step=step_id)
 
 
 @dataclass(frozen=True)

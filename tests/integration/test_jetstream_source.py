@@ -8,8 +8,8 @@ from typing import Any
 
 import msgspec
 
+from aisp.connectors.nats.source import JetStreamSource
 from aisp.ingest.base import SourceContext
-from aisp.ingest.nats_jetstream import JetStreamSource
 
 
 class Ev(msgspec.Struct):

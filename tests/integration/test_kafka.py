@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from aisp.faults.chaos import fill_topic, read_topic, tansu_broker
+from aisp.connectors.kafka import fill_topic, read_topic, tansu_broker
 from benchmarks.workload import write_events
 from tests.integration.test_exactly_once import ENV, PIPELINE, aisp_run, kill_and_restart, outputs
 
@@ -72,7 +72,7 @@ def test_traceparent_headers_are_read_from_and_written_to_kafka_messages(broker:
     from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
     from aisp.cli import load_pipeline
-    from aisp.connectors import sink_from_url, source_for
+    from aisp.connectors import sink_for, source_for
     from aisp.observe.tracing import TraceConfig
     from aisp.runner import ObserveOptions, RunOptions, run
     from tests.support.otlp import otlp_receiver
@@ -95,7 +95,7 @@ def test_traceparent_headers_are_read_from_and_written_to_kafka_messages(broker:
     pipeline = load_pipeline(str(PIPELINE))
     pipeline.bind(
         source=source_for(pipeline, f"kafka://{broker}/{src}?group=g-{name}&idle_stop_s=2"),
-        sink=sink_from_url(f"kafka://{broker}/{dst}", pipeline),
+        sink=sink_for(pipeline, f"kafka://{broker}/{dst}"),
     )
     with otlp_receiver() as (endpoint, received):
         summary = run(
@@ -127,9 +127,9 @@ def test_a_transactional_sink_commits_outputs_with_the_source_offsets_at_the_bar
 ) -> None:
     from confluent_kafka import Consumer, TopicPartition
 
+    from aisp.connectors.kafka.sink import KafkaSink
+    from aisp.connectors.kafka.source import KafkaSource
     from aisp.ingest.base import SourceContext
-    from aisp.ingest.kafka import KafkaSource
-    from aisp.sinks.kafka import KafkaSink
 
     class Event(msgspec.Struct):
         id: int

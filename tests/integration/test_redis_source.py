@@ -7,9 +7,9 @@ from pathlib import Path
 
 import msgspec
 
+from aisp.connectors.redis.source import RedisStreamSource
 from aisp.faults import FaultProxy
 from aisp.ingest.base import SourceContext
-from aisp.ingest.redis_streams import RedisStreamSource
 from tests.integration.test_exactly_once import redis_client
 
 

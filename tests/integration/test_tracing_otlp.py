@@ -144,9 +144,9 @@ def _broker_run(input_url: str, output_url: str, endpoint: str) -> None:
     """The fraud pipeline from ``input_url`` to ``output_url``, tracing only the events whose
     producer sent a sampled ``traceparent``."""
     pipeline = load_pipeline(str(FRAUD))
-    from aisp.connectors import sink_from_url, source_for
+    from aisp.connectors import sink_for, source_for
 
-    pipeline.bind(source=source_for(pipeline, input_url), sink=sink_from_url(output_url, pipeline))
+    pipeline.bind(source=source_for(pipeline, input_url), sink=sink_for(pipeline, output_url))
     summary = run(
         pipeline, RunOptions(observe=ObserveOptions(trace=TraceConfig(sample_ratio=0.0, endpoint=endpoint)))
     )

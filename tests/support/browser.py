@@ -20,7 +20,10 @@ FLAGS = (
 def chromium() -> str:
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     if path is None:
-        raise AssertionError("headless Chromium is needed: apt-get install chromium (scripts/test-services.sh, run by make test, installs it)")
+        raise AssertionError(
+            "headless Chromium is needed: apt-get install chromium"
+            " (scripts/test-services.sh, run by make test, installs it)"
+        )
     return path
 
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from aisp.batch import Batch
+from aisp.connectors.file import JsonlFileSink, JsonlFileSource
 from aisp.errors import SinkError, SourceError
-from aisp.ingest import JsonlFileSource, SourceContext
+from aisp.ingest import SourceContext
 from aisp.ingest.process import ProcessSource
-from aisp.sinks import JsonlFileSink
 from aisp.sinks.process import ProcessSink
 
 

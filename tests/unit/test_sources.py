@@ -6,8 +6,9 @@ import msgspec
 import numpy as np
 import pytest
 
+from aisp.connectors.file import JsonlFileSource
 from aisp.errors import SourceError
-from aisp.ingest import JsonlFileSource, SourceContext, WorkloadFSource
+from aisp.ingest import SourceContext, WorkloadFSource
 
 
 def drain(source: object, rows: int) -> list[dict[str, object]]:

@@ -74,12 +74,12 @@ def _params(pairs: list[str] | None) -> dict[str, Any]:
 
 
 def _bind(p: Pipeline, input: str | None, output: str | None) -> None:  # noqa: A002
-    from aisp.connectors import sink_from_url, source_for
+    from aisp.connectors import sink_for, source_for
 
     if input is not None:
         p.bind(source=source_for(p, input))
     if output is not None:
-        p.bind(sink=sink_from_url(output, p))
+        p.bind(sink=sink_for(p, output))
 
 
 def main() -> None:

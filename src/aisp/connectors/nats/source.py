@@ -30,8 +30,8 @@ import numpy as np
 from aisp.aio import LoopThread, connect_nats
 from aisp.batch import Batch
 from aisp.errors import SourceError
-from aisp.ingest.base import Source, SourceContext, SourcePartition, attach_traceparents
-from aisp.ingest.decode import ColumnarDecoder
+from aisp.ingest.base import Source, SourceContext, SourcePartition
+from aisp.ingest.messages import MessageDecoder
 from aisp.retry import call_with_retry
 
 __all__ = ["JetStreamSource"]
@@ -68,8 +68,8 @@ class _JetStreamPartition(SourcePartition):
     def __init__(self, cfg: JetStreamSource, ctx: SourceContext, resume_from: Any) -> None:
         self._cfg, self._ctx = cfg, ctx
         self._aio = LoopThread(f"aisp-nats-{ctx.step_id}")
-        self._decoder = ColumnarDecoder(cfg.schema)
-        self._empty = Batch.from_columns(self._decoder.decode([]).columns)  # nothing new yet
+        self._messages = MessageDecoder(cfg.schema, ctx)
+        self._empty = self._messages.empty  # nothing new yet
         self._last: int | None = int(resume_from["seq"]) if resume_from else None
         self._unacked: dict[int, Any] = {}  # stream seq -> message, the newest of each batch
         self._idle_since = time.monotonic()
@@ -182,27 +182,12 @@ class _JetStreamPartition(SourcePartition):
         seqs = [m.metadata.sequence.stream for m in msgs]
         self._last = seqs[-1]
         self._unacked[seqs[-1]] = msgs[-1]
-        lines = [m.data for m in msgs]
-        now = time.monotonic_ns()
-        decoded = self._decoder.decode(lines)
-        if decoded.errors:
-            self._ctx.dead_letter(
-                [
-                    {
-                        "stream_seq": seqs[e.index],
-                        "step": self._ctx.step_id,
-                        "reason": e.reason,
-                        "raw": lines[e.index].decode("utf-8", "replace"),
-                    }
-                    for e in decoded.errors
-                ]
-            )
-        kept = np.arange(len(msgs)) if decoded.kept is None else decoded.kept
-        ids = np.asarray(seqs, dtype=np.int64)[kept]
-        batch = Batch.from_columns(decoded.columns, ids=ids, ingest_ns=now)
-        if any(m.headers for m in msgs):
-            attach_traceparents(batch, kept, [(m.headers or {}).get("traceparent") for m in msgs])
-        return batch
+        return self._messages.batch(
+            [m.data for m in msgs],
+            np.asarray(seqs, dtype=np.int64),
+            lambda i: {"stream_seq": seqs[i]},
+            [(m.headers or {}).get("traceparent") for m in msgs] if any(m.headers for m in msgs) else None,
+        )
 
     def _nothing_new(self) -> Batch | None:
         """An empty fetch: nothing new yet, a delivery lost with nothing after it to show the gap

@@ -32,8 +32,8 @@ import numpy.typing as npt
 
 from aisp.batch import Batch
 from aisp.errors import SourceError
-from aisp.ingest.base import Source, SourceContext, SourcePartition, attach_traceparents
-from aisp.ingest.decode import ColumnarDecoder
+from aisp.ingest.base import Source, SourceContext, SourcePartition
+from aisp.ingest.messages import MessageDecoder
 
 __all__ = ["KafkaSource", "KafkaSourcePartition", "kafka_event_id"]
 
@@ -84,8 +84,8 @@ class KafkaSourcePartition(SourcePartition):
         from confluent_kafka import Consumer
 
         self._cfg, self._ctx = cfg, ctx
-        self._decoder = ColumnarDecoder(cfg.schema)
-        self._empty = Batch.from_columns(self._decoder.decode([]).columns)  # nothing new yet
+        self._messages = MessageDecoder(cfg.schema, ctx)
+        self._empty = self._messages.empty  # nothing new yet
         self._resume = {int(p): int(o) for p, o in (resume_from or {}).get("offsets", {}).items()}
         self._next: dict[int, int] = {}
         self._assigned = False
@@ -163,28 +163,14 @@ class KafkaSourcePartition(SourcePartition):
         for p, o in zip(parts, offsets, strict=True):
             self._next[p] = o + 1
         lines = [m.value() or b"" for m in records]
-        now = time.monotonic_ns()
-        decoded = self._decoder.decode(lines)
-        if decoded.errors:
-            self._ctx.dead_letter(
-                [
-                    {
-                        "partition": parts[e.index],
-                        "offset": offsets[e.index],
-                        "step": self._ctx.step_id,
-                        "reason": e.reason,
-                        "raw": lines[e.index].decode("utf-8", "replace"),
-                    }
-                    for e in decoded.errors
-                ]
-            )
-        kept = np.arange(len(records)) if decoded.kept is None else decoded.kept
-        ids = kafka_event_id(np.asarray(parts, dtype=np.int64), np.asarray(offsets, dtype=np.int64))[kept]
-        batch = Batch.from_columns(decoded.columns, ids=ids, ingest_ns=now)
+        ids = kafka_event_id(np.asarray(parts, dtype=np.int64), np.asarray(offsets, dtype=np.int64))
         headers: list[Any] = [m.headers() for m in records]
-        if any(headers):
-            attach_traceparents(batch, kept, [_traceparent(h) for h in headers])
-        return batch
+        return self._messages.batch(
+            lines,
+            ids,
+            lambda i: {"partition": parts[i], "offset": offsets[i]},
+            [_traceparent(h) for h in headers] if any(headers) else None,
+        )
 
     def snapshot(self) -> Any:
         return {"offsets": {str(p): o for p, o in sorted({**self._resume, **self._next}.items())}}

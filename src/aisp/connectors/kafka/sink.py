@@ -162,7 +162,7 @@ class _KafkaWriter(SinkPartition):
                 raise SinkError(f"kafka {self._cfg.topic!r}: {method} failed: {err.str()}") from exc
 
     def bind_sources(self, sources: Mapping[str, SourcePartition]) -> None:
-        from aisp.ingest.kafka import KafkaSourcePartition
+        from aisp.connectors.kafka.source import KafkaSourcePartition
 
         self._sources = [
             part

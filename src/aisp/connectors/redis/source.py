@@ -30,8 +30,8 @@ import numpy as np
 
 from aisp.batch import Batch
 from aisp.errors import SourceError
-from aisp.ingest.base import Source, SourceContext, SourcePartition, attach_traceparents
-from aisp.ingest.decode import ColumnarDecoder
+from aisp.ingest.base import Source, SourceContext, SourcePartition
+from aisp.ingest.messages import MessageDecoder
 from aisp.retry import call_with_retry
 
 __all__ = ["RedisStreamSource", "entry_id_to_int"]
@@ -92,8 +92,8 @@ class _RedisStreamPartition(SourcePartition):
             socket_timeout=max(5.0, cfg.block_ms / 500),
             redis_connect_func=self._on_connect,  # type: ignore[arg-type]  # called with the connection
         )
-        self._decoder = ColumnarDecoder(cfg.schema)
-        self._empty = Batch.from_columns(self._decoder.decode([]).columns)  # nothing new yet
+        self._messages = MessageDecoder(cfg.schema, ctx)
+        self._empty = self._messages.empty  # nothing new yet
         self._field = cfg.field.encode()
         self._last: str | None = resume_from["last_id"] if resume_from else None
         self._replay: list[tuple[bytes, dict[bytes, bytes]]] = []
@@ -183,29 +183,14 @@ class _RedisStreamPartition(SourcePartition):
         self._idle_since = time.monotonic()
         self._last = entries[-1][0].decode()
         lines = [f.get(self._field, b"") for _, f in entries]
-        now = time.monotonic_ns()
-        decoded = self._decoder.decode(lines)
-        if decoded.errors:
-            self._ctx.dead_letter(
-                [
-                    {
-                        "stream_id": entries[e.index][0].decode(),
-                        "step": self._ctx.step_id,
-                        "reason": e.reason if lines[e.index] else f"entry has no {self._cfg.field!r} field",
-                        "raw": lines[e.index].decode("utf-8", "replace"),
-                    }
-                    for e in decoded.errors
-                ]
-            )
-        kept = np.arange(len(entries)) if decoded.kept is None else decoded.kept
-        ids = np.fromiter(
-            (entry_id_to_int(entries[i][0]) for i in kept.tolist()), dtype=np.int64, count=len(kept)
+        ids = np.fromiter((entry_id_to_int(e) for e, _ in entries), dtype=np.int64, count=len(entries))
+        return self._messages.batch(
+            lines,
+            ids,
+            lambda i: {"stream_id": entries[i][0].decode()},
+            [f.get(b"traceparent") for _, f in entries],
+            empty_reason=f"entry has no {self._cfg.field!r} field",
         )
-        batch = Batch.from_columns(decoded.columns, ids=ids, ingest_ns=now)
-        traceparents = [f.get(b"traceparent") for _, f in entries]
-        if any(traceparents):
-            attach_traceparents(batch, kept, traceparents)
-        return batch
 
     def snapshot(self) -> Any:
         return {"last_id": self._last} if self._last is not None else None

