@@ -116,3 +116,16 @@ def test_modules_stay_small() -> None:
         if len(path.read_text().splitlines()) > 500
     }
     assert big == set(), sorted(big)
+
+
+def test_unit_tests_mirror_the_package_layout() -> None:
+    """Each folder of tests/unit is a package of src/aisp (tests/unit/infer: aisp.infer)."""
+    unit = ROOT / "tests" / "unit"
+    folders = [p for p in unit.rglob("*") if p.is_dir() and p.name != "__pycache__"]
+    assert folders
+    stray = [
+        str(p.relative_to(unit))
+        for p in folders
+        if not (ROOT / "src" / "aisp" / p.relative_to(unit)).is_dir()
+    ]
+    assert stray == []

@@ -165,7 +165,7 @@ def run_script(script: str) -> None:
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     res = subprocess.run(
         [sys.executable, "-c", script, str(root)],
         capture_output=True,
@@ -179,7 +179,7 @@ def run_script(script: str) -> None:
 DECODER_PROCESS_CHECK = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from tests.unit.test_decode import Ev, LINES
+from tests.unit.ingest.test_decode import Ev, LINES
 from aisp.ingest.decode import ColumnarDecoder
 from aisp.ingest.decoder_process import DecoderProcess
 
@@ -210,7 +210,7 @@ def test_decoder_process_answers_like_the_in_process_decoder() -> None:
 DECODER_RESTART_CHECK = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
-from tests.unit.test_decode import Ev, LINES
+from tests.unit.ingest.test_decode import Ev, LINES
 from tests.support.hostile import HOSTILE_LINES
 from aisp.ingest.decode import ColumnarDecoder
 from aisp.ingest.decoder_process import DecoderDied, DecoderProcess

@@ -124,7 +124,7 @@ print(json.dumps({"forked": forked, "layout": layout, "exit": None if not forked
 @pytest.mark.parametrize("writer_process", [False, True], ids=["in-process", "writer-process"])
 def test_state_store_writes_rows_in_a_writer_process_the_same(tmp_path: Path, writer_process: bool) -> None:
     # a fresh interpreter: forking the writer needs a process with no other thread
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     done = subprocess.run(
         [sys.executable, "-c", WRITE_ROWS, str(tmp_path / "state"), "1" if writer_process else "0"],
         env={**os.environ, "PYTHONPATH": str(root / "src")},
