@@ -28,7 +28,7 @@ from aisp.schedule.executor import ExecutorOptions, LocalExecutor
 from aisp.state.checkpoint import Checkpoint, CheckpointStore
 
 if TYPE_CHECKING:
-    from aisp.observe.tracing import TraceConfig
+    from aisp.observe.trace_config import TraceConfig
     from aisp.pipeline import Pipeline
 
 __all__ = ["CheckpointOptions", "ObserveOptions", "RunOptions", "RunSummary", "run"]

@@ -23,15 +23,15 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from google.protobuf import text_format
-from google.protobuf.message import Message
-from tritonclient.grpc import model_config_pb2 as pb
 
 from aisp.errors import BadRequest, ConfigError, ModelNotFound
 from aisp.infer.config import BatcherConfig
+
+if TYPE_CHECKING:
+    from google.protobuf.message import Message
 
 __all__ = [
     "ModelConfig",
@@ -178,6 +178,9 @@ class ModelConfig:
     @classmethod
     def parse(cls, text: str, *, source: str = "<config>", model_dir: str | None = None) -> ModelConfig:
         """Parse ``config.pbtxt`` text; ``ConfigError`` names ``source`` and the line on bad input."""
+        from google.protobuf import text_format
+
+        pb = _pb()
         msg = pb.ModelConfig()
         try:
             text_format.Parse(text, msg)
@@ -237,7 +240,7 @@ class ModelConfig:
             overload="shed" if qp.max_queue_size else "block",
             instances=sum(g.count or 1 for g in msg.instance_group) or 1,
         )
-        kinds = {pb.ModelInstanceGroup.Kind.Name(g.kind) for g in msg.instance_group}
+        kinds = {_pb().ModelInstanceGroup.Kind.Name(g.kind) for g in msg.instance_group}
         return cls(
             name=name,
             platform=platform,
@@ -263,8 +266,16 @@ class ModelConfig:
         return priority_to_tier(priority, self.priority_levels)
 
 
+def _pb() -> Any:
+    """Triton's model configuration protobuf module, imported when a configuration is read
+    (``tritonclient.grpc`` brings gRPC with it: a run without a repository does not pay for it)."""
+    from tritonclient.grpc import model_config_pb2
+
+    return model_config_pb2
+
+
 def _tensor(t: Any) -> TensorConfig:
-    dtype_name = pb.DataType.Name(t.data_type)
+    dtype_name = _pb().DataType.Name(t.data_type)
     if dtype_name not in DTYPES:
         raise ConfigError(f"tensor {t.name!r}: data_type {dtype_name} is not supported")
     return TensorConfig(t.name, DTYPES[dtype_name], tuple(int(d) for d in t.dims))
@@ -283,6 +294,8 @@ def _policy(vp: Any) -> VersionPolicy:
 
 def _set_paths(msg: Message, prefix: str = "") -> Iterator[str]:
     """Dotted paths of every field set in ``msg`` (map entries as ``.key``/``.value``)."""
+    from google.protobuf.message import Message
+
     for fd, value in msg.ListFields():
         path = f"{prefix}{fd.name}"
         if fd.message_type is None:

@@ -19,11 +19,10 @@ costs several times more per span, and every span here is recorded after the fac
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,81 +37,15 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from aisp.batch import INGEST_NS, Batch
-from aisp.errors import ConfigError
 from aisp.observe.clock import wall_ns
+from aisp.observe.trace_config import TraceConfig
 
 __all__ = ["EventTracer", "TraceConfig", "extract_parent"]
 
-DEFAULT_ENDPOINT = "http://127.0.0.1:4318/v1/traces"
 _PROPAGATOR = TraceContextTextMapPropagator()
 _HASH = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: ids in sequence spread evenly
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _SCOPE = InstrumentationScope("aisp")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TraceConfig:
-    """Tracing settings.
-
-    Args:
-        sample_ratio: share of events traced (0..1) when no ``traceparent`` decides.
-        max_traces_per_s: at most this many new traces a second (0: no cap).
-        endpoint: OTLP/HTTP traces endpoint; default ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, or
-            ``OTEL_EXPORTER_OTLP_ENDPOINT`` + ``/v1/traces``, or ``http://127.0.0.1:4318/v1/traces``.
-        service_name: the ``service.name`` resource attribute.
-    """
-
-    sample_ratio: float = 0.01
-    max_traces_per_s: float = 100.0
-    endpoint: str | None = None
-    service_name: str = "aisp"
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.sample_ratio <= 1.0:
-            raise ConfigError(f"sample_ratio must be in [0, 1], got {self.sample_ratio}")
-        if self.max_traces_per_s < 0:
-            raise ConfigError(f"max_traces_per_s must be >= 0, got {self.max_traces_per_s}")
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> TraceConfig | None:
-        """Tracing as the standard OpenTelemetry variables ask for it: on when an OTLP endpoint
-        is set (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT``) and
-        ``OTEL_SDK_DISABLED`` is not true; the share from ``OTEL_TRACES_SAMPLER`` (``always_on``,
-        the default, and ``parentbased_always_on``: 1; ``*always_off``: 0, so only clients' sampled
-        traces; ``*traceidratio``: ``OTEL_TRACES_SAMPLER_ARG``); ``OTEL_SERVICE_NAME``. None: off.
-
-        >>> env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318",
-        ...        "OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.05"}
-        >>> TraceConfig.from_env(env).sample_ratio
-        0.05
-        >>> TraceConfig.from_env({}) is None
-        True
-        """
-        env = os.environ if environ is None else environ
-        endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-        if not endpoint or env.get("OTEL_SDK_DISABLED", "").lower() == "true":
-            return None
-        sampler = env.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").lower()
-        if sampler.endswith("always_off"):
-            ratio = 0.0
-        elif sampler.endswith("traceidratio"):
-            try:
-                ratio = float(env.get("OTEL_TRACES_SAMPLER_ARG", "1.0"))
-            except ValueError:
-                raise ConfigError(
-                    f"OTEL_TRACES_SAMPLER_ARG must be a number, got {env['OTEL_TRACES_SAMPLER_ARG']!r}"
-                ) from None
-        else:
-            ratio = 1.0
-        return cls(sample_ratio=ratio, service_name=env.get("OTEL_SERVICE_NAME", "aisp"), endpoint=None)
-
-    def resolved_endpoint(self) -> str:
-        if self.endpoint:
-            return self.endpoint
-        if os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-            return os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
-        base = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-        return base.rstrip("/") + "/v1/traces" if base else DEFAULT_ENDPOINT
 
 
 def extract_parent(traceparent: str | None, tracestate: str | None = None) -> SpanContext | None:

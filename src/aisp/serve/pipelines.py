@@ -43,7 +43,7 @@ from aisp.sinks.memory import NullSink
 from aisp.transform.operators import Emit
 
 if TYPE_CHECKING:
-    from aisp.observe.tracing import TraceConfig
+    from aisp.observe.trace_config import TraceConfig
 
 __all__ = ["Chunk", "Inbox", "InboxClosed", "PipelineService", "ResultTracker"]
 
