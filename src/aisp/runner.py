@@ -211,9 +211,10 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
             resources.callback(_tune_gc())
         _observe(ex, opts.observe, resources)  # starts the executor
         _drive(ex, opts, store)
+        stopped_early = ex.stopping  # before the resources close (which stop the executor)
     if ex.errors:
         raise ex.errors[0]
-    return _summary(ex, graph, opts, latest)
+    return _summary(ex, graph, opts, latest, stopped_early)
 
 
 def _restore_point(graph: Graph, store: CheckpointStore | None) -> Checkpoint | None:
@@ -311,8 +312,11 @@ def _drive(ex: LocalExecutor, opts: RunOptions, store: CheckpointStore | None) -
             poll()
 
 
-def _summary(ex: LocalExecutor, graph: Graph, opts: RunOptions, latest: Checkpoint | None) -> RunSummary:
+def _summary(
+    ex: LocalExecutor, graph: Graph, opts: RunOptions, latest: Checkpoint | None, stopped_early: bool
+) -> RunSummary:
     summary = summarize(ex)
+    summary.stopped_early = stopped_early
     summary.checkpoints = ex.stats.checkpoints
     summary.restored_from = latest.id if latest is not None else None
     slo_ms = opts.observe.slo_ms

@@ -105,6 +105,7 @@ def test_summary_has_contract_fields(run_with_bad_lines: dict[str, Path]) -> Non
         assert s[key] > 0
     assert set(s["latency_ms"]) >= {"p50", "p99", "p999", "max"}
     assert 0 < s["latency_ms"]["p50"] <= s["latency_ms"]["p99"] <= s["latency_ms"]["max"]
+    assert s["stopped_early"] is False  # read to the end, not stopped by a signal
 
 
 def test_topology_prints_dag_and_bound() -> None:
