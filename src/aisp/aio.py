@@ -38,14 +38,16 @@ class LoopThread:
             self.close()
             raise error(f"{what}: {exc}") from exc
 
-    def close(self) -> None:
-        """Cancel what still runs on the loop (a client's background tasks), stop it, close it."""
+    def close(self, client: Any = None) -> None:
+        """Close ``client`` (an asyncio client with ``close()``, if given), cancel what still runs
+        on the loop (a client's background tasks), stop the loop and close it."""
         if self.loop.is_closed():
             return
-        try:
-            self.run(_cancel_others(), timeout_s=5)
-        except Exception:  # noqa: BLE001, S110 - stopping anyway
-            pass
+        for step in ([client.close()] if client is not None else []) + [_cancel_others()]:
+            try:
+                self.run(step, timeout_s=5)
+            except Exception:  # noqa: BLE001, S110 - stopping anyway
+                pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
         self.loop.close()

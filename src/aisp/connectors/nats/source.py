@@ -228,8 +228,4 @@ class _JetStreamPartition(SourcePartition):
             return
 
     def close(self) -> None:
-        try:
-            self._aio.run(self._nc.close(), timeout_s=5)
-        except Exception:  # noqa: BLE001, S110 - closing anyway
-            pass
-        self._aio.close()
+        self._aio.close(self._nc)
