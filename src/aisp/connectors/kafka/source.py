@@ -110,11 +110,11 @@ class KafkaSourcePartition(SourcePartition):
     def _on_error(self, err: Any) -> None:
         from confluent_kafka import KafkaError
 
-        if err.code() == KafkaError._ALL_BROKERS_DOWN:
-            if self._down_since is None:
-                self._down_since = time.monotonic()
-        elif err.code() != KafkaError._TRANSPORT:
-            self._down_since = None
+        # only "all brokers down" starts the clock, and only proof that a broker answers stops it
+        # (a record, or metadata at the deadline): librdkafka reports "all brokers down" once and
+        # may report other errors meanwhile, which say nothing of the brokers coming back
+        if err.code() == KafkaError._ALL_BROKERS_DOWN and self._down_since is None:
+            self._down_since = time.monotonic()
 
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
         if self._ctx.on_assign is not None:  # the engine says where (state moves with partitions)
@@ -134,12 +134,21 @@ class KafkaSourcePartition(SourcePartition):
             self._next.pop(tp.partition, None)
             self._resume.pop(tp.partition, None)
 
+    def _answers(self) -> bool:
+        """Whether a broker answers a metadata request now (then the outage is over)."""
+        try:
+            self._consumer.list_topics(self._cfg.topic, timeout=1.0)
+        except Exception:  # noqa: BLE001 - KafkaException: no broker answered
+            return False
+        self._down_since = None
+        return True
+
     def next_batch(self, max_rows: int) -> Batch | None:
         msgs = self._consumer.consume(num_messages=max_rows, timeout=self._cfg.poll_timeout_s)
         if msgs:
             self._down_since = None
         elif self._down_since is not None:  # the brokers are away: not the end of the input
-            if time.monotonic() - self._down_since >= self._cfg.retry_s:
+            if time.monotonic() - self._down_since >= self._cfg.retry_s and not self._answers():
                 raise SourceError(
                     f"kafka at {self._cfg.bootstrap} unreachable for {self._cfg.retry_s:g} s"
                     " (all brokers down)"
