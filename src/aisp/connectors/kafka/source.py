@@ -110,10 +110,11 @@ class KafkaSourcePartition(SourcePartition):
     def _on_error(self, err: Any) -> None:
         from confluent_kafka import KafkaError
 
-        # only "all brokers down" starts the clock, and only proof that a broker answers stops it
-        # (a record, or metadata at the deadline): librdkafka reports "all brokers down" once and
-        # may report other errors meanwhile, which say nothing of the brokers coming back
-        if err.code() == KafkaError._ALL_BROKERS_DOWN and self._down_since is None:
+        # a lost connection starts the clock, and only proof that a broker answers stops it (a
+        # record, or metadata at the deadline): librdkafka reports "all brokers down" once, or not
+        # at all when the broker went away mid-join, and other errors say nothing of its return
+        down = (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT)
+        if err.code() in down and self._down_since is None:
             self._down_since = time.monotonic()
 
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
