@@ -136,22 +136,82 @@ def _chunks(lines: Iterable[bytes], size: int) -> Iterator[tuple[int, list[bytes
         yield t0, chunk
 
 
+class _UserState:
+    """Per-user running count and sum, indexed by interned user id; grows by doubling."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+        self.count = np.zeros(1024, dtype=np.int64)
+        self.total = np.zeros(1024, dtype=np.float64)
+
+    def grow(self) -> None:
+        size = len(self.count)
+        if len(self.ids) > size:
+            cap = max(len(self.ids), 2 * size)
+            self.count = np.concatenate([self.count, np.zeros(cap - size, dtype=np.int64)])
+            self.total = np.concatenate([self.total, np.zeros(cap - size, dtype=np.float64)])
+
+    def update(self, uid: np.ndarray, amount: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each event's running count and mean, exactly as a per-event loop in input order.
+
+        An event's rank among its user's events in the chunk comes from a stable argsort; the
+        state is then updated one rank level at a time (a user appears at most once per level,
+        so a fancy-indexed ``+=`` is exact and adds in input order).
+        """
+        k = len(uid)
+        order = np.argsort(uid, kind="stable")
+        su = uid[order]
+        first = np.empty(k, dtype=bool)
+        first[0] = True
+        np.not_equal(su[1:], su[:-1], out=first[1:])
+        starts = np.flatnonzero(first)
+        rank = np.empty(k, dtype=np.int64)
+        rank[order] = np.arange(k) - np.repeat(starts, np.diff(np.append(starts, k)))
+        n = np.empty(k, dtype=np.int64)
+        s = np.empty(k, dtype=np.float64)
+        count, total = self.count, self.total
+        if len(starts) == k:  # every user once in this chunk: one level
+            count[uid] += 1
+            total[uid] += amount
+            n[:] = count[uid]
+            s[:] = total[uid]
+        else:
+            by_rank = np.argsort(rank, kind="stable")
+            bounds = np.cumsum(np.bincount(rank))
+            lo = 0
+            for hi in bounds.tolist():
+                ix = by_rank[lo:hi]
+                u = uid[ix]
+                count[u] += 1
+                total[u] += amount[ix]
+                n[ix] = count[u]
+                s[ix] = total[u]
+                lo = hi
+        return n, s / n
+
+
 def run_tuned(
     input_path: str | Path, output_path: str | Path, model_path: str | Path, chunk_size: int = 512
 ) -> dict[str, Any]:
-    """Chunked loop: per chunk, parse lines, update state, one [k, 18] ORT call, one write."""
+    """The hand-tuned single-core loop: per chunk of lines, parse into flat lists, numpy state
+    update, one [k, 18] ORT call, ``orjson.dumps`` per output row, one write."""
     sess = make_session(model_path)
     loads, dumps, run = orjson.loads, orjson.dumps, sess.run
     decode_error = orjson.JSONDecodeError
     isfinite = math.isfinite
-    state: dict[str, list[Any]] = {}  # user -> [count (int), sum of amounts (float)]
+    state = _UserState()
+    intern = state.ids.setdefault
     lat_chunks: list[tuple[int, int]] = []  # (latency ns, events)
     events = 0
     invalid = 0
     t_start = perf_counter_ns()
     with open(input_path, "rb") as fin, open(output_path, "wb") as fout:
         for t0, lines in _chunks(fin, chunk_size):
-            rows: list[tuple[int, str, float, list[Any]]] = []
+            ids: list[int] = []
+            users: list[str] = []
+            uids: list[int] = []
+            amounts: list[float] = []
+            fs: list[list[Any]] = []
             for raw in lines:
                 try:
                     ev = loads(raw)
@@ -173,61 +233,58 @@ def run_tuned(
                     # numpy turns bools into numbers: lines with true/false are checked exactly
                     and ((b"true" not in raw and b"false" not in raw) or finite_numbers(f))
                 ):
-                    rows.append((i, user, a, f))
+                    ids.append(i)
+                    users.append(user)
+                    uids.append(intern(user, len(state.ids)))
+                    amounts.append(a)
+                    fs.append(f)
                 else:
                     invalid += 1
-            if not rows:
+            if not ids:
                 continue
-            kind: str
             try:
-                feats = np.array([r[3] for r in rows])
-                kind = feats.dtype.kind
-            except (ValueError, TypeError):
-                kind = "?"
-            if kind not in "fi":  # a str, null or nested value somewhere in f: exact path
-                keep = [finite_numbers(r[3]) for r in rows]
-                invalid += keep.count(False)
-                rows = [r for r, ok in zip(rows, keep, strict=True) if ok]
-                if not rows:
+                feats = np.array(fs)
+                ok = np.isfinite(feats).all(axis=1) if feats.dtype.kind in "fi" else None
+            except (ValueError, TypeError, OverflowError):
+                ok = None
+            if ok is None:  # a str, null, nested or huge value somewhere in f: exact path
+                ok = np.array([finite_numbers(f) for f in fs], dtype=bool)
+                feats = np.array(
+                    [f if good else [0.0] * N_F for f, good in zip(fs, ok.tolist(), strict=True)]
+                )
+            if not ok.all():
+                invalid += int((~ok).sum())
+                keep = ok.tolist()
+                ids = [v for v, good in zip(ids, keep, strict=True) if good]
+                users = [v for v, good in zip(users, keep, strict=True) if good]
+                uids = [v for v, good in zip(uids, keep, strict=True) if good]
+                amounts = [v for v, good in zip(amounts, keep, strict=True) if good]
+                feats = feats[ok]
+                if not ids:
                     continue
-                feats = np.array([r[3] for r in rows], dtype=np.float64)
-            finite = np.isfinite(feats).all(axis=1)
-            if not finite.all():
-                invalid += int((~finite).sum())
-                rows = [r for r, ok in zip(rows, finite.tolist(), strict=True) if ok]
-                feats = feats[finite]
-                if not rows:
-                    continue
-            k = len(rows)
+            state.grow()
+            k = len(ids)
+            n, mean = state.update(np.array(uids, dtype=np.int64), np.array(amounts, dtype=np.float64))
             x = np.empty((k, N_F + 2), dtype=np.float32)
             x[:, :N_F] = feats
-            counts = [0] * k
-            means = [0.0] * k
-            for j, r in enumerate(rows):
-                st = state.get(r[1])
-                if st is None:
-                    st = state[r[1]] = [0, 0.0]
-                st[0] += 1
-                st[1] += r[2]
-                counts[j] = st[0]
-                means[j] = st[1] / st[0]
-            x[:, N_F] = counts
-            x[:, N_F + 1] = means
-            scores = run(["score"], {"features": x})[0][:, 0].tolist()
+            x[:, N_F] = n
+            x[:, N_F + 1] = mean
+            score = run(["score"], {"features": x})[0][:, 0]
             out = b"".join(
                 [
                     dumps(
-                        {
-                            "id": r[0],
-                            "user": r[1],
-                            "score": s,
-                            "alert": s > ALERT_THRESHOLD,
-                            "n": c,
-                            "mean_amount": m,
-                        },
+                        {"id": i, "user": u, "score": s, "alert": al, "n": c, "mean_amount": m},
                         option=_NL,
                     )
-                    for r, s, c, m in zip(rows, scores, counts, means, strict=True)
+                    for i, u, s, al, c, m in zip(
+                        ids,
+                        users,
+                        score.tolist(),
+                        (score > ALERT_THRESHOLD).tolist(),
+                        n.tolist(),
+                        mean.tolist(),
+                        strict=True,
+                    )
                 ]
             )
             fout.write(out)
