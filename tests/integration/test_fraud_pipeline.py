@@ -150,7 +150,7 @@ def test_memory_stays_bounded_on_a_large_file(tmp_path: Path) -> None:
     src = tmp_path / "in.jsonl"
     write_events(src, 400_000, seed=5)
     cmd = fraud_cmd(src, "null:", "--no-live")
-    _, peak_mb = run_tree(cmd)
+    _, peak_mb, _ = run_tree(cmd)
     assert src.stat().st_size > 70 * 2**20
     assert peak_mb < 400, f"peak RSS of the process tree {peak_mb:.0f} MB"
 
