@@ -601,3 +601,30 @@ def test_run_inline_only_when_idle_and_cheap() -> None:
     finally:
         release.set()
         b.close()
+
+
+def test_run_if_full_takes_only_whole_batches_without_deadlines() -> None:
+    threads: list[str] = []
+
+    def record(_: dict[str, np.ndarray]) -> None:
+        threads.append(threading.current_thread().name)
+
+    sink = Collector(expect=4)
+    b = make_batcher(doubler(record), BatcherConfig(max_batch_size=2, max_queue_delay_ms=0.0), sink)
+    b.start()
+    try:
+        b.submit(rows([0, 1]))  # through the dispatcher: teaches the cost model
+        for _ in range(1000):
+            if len(threads) == 1:
+                break
+            time.sleep(0.01)
+        me = threading.current_thread().name
+        assert b.run_if_full(rows([2, 3]))
+        assert threads[-1] == me and ids_of(sink.out)[-2:] == [2, 3]
+        assert not b.run_if_full(rows([4]))  # a partial batch waits for company in the queue
+        assert not b.run_if_full(rows([5, 6, 7]))  # more than one call may take
+        far = time.monotonic_ns() + 10**12
+        assert not b.run_if_full(rows([8, 9], deadlines=far))  # the queue drops expired rows
+    finally:
+        b.close()
+    assert sorted(ids_of(sink.out)) == [0, 1, 2, 3]
