@@ -260,12 +260,21 @@ class KeyIndex:
         clash = np.flatnonzero((known >= 0) & (known != partitions))
         if clash.size:
             i = int(clash[0])
-            key = self.keys_of(codes[i : i + 1])[0]
-            raise KeyPartitionError(
-                f"key {key!r} arrives from input partitions {int(known[i])} and {int(partitions[i])}:"
-                " keyed state follows partitions only when the input topic is partitioned by the key"
-            )
+            self._clash(int(codes[i]), int(known[i]), int(partitions[i]))
+        order = np.lexsort((partitions, codes))  # a key from two partitions within this batch
+        c, p = codes[order], partitions[order]
+        within = np.flatnonzero((c[1:] == c[:-1]) & (p[1:] != p[:-1]))
+        if within.size:
+            j = int(within[0])
+            self._clash(int(c[j]), int(p[j]), int(p[j + 1]))
         self._part[codes] = partitions
+
+    def _clash(self, code: int, first: int, second: int) -> None:
+        key = self.keys_of(np.array([code], dtype=np.int64))[0]
+        raise KeyPartitionError(
+            f"key {key!r} arrives from input partitions {first} and {second}:"
+            " keyed state follows partitions only when the input topic is partitioned by the key"
+        )
 
     def codes_in(self, partitions: Sequence[int]) -> npt.NDArray[np.int64]:
         """The codes of keys tagged with one of ``partitions``, ascending."""

@@ -128,6 +128,9 @@ def test_keys_are_tagged_with_their_input_partition_and_dropped_by_it() -> None:
     assert idx.codes_in([0]).tolist() == [0, 2] and idx.codes_in([1, 5]).tolist() == [1]
     with pytest.raises(KeyPartitionError, match="key 'b' arrives from input partitions 1 and 0"):
         idx.tag(idx.encode(pa.array(["b"])), np.array([0]))
+    fresh = KeyIndex()  # a new key from two partitions within one batch
+    with pytest.raises(KeyPartitionError, match="key 'x' arrives from input partitions 2 and 3"):
+        fresh.tag(fresh.encode(pa.array(["y", "x", "y", "x"])), np.array([1, 3, 1, 2]))
     survivors = idx.drop(idx.codes_in([0]), remember=False)
     assert survivors.tolist() == [1] and idx.keys() == ["b"] and idx.codes_in([1]).tolist() == [0]
     assert not idx.was_evicted(idx.encode(pa.array(["a"]))).any()  # forgotten, not in a store
