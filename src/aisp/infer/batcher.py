@@ -230,18 +230,34 @@ class DynamicBatcher:
         self._run_claimed(batch, 0)
         return True
 
-    def run_if_full(self, batch: Batch, *, max_cost_ns: int = 1_000_000) -> bool:
-        """Run ``batch`` in the caller's thread when it is a whole batch by itself (exactly the
-        current ``max_batch_size`` rows), the model is idle and the call is cheap.
+    def feed(self, batch: Batch, *, max_cost_ns: int = 1_000_000) -> None:
+        """``submit``, except that what the queue would dispatch at once runs in the caller's
+        thread, when each call is cheap.
 
-        Queueing such a batch gains nothing (the dispatcher would take it at once), but the
-        hand-off costs two thread switches under the GIL per batch. Rows with deadlines always
-        go through the queue, which drops the expired ones. Returns False, having done
-        nothing, when any condition fails.
+        With the model idle and nothing queued, the queue would at once form every whole model
+        batch (``max_batch_size`` rows) of ``batch``, and the rest too when batching is eager
+        (an idle model takes what is queued) and no preferred size would split it. Handing
+        those to the dispatcher thread gains nothing and costs two thread switches under the
+        GIL per call; they run here, in order, and whatever is left is submitted. Rows with
+        deadlines always go through the queue, which drops the expired ones.
         """
-        if batch.num_rows != self._queue.config.max_batch_size or DEADLINE_NS in batch:
-            return False
-        return self.run_inline(batch, max_cost_ns=max_cost_ns)
+        cfg = self._queue.config
+        size, rows = cfg.max_batch_size, batch.num_rows
+        if DEADLINE_NS not in batch:
+            start = 0
+            while start < rows:
+                take = min(size, rows - start)
+                if take < size and not (
+                    cfg.eager and (not cfg.preferred_batch_sizes or take in cfg.preferred_batch_sizes)
+                ):
+                    break
+                part = batch if take == rows else batch.slice(start, take)
+                if not self.run_inline(part, max_cost_ns=max_cost_ns):
+                    break
+                start += take
+            if start:
+                batch = batch.slice(start)
+        self.submit(batch)
 
     def _run_claimed(self, batch: Batch, wait_ns: int) -> None:
         """Call the model on ``batch`` (its ``_in_flight`` slot taken), then give the slot back."""

@@ -77,8 +77,7 @@ class InferOp:
     def process(self, batch: Batch) -> Emit:
         if self._spec.drift is not None and batch.num_rows:
             self._watch(batch, self._spec.drift)
-        if not self.batcher.run_if_full(batch):
-            self.batcher.submit(batch)
+        self.batcher.feed(batch)
         return []
 
     def _watch(self, batch: Batch, config: DriftConfig) -> None:

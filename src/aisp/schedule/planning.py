@@ -42,8 +42,8 @@ def assign_tasks(
 def thread_of(nodes: Mapping[str, Node], task_of: Mapping[str, str]) -> dict[str, str]:
     """Step id -> the thread (group) that does its work: its task's, except that a model's
     calls, and the steps chained after it, run on the model's dispatcher threads (named by
-    the model step); a batch that fills a whole model batch by itself runs them in its
-    upstream thread instead (``DynamicBatcher.run_if_full``)."""
+    the model step); a batch the model's queue would dispatch at once runs them in its
+    upstream thread instead (``DynamicBatcher.feed``)."""
     out: dict[str, str] = {}
     for sid, node in nodes.items():
         if node.kind == "infer" or task_of[sid] == sid:

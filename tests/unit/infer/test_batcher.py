@@ -603,28 +603,39 @@ def test_run_inline_only_when_idle_and_cheap() -> None:
         b.close()
 
 
-def test_run_if_full_takes_only_whole_batches_without_deadlines() -> None:
-    threads: list[str] = []
+@pytest.mark.parametrize("eager", [False, True])
+def test_feed_runs_in_the_callers_thread_what_the_queue_would_dispatch_at_once(eager: bool) -> None:
+    calls: list[tuple[str, list[float]]] = []
 
-    def record(_: dict[str, np.ndarray]) -> None:
-        threads.append(threading.current_thread().name)
+    def record(xs: dict[str, np.ndarray]) -> None:
+        calls.append((threading.current_thread().name, xs["x"].tolist()))
 
-    sink = Collector(expect=4)
-    b = make_batcher(doubler(record), BatcherConfig(max_batch_size=2, max_queue_delay_ms=0.0), sink)
+    sink = Collector()
+    cfg = BatcherConfig(max_batch_size=2, max_queue_delay_ms=0.0, eager=eager)
+    b = make_batcher(doubler(record), cfg, sink)
+    me = threading.current_thread().name
+
+    def wait_for(n: int) -> None:
+        for _ in range(1000):
+            if len(calls) >= n:
+                return
+            time.sleep(0.01)
+
     b.start()
     try:
         b.submit(rows([0, 1]))  # through the dispatcher: teaches the cost model
-        for _ in range(1000):
-            if len(threads) == 1:
-                break
-            time.sleep(0.01)
-        me = threading.current_thread().name
-        assert b.run_if_full(rows([2, 3]))
-        assert threads[-1] == me and ids_of(sink.out)[-2:] == [2, 3]
-        assert not b.run_if_full(rows([4]))  # a partial batch waits for company in the queue
-        assert not b.run_if_full(rows([5, 6, 7]))  # more than one call may take
+        wait_for(1)
+        assert calls[-1][0] != me
+        b.feed(rows([2, 3]))  # a whole model batch: here
+        assert calls[-1] == (me, [2.0, 3.0])
+        b.feed(rows([4, 5, 6, 7, 8]))  # two whole batches here; the rest here only when eager
+        wait_for(5)
+        assert calls[2:4] == [(me, [4.0, 5.0]), (me, [6.0, 7.0])]
+        assert calls[4][1] == [8.0] and (calls[4][0] == me) is eager
         far = time.monotonic_ns() + 10**12
-        assert not b.run_if_full(rows([8, 9], deadlines=far))  # the queue drops expired rows
+        b.feed(rows([9, 10], deadlines=far))  # the queue drops expired rows: it takes these
+        wait_for(6)
+        assert calls[5][0] != me
     finally:
         b.close()
-    assert sorted(ids_of(sink.out)) == [0, 1, 2, 3]
+    assert sorted(ids_of(sink.out)) == list(range(11))
