@@ -83,7 +83,7 @@ def build(
         columns = [*OUTPUT_COLUMNS, "model", "model_version"]
     else:
         runtime = OnnxRuntime(str(model), name="fraud")
-        batcher = BatcherConfig(max_batch_size=512, max_queue_delay_ms=1.0)
+        batcher = BatcherConfig(max_batch_size=1024, max_queue_delay_ms=1.0)
         columns = OUTPUT_COLUMNS
     p = Pipeline("fraud", output_columns=columns)
     src = p.source("events", WorkloadFSource(events=events, seed=seed), schema=Event)

@@ -37,7 +37,7 @@ def run(
     ] = None,
     rate: Annotated[float, typer.Option(help="Pace the source at N events/s, open loop (0: max).")] = 0.0,
     events: Annotated[int | None, typer.Option(help="Events for a generator source.")] = None,
-    batch_rows: Annotated[int, typer.Option(help="Rows per source batch.")] = 512,
+    batch_rows: Annotated[int, typer.Option(help="Rows per source batch.")] = 1024,
     summary_json: Annotated[
         str | None, typer.Option("--summary-json", help="Write the summary here.")
     ] = None,
