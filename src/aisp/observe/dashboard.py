@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from importlib.resources import files
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from aisp.graph import split_ref
 from aisp.observe.diagnose import Scrape, diagnose
@@ -67,7 +67,7 @@ class DashboardState:
             now = time.monotonic()
             if self._prev is not None and now - self._prev[0] < self._min_interval_s and self._state:
                 return self._state
-            scrape = Scrape(generate_latest(self._registry).decode())
+            scrape = Scrape.of(self._registry)
             counts = self._counts()
             seconds = now - self._prev[0] if self._prev is not None else self._ex.stats.seconds()
             self._state = self._build(scrape, counts, max(seconds, 1e-6))
