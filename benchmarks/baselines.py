@@ -31,6 +31,8 @@ import itertools
 import math
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from itertools import chain
+from operator import itemgetter
 from pathlib import Path
 from time import perf_counter_ns
 from typing import Any
@@ -190,80 +192,107 @@ class _UserState:
         return n, s / n
 
 
+_Rows = tuple[list[int], list[str], list[float], np.ndarray]
+_FIELDS = itemgetter("id", "user", "amount", "ts", "f")
+
+
+def _parse_fast(lines: list[bytes]) -> _Rows | None:
+    """A chunk parsed with no check per event, then checked as a whole with numpy; None if
+    any line may be invalid (the chunk then takes ``_parse_exact``)."""
+    try:
+        ids, users, amounts, tss, fs = zip(*map(_FIELDS, map(orjson.loads, lines)), strict=True)
+        lens = set(map(len, fs))
+        flat = list(chain.from_iterable(fs))
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+    joined = b"".join(lines)
+    if b"true" in joined or b"false" in joined:  # numpy would take booleans as numbers
+        return None
+    try:
+        id_arr, ts_arr, a_arr, feats = np.array(ids), np.array(tss), np.array(amounts), np.array(flat)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    if (
+        id_arr.dtype != np.int64
+        or ts_arr.dtype != np.int64
+        or a_arr.dtype.kind not in "fi"
+        or feats.dtype.kind not in "fi"
+        or lens != {N_F}
+        or set(map(type, users)) != {str}
+        or not np.isfinite(a_arr).all()
+        or not np.isfinite(feats).all()
+    ):
+        return None
+    return list(ids), list(users), list(amounts), feats.reshape(len(ids), N_F)
+
+
+def _parse_exact(lines: list[bytes]) -> tuple[_Rows, int]:
+    """A chunk parsed with every validity rule checked per event: its valid rows, and how
+    many lines were invalid."""
+    loads = orjson.loads
+    isfinite = math.isfinite
+    ids: list[int] = []
+    users: list[str] = []
+    amounts: list[float] = []
+    fs: list[list[Any]] = []
+    invalid = 0
+    for raw in lines:
+        try:
+            ev = loads(raw)
+            i, user, a, ts, f = ev["id"], ev["user"], ev["amount"], ev["ts"], ev["f"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            invalid += 1
+            continue
+        if (
+            type(i) is int
+            and type(user) is str
+            and type(ts) is int
+            and type(f) is list
+            and len(f) == N_F
+            and (type(a) is float or type(a) is int)
+            and isfinite(a)
+            and INT64_MIN <= i <= INT64_MAX
+            and INT64_MIN <= ts <= INT64_MAX
+            and finite_numbers(f)
+        ):
+            ids.append(i)
+            users.append(user)
+            amounts.append(a)
+            fs.append(f)
+        else:
+            invalid += 1
+    feats = np.array(fs, dtype=np.float64).reshape(len(ids), N_F)
+    return (ids, users, amounts, feats), invalid
+
+
 def run_tuned(
     input_path: str | Path, output_path: str | Path, model_path: str | Path, chunk_size: int = 512
 ) -> dict[str, Any]:
     """The hand-tuned single-core loop: per chunk of lines, parse into flat lists, numpy state
     update, one [k, 18] ORT call, ``orjson.dumps`` per output row, one write."""
     sess = make_session(model_path)
-    loads, dumps, run = orjson.loads, orjson.dumps, sess.run
-    decode_error = orjson.JSONDecodeError
-    isfinite = math.isfinite
+    dumps, run = orjson.dumps, sess.run
     state = _UserState()
-    intern = state.ids.setdefault
+    table = state.ids
+    lookup, intern = table.get, table.setdefault
     lat_chunks: list[tuple[int, int]] = []  # (latency ns, events)
     events = 0
     invalid = 0
     t_start = perf_counter_ns()
     with open(input_path, "rb") as fin, open(output_path, "wb") as fout:
         for t0, lines in _chunks(fin, chunk_size):
-            ids: list[int] = []
-            users: list[str] = []
-            uids: list[int] = []
-            amounts: list[float] = []
-            fs: list[list[Any]] = []
-            for raw in lines:
-                try:
-                    ev = loads(raw)
-                    i, user, a, ts, f = ev["id"], ev["user"], ev["amount"], ev["ts"], ev["f"]
-                except (decode_error, KeyError, TypeError):
-                    invalid += 1
-                    continue
-                # Cheap checks per event; the entries of f are checked per chunk with numpy below.
-                if (
-                    type(i) is int
-                    and type(user) is str
-                    and type(ts) is int
-                    and type(f) is list
-                    and len(f) == N_F
-                    and (type(a) is float or type(a) is int)
-                    and isfinite(a)
-                    and INT64_MIN <= i <= INT64_MAX
-                    and INT64_MIN <= ts <= INT64_MAX
-                    # numpy turns bools into numbers: lines with true/false are checked exactly
-                    and ((b"true" not in raw and b"false" not in raw) or finite_numbers(f))
-                ):
-                    ids.append(i)
-                    users.append(user)
-                    uids.append(intern(user, len(state.ids)))
-                    amounts.append(a)
-                    fs.append(f)
-                else:
-                    invalid += 1
-            if not ids:
-                continue
-            try:
-                feats = np.array(fs)
-                ok = np.isfinite(feats).all(axis=1) if feats.dtype.kind in "fi" else None
-            except (ValueError, TypeError, OverflowError):
-                ok = None
-            if ok is None:  # a str, null, nested or huge value somewhere in f: exact path
-                ok = np.array([finite_numbers(f) for f in fs], dtype=bool)
-                feats = np.array(
-                    [f if good else [0.0] * N_F for f, good in zip(fs, ok.tolist(), strict=True)]
-                )
-            if not ok.all():
-                invalid += int((~ok).sum())
-                keep = ok.tolist()
-                ids = [v for v, good in zip(ids, keep, strict=True) if good]
-                users = [v for v, good in zip(users, keep, strict=True) if good]
-                uids = [v for v, good in zip(uids, keep, strict=True) if good]
-                amounts = [v for v, good in zip(amounts, keep, strict=True) if good]
-                feats = feats[ok]
-                if not ids:
-                    continue
-            state.grow()
+            rows = _parse_fast(lines)
+            if rows is None:
+                rows, bad = _parse_exact(lines)
+                invalid += bad
+            ids, users, amounts, feats = rows
             k = len(ids)
+            if not k:
+                continue
+            uids = list(map(lookup, users))
+            if None in uids:  # users not seen before get the next ids, in order of arrival
+                uids = [intern(u, len(table)) if c is None else c for u, c in zip(users, uids, strict=True)]
+            state.grow()
             n, mean = state.update(np.array(uids, dtype=np.int64), np.array(amounts, dtype=np.float64))
             x = np.empty((k, N_F + 2), dtype=np.float32)
             x[:, :N_F] = feats
