@@ -114,14 +114,11 @@ class LatencyHistogram:
         >>> h.cumulative([2_000.0, 10_000.0, 1e9])
         [1, 2, 3]
         """
+        split = _splits(tuple(bounds_ns))
         with self._lock:
             self._fold()
-            counts = self._counts.copy()
-        nz = np.flatnonzero(counts)
-        values, weights = self._value(nz), counts[nz]
-        cum = np.cumsum(weights)
-        pos = np.searchsorted(values, np.asarray(bounds_ns, dtype=np.float64), side="right")
-        return [int(cum[p - 1]) if p else 0 for p in pos.tolist()]
+            cum = np.cumsum(self._counts)
+        return np.where(split > 0, cum[split - 1], 0).tolist()  # type: ignore[no-any-return]
 
     def merge(self, other: LatencyHistogram) -> None:
         snap = other.snapshot()
@@ -177,3 +174,17 @@ class LatencyHistogram:
             h._counts = self._counts.copy()
             h._count, h._max_ns, h._sum_ns = self._count, self._max_ns, self._sum_ns
         return h
+
+
+_SPLITS: dict[tuple[float, ...], npt.NDArray[np.int64]] = {}
+
+
+def _splits(bounds_ns: tuple[float, ...]) -> npt.NDArray[np.int64]:
+    """For each bound, how many buckets have their midpoint at or below it (the midpoints
+    increase with the bucket index); computed once per set of bounds."""
+    split = _SPLITS.get(bounds_ns)
+    if split is None:
+        mids = LatencyHistogram._value(np.arange(_BUCKETS, dtype=np.int64))
+        split = np.searchsorted(mids, np.asarray(bounds_ns, dtype=np.float64), side="right").astype(np.int64)
+        _SPLITS[bounds_ns] = split
+    return split

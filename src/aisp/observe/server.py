@@ -10,10 +10,10 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from aisp.observe.dashboard import DashboardState, page, sse
-from aisp.observe.metrics import metrics_registry
+from aisp.observe.metrics import TextExposition, metrics_registry
 from aisp.observe.view import PipelineView
 
 __all__ = ["ObserveServer"]
@@ -26,7 +26,7 @@ class ObserveServer:
     def __init__(
         self, executor: PipelineView, port: int, *, dashboard: bool, host: str = "127.0.0.1"
     ) -> None:
-        registry = metrics_registry(executor)
+        text = TextExposition(metrics_registry(executor))
         state = DashboardState(executor) if dashboard else None
         stop = self._stop = threading.Event()
 
@@ -34,7 +34,7 @@ class ObserveServer:
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    self._reply(200, CONTENT_TYPE_LATEST, generate_latest(registry))
+                    self._reply(200, CONTENT_TYPE_LATEST, text.render())
                 elif state is None:
                     self._reply(404, "application/json", b'{"error": "not found"}')
                 elif path in ("/", "/dashboard", "/dashboard/"):

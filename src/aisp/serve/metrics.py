@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from aisp.observe.metrics import BATCH_BUCKETS, LATENCY_BUCKETS_S
+from aisp.observe.metrics import BATCH_BUCKETS, LATENCY_BUCKETS_S, TextExposition
 from aisp.serve.models import ModelServer
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
@@ -42,6 +42,7 @@ class ServerMetrics:
 
     def __init__(self, models: ModelServer | None, *, batch_metric: str | None = None) -> None:
         self.registry = CollectorRegistry()
+        self._text = TextExposition(self.registry)
         self.requests = Counter(
             "aisp_requests", "Inference requests", ["protocol", "model", "code"], registry=self.registry
         )
@@ -68,4 +69,4 @@ class ServerMetrics:
         self.latency.labels(protocol, model).observe(seconds)
 
     def render(self) -> bytes:
-        return bytes(generate_latest(self.registry))
+        return self._text.render()

@@ -54,3 +54,25 @@ def test_window_histograms_from_indexed_buckets() -> None:
     assert (h.count, h.sum) == (6.0, 1.0)
     assert w.hist("lat_seconds", stage="a").bounds == []  # labels must match exactly
     assert w.delta("rows_total", stage="a") == 20.0
+
+
+def test_text_exposition_writes_what_generate_latest_writes() -> None:
+    from prometheus_client import Counter, Gauge, Histogram, Info
+
+    from aisp.observe.metrics import TextExposition
+
+    registry = CollectorRegistry()
+    fam = _Families()
+    fam.n = 2
+    registry.register(fam)
+    requests = Counter("reqs", "Requests\nwith a \\ in the help", ["code"], registry=registry)
+    requests.labels('4"0\n4').inc(3)
+    Gauge("temp", "t", registry=registry).set(-1.5e-7)
+    h = Histogram("lat", "l", ["m"], buckets=(0.1, 1.0), registry=registry)
+    h.labels("x").observe(0.5)
+    Info("build", "b", registry=registry).info({"version": "1"})
+    text = TextExposition(registry)
+    assert text.render() == generate_latest(registry)
+    requests.labels("200").inc()  # a new series after the first scrape
+    fam.n = 5
+    assert text.render() == generate_latest(registry)
