@@ -54,11 +54,18 @@ def test_dashboard_of_aisp_run_shows_the_graph_and_live_numbers(tmp_path: Path) 
             assert proc.poll() is None, (tmp_path / "run.log").read_text()
             time.sleep(0.1)
         assert url, "no dashboard address announced"
-        time.sleep(1.5)
+        time.sleep(3.5)  # nobody watches yet: the engine keeps the latency trail all the same
+        # opened now, the page draws the seconds before it on its first state
+        first = dump_dom(url, budget_ms=300)
+        points = re.search(r'<polyline[^>]*points="([^"]*)"[^>]*class="p99"', first)
+        assert points is not None and len(points.group(1).split()) >= 3, first[-3000:]
         check_page(dump_dom(url))
         state = httpx.get(url + "dashboard/state", timeout=10).json()
         assert [n["id"] for n in state["graph"]["nodes"]] == STAGES
-        assert state["events_in_per_s"] > 0 and state["diagnosis"]
+        assert state["events_in_per_s"] > 0 and state["diagnosis"] and "history" not in state
+        history = httpx.get(url + "dashboard/state?history=1", timeout=10).json()["history"]
+        assert len(history) >= 3 and all(h["p99"] > 0 for h in history)
+        assert [h["t"] for h in history] == sorted(h["t"] for h in history)
         with httpx.stream("GET", url + "dashboard/events", timeout=10) as events:
             first = next(line for line in events.iter_lines() if line.startswith("data: "))
         assert json.loads(first[6:])["pipeline"] == "fraud"
@@ -88,6 +95,8 @@ def test_dashboard_of_a_served_pipeline(tmp_path: Path) -> None:
             time.sleep(1.5)
             check_page(dump_dom(f"{base}/dashboard"))
             assert httpx.get(f"{base}/dashboard/state?pipeline=nope", timeout=10).status_code == 404
+            state = httpx.get(f"{base}/dashboard/state?pipeline=fraud&history=1", timeout=10).json()
+            assert state["history"] and state["history"][-1]["t"] <= state["time_s"]
         finally:
             stop.set()
             feeder.join()

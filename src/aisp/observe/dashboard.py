@@ -2,8 +2,9 @@
 ``aisp run``'s observability server (``aisp.observe.server``) and mounted by ``aisp serve``.
 
 Endpoints: ``/`` (or ``/dashboard``): the page (plain HTML and JavaScript in one file, no build
-step, nothing fetched from elsewhere); ``/dashboard/state``: the current state as JSON;
-``/dashboard/events``: the same state as server-sent events, one a second.
+step, nothing fetched from elsewhere); ``/dashboard/state``: the current state as JSON (with
+``?history=1`` also the last minutes of end-to-end percentiles, which the page asks for when it
+opens); ``/dashboard/events``: the same state as server-sent events, one a second.
 
 The state: the DAG (steps, kinds, edges); per stage over the last interval rows/s in and out,
 queue depth, p99 of each phase, mean batch size; end-to-end p50/p90/p99 over the interval and
@@ -73,6 +74,12 @@ class DashboardState:
             self._state = self._build(scrape, counts, max(seconds, 1e-6))
             self._prev = (now, scrape, counts)
             return self._state
+
+    def with_history(self) -> dict[str, Any]:
+        """``update()`` plus ``history``: the engine's end-to-end p50/p90/p99 of each second of
+        the last minutes (``RunStats.trail``), for a page to draw what came before it opened."""
+        stats = self._ex.stats
+        return {**self.update(), "history": stats.trail.points(stats.started_ns)}
 
     def _counts(self) -> dict[str, Any]:
         st = self._ex.stats

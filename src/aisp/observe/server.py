@@ -32,7 +32,7 @@ class ObserveServer:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                path = self.path.split("?", 1)[0]
+                path, _, query = self.path.partition("?")
                 if path == "/metrics":
                     self._reply(200, CONTENT_TYPE_LATEST, text.render())
                 elif state is None:
@@ -40,7 +40,8 @@ class ObserveServer:
                 elif path in ("/", "/dashboard", "/dashboard/"):
                     self._reply(200, "text/html; charset=utf-8", page())
                 elif path == "/dashboard/state":
-                    self._reply(200, "application/json", json.dumps(state.update()).encode())
+                    body = state.with_history() if "history=1" in query.split("&") else state.update()
+                    self._reply(200, "application/json", json.dumps(body).encode())
                 elif path == "/dashboard/events":
                     self._events(state)
                 else:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aisp.observe.latency import LatencyHistogram
 
-__all__ = ["AdmissionStats", "RunStats", "StageStats"]
+__all__ = ["AdmissionStats", "LatencyTrail", "RunStats", "StageStats"]
 
 
 @dataclass
@@ -68,6 +70,45 @@ class AdmissionStats:
     OUTCOMES = ("accepted", "queue_full", "rate_limited")
 
 
+class LatencyTrail:
+    """End-to-end p50/p90/p99 of each second of the last ``keep_s`` seconds with events, kept by
+    the engine whether anyone watches or not, so a dashboard opened late draws the past.
+
+    ``tick`` is called with each write's time (by the sinks); once a second it takes the
+    window since the previous second from the histogram (~0.1 ms): nothing per event.
+    """
+
+    def __init__(self, e2e: LatencyHistogram, keep_s: int = 300) -> None:
+        self._e2e = e2e
+        self._points: deque[tuple[int, float, float, float, int]] = deque(maxlen=keep_s)
+        self._next_ns = 0
+        self._prev: LatencyHistogram | None = None
+        self._lock = threading.Lock()
+
+    def tick(self, now_ns: int) -> None:
+        if now_ns < self._next_ns or not self._lock.acquire(blocking=False):
+            return  # not due, or another sink's thread is taking this second
+        try:
+            if now_ns < self._next_ns:
+                return
+            snap = self._e2e.snapshot()
+            window = snap.since(self._prev) if self._prev is not None else snap
+            self._prev = snap
+            self._next_ns = now_ns + 1_000_000_000
+            if window.count:
+                ms = [round(window.percentile(q) / 1e6, 3) for q in (50, 90, 99)]
+                self._points.append((now_ns, ms[0], ms[1], ms[2], window.count))
+        finally:
+            self._lock.release()
+
+    def points(self, started_ns: int) -> list[dict[str, float]]:
+        """Oldest first: ``{"t": seconds since started_ns, "p50", "p90", "p99": ms, "count"}``."""
+        return [
+            {"t": round((t - started_ns) / 1e9, 2), "p50": a, "p90": b, "p99": c, "count": n}
+            for t, a, b, c, n in list(self._points)
+        ]
+
+
 @dataclass
 class RunStats:
     """Whole-run counters: events in/out, dead letters, end-to-end latency.
@@ -87,6 +128,11 @@ class RunStats:
     checkpoints: int = 0
     e2e: LatencyHistogram = field(default_factory=LatencyHistogram)
     stages: dict[str, StageStats] = field(default_factory=dict)
+    trail: LatencyTrail = field(init=False, repr=False)
+    """The last minutes of end-to-end percentiles, a point a second (``LatencyTrail``)."""
+
+    def __post_init__(self) -> None:
+        self.trail = LatencyTrail(self.e2e)
 
     def seconds(self) -> float:
         end = self.ended_ns if self.ended_ns is not None else time.monotonic_ns()

@@ -48,6 +48,7 @@ class SinkOp:
         self._run.e2e.record(written_ns - ingest_ns)
         self._run.events_out += ingest_ns.shape[0]
         self._run.last_written_ns = written_ns
+        self._run.trail.tick(written_ns)
 
     def process(self, batch: Batch) -> Emit:
         if not batch.num_rows:

@@ -156,7 +156,9 @@ def _dashboard_routes(pipelines: Mapping[str, PipelineService]) -> list[Route]:
 
     @guarded
     async def dashboard_state(request: Request) -> Response:
-        return JSONResponse(await run_in_threadpool(pick(request).update))
+        state = pick(request)
+        history = request.query_params.get("history") == "1"
+        return JSONResponse(await run_in_threadpool(state.with_history if history else state.update))
 
     @guarded
     async def dashboard_events(request: Request) -> Response:
