@@ -264,6 +264,9 @@ def _executor(
 
 def _observe(ex: LocalExecutor, opts: ObserveOptions, res: ExitStack) -> None:
     """Tracing, /metrics and the dashboard for ``ex``, stopped by ``res`` when the run ends."""
+    serving = opts.metrics_port is not None or opts.dashboard_port is not None
+    if serving:  # imported before the pipeline runs: ~0.2 s of imports under its GIL was a stall
+        from aisp.observe.server import ObserveServer
     if opts.trace is not None:
         from aisp.observe.tracing import EventTracer
 
@@ -273,10 +276,8 @@ def _observe(ex: LocalExecutor, opts: ObserveOptions, res: ExitStack) -> None:
     res.callback(ex.request_stop)  # a failure below still drains what started
     if ex.tracer is not None:  # after start: its export thread must not keep workers from forking
         ex.tracer.start()
-    if opts.metrics_port is None and opts.dashboard_port is None:
+    if not serving:
         return
-    from aisp.observe.server import ObserveServer
-
     port = opts.metrics_port if opts.metrics_port is not None else opts.dashboard_port
     server = ObserveServer(ex, port or 0, dashboard=opts.dashboard_port is not None)
     res.callback(server.close)

@@ -9,7 +9,7 @@ opens); ``/dashboard/events``: the same state as server-sent events, one a secon
 The state: the DAG (steps, kinds, edges); per stage over the last interval rows/s in and out,
 queue depth, p99 of each phase, mean batch size; end-to-end p50/p90/p99 over the interval and
 since the start; drift scores per model input feature; and the current diagnosis
-(``aisp.observe.diagnose`` over the same interval).
+(``aisp.observe.diagnose`` over the last five seconds, renewed that often).
 """
 
 from __future__ import annotations
@@ -43,14 +43,21 @@ class DashboardState:
     ``update`` (callers share one instance; ``update`` at most once per ``min_interval_s``)."""
 
     def __init__(
-        self, executor: PipelineView, *, admission: AdmissionStats | None = None, min_interval_s: float = 1.0
+        self,
+        executor: PipelineView,
+        *,
+        admission: AdmissionStats | None = None,
+        min_interval_s: float = 1.0,
+        diagnose_every_s: float = 5.0,
     ) -> None:
         self._ex = executor
         self._registry = CollectorRegistry()
         self._registry.register(PipelineCollector(executor, admission))
         self._min_interval_s = min_interval_s
+        self._diagnose_every_s = diagnose_every_s
         self._lock = threading.Lock()
-        self._prev: tuple[float, Scrape, dict[str, Any]] | None = None
+        self._prev: tuple[float, dict[str, Any]] | None = None
+        self._diagnosed: tuple[float, Scrape, list[dict[str, Any]]] | None = None
         self._e2e = LatencyHistogram()
         self._phases: dict[tuple[str, str], LatencyHistogram] = {}
         self._state: dict[str, Any] = {}
@@ -68,12 +75,23 @@ class DashboardState:
             now = time.monotonic()
             if self._prev is not None and now - self._prev[0] < self._min_interval_s and self._state:
                 return self._state
-            scrape = Scrape.of(self._registry)
             counts = self._counts()
             seconds = now - self._prev[0] if self._prev is not None else self._ex.stats.seconds()
-            self._state = self._build(scrape, counts, max(seconds, 1e-6))
-            self._prev = (now, scrape, counts)
+            self._state = self._build(self._diagnosis(now), counts, max(seconds, 1e-6))
+            self._prev = (now, counts)
             return self._state
+
+    def _diagnosis(self, now: float) -> list[dict[str, Any]]:
+        """The findings over the last ``diagnose_every_s`` (re-diagnosed that often: reading
+        every metric is the costliest part of an update, and runs under the pipeline's GIL)."""
+        if self._diagnosed is not None and now - self._diagnosed[0] < self._diagnose_every_s:
+            return self._diagnosed[2]
+        scrape = Scrape.of(self._registry)
+        before = self._diagnosed[1] if self._diagnosed is not None else None
+        seconds = now - self._diagnosed[0] if self._diagnosed is not None else self._ex.stats.seconds()
+        findings = [f.as_dict() for f in diagnose(before, scrape, seconds=max(seconds, 1e-6))[:3]]
+        self._diagnosed = (now, scrape, findings)
+        return findings
 
     def with_history(self) -> dict[str, Any]:
         """``update()`` plus ``history``: the engine's end-to-end p50/p90/p99 of each second of
@@ -97,10 +115,12 @@ class DashboardState:
         self._phases[key] = hist.snapshot()
         return hist.since(earlier) if earlier is not None else hist.snapshot()
 
-    def _build(self, scrape: Scrape, counts: dict[str, Any], seconds: float) -> dict[str, Any]:
+    def _build(
+        self, findings: list[dict[str, Any]], counts: dict[str, Any], seconds: float
+    ) -> dict[str, Any]:
         st = self._ex.stats
         empty: dict[str, Any] = {"events_in": 0, "events_out": 0, "stages": {}}
-        before = self._prev[2] if self._prev is not None else empty
+        before = self._prev[1] if self._prev is not None else empty
         stages = []
         for s in st.stages.values():
             rows_in, rows_out, batches, batch_rows = counts["stages"][s.step_id]
@@ -126,8 +146,6 @@ class DashboardState:
                 }
             )
         recent = self._window(st.e2e, ("", "e2e"))
-        previous = self._prev[1] if self._prev is not None else None
-        findings = [f.as_dict() for f in diagnose(previous, scrape, seconds=seconds)[:3]]
         return {
             "pipeline": self._ex.graph.name,
             "time_s": round(st.seconds(), 2),
