@@ -314,9 +314,10 @@ class TextExposition:
         for metric in self._registry.collect():
             out.append(self._head(metric.name, metric.type, metric.documentation))
             extra: dict[str, list[str]] = {}
+            only = {metric.name + x: x for x in self._OPENMETRICS_ONLY}
             for sample in metric.samples:
                 line = self._line(sample.name, sample.labels, sample.value, sample.timestamp)
-                suffix = next((x for x in self._OPENMETRICS_ONLY if sample.name == metric.name + x), None)
+                suffix = only.get(sample.name)
                 if suffix is None:
                     out.append(line)
                 else:  # as generate_latest: a gauge of its own after the family
