@@ -121,6 +121,7 @@ class DynamicBatcher:
         self._started = self._closing = False
         self._count: Counter[str] = Counter()
         self._in_flight = 0  # model calls running now
+        self._after_ns_per_row = 0.0  # what ``emit`` (the steps after the model) takes, per row
         self._failure: BaseException | None = None
         self._tuner: AdaptiveTuner | None = None
         if config.adaptive is not None:
@@ -230,9 +231,11 @@ class DynamicBatcher:
         self._run_claimed(batch, 0)
         return True
 
-    def feed(self, batch: Batch, *, max_cost_ns: int = 1_000_000) -> None:
+    def feed(self, batch: Batch, *, max_cost_ns: int = 5_000_000) -> None:
         """``submit``, except that what the queue would dispatch at once runs in the caller's
-        thread, when each call is cheap.
+        thread, when each call, with what ``emit`` does after it, is expected to take at most
+        ``max_cost_ns`` (a slow step after the model, a sink waiting on a remote store, keeps
+        the dispatcher thread, so the caller goes on reading meanwhile).
 
         With the model idle and nothing queued, the queue would at once form every whole model
         batch (``max_batch_size`` rows) of ``batch``, and the rest too when batching is eager
@@ -252,7 +255,8 @@ class DynamicBatcher:
                 ):
                     break
                 part = batch if take == rows else batch.slice(start, take)
-                if not self.run_inline(part, max_cost_ns=max_cost_ns):
+                budget = max_cost_ns - int(self._after_ns_per_row * take)
+                if budget <= 0 or not self.run_inline(part, max_cost_ns=budget):
                     break
                 start += take
             if start:
@@ -363,7 +367,11 @@ class DynamicBatcher:
                     self._apply(setting)
         if self._on_batch is not None:
             self._guard(self._on_batch, rows, wait_ns, compute_ns)
+        started = time.perf_counter_ns()
         self._guard(self._emit, result)
+        per_row = (time.perf_counter_ns() - started) / max(rows, 1)
+        seen = self._after_ns_per_row
+        self._after_ns_per_row = per_row if seen == 0.0 else 0.8 * seen + 0.2 * per_row
 
     def _guard(self, fn: Callable[..., None], *args: Any) -> None:
         """Call a user callback; keep the first exception for ``close`` instead of dying."""

@@ -96,8 +96,9 @@ class DashboardState:
     def with_history(self) -> dict[str, Any]:
         """``update()`` plus ``history``: the engine's end-to-end p50/p90/p99 of each second of
         the last minutes (``RunStats.trail``), for a page to draw what came before it opened."""
-        stats = self._ex.stats
-        return {**self.update(), "history": stats.trail.points(stats.started_ns)}
+        stats, state = self._ex.stats, self.update()
+        points = stats.trail.points(stats.started_ns)  # up to the (possibly cached) state's time
+        return {**state, "history": [p for p in points if p["t"] <= state["time_s"]]}
 
     def _counts(self) -> dict[str, Any]:
         st = self._ex.stats

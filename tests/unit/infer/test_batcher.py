@@ -639,3 +639,38 @@ def test_feed_runs_in_the_callers_thread_what_the_queue_would_dispatch_at_once(e
     finally:
         b.close()
     assert sorted(ids_of(sink.out)) == list(range(11))
+
+
+def test_feed_leaves_a_slow_step_after_the_model_to_the_dispatcher() -> None:
+    calls: list[str] = []
+
+    def record(_: dict[str, np.ndarray]) -> None:
+        calls.append(threading.current_thread().name)
+
+    sink = Collector()
+    slow_emit = sink.emit
+
+    def emit(batch: Batch) -> None:  # a sink waiting 20 ms on a remote store
+        time.sleep(0.02)
+        slow_emit(batch)
+
+    prepare, finish = python_io()
+    b = DynamicBatcher(
+        doubler(record), BatcherConfig(max_batch_size=2, max_queue_delay_ms=0.0), prepare=prepare,
+        finish=finish, emit=emit, dead_letter=sink.dead_letter,
+    )  # fmt: skip
+    b.start()
+    try:
+        b.submit(rows([0, 1]))  # through the dispatcher: the call and what follows it are timed
+        for _ in range(1000):
+            if len(sink.out) == 1:
+                break
+            time.sleep(0.01)
+        b.feed(rows([2, 3]), max_cost_ns=5_000_000)  # 20 ms after the call: not here
+        for _ in range(1000):
+            if len(sink.out) == 2:
+                break
+            time.sleep(0.01)
+        assert len(calls) == 2 and calls[1] != threading.current_thread().name
+    finally:
+        b.close()
