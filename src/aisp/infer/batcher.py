@@ -27,7 +27,7 @@ from aisp.errors import Overloaded, Unavailable
 from aisp.infer.adaptive import AdaptiveTuner, Setting
 from aisp.infer.config import _MS, BatcherConfig
 from aisp.infer.queue import BatchQueue
-from aisp.infer.runtime import Runtime, resolve
+from aisp.infer.runtime import CostModel, Runtime, resolve
 
 __all__ = [
     "BatchQueue",
@@ -121,7 +121,7 @@ class DynamicBatcher:
         self._started = self._closing = False
         self._count: Counter[str] = Counter()
         self._in_flight = 0  # model calls running now
-        self._after_ns_per_row = 0.0  # what ``emit`` (the steps after the model) takes, per row
+        self._after = CostModel()  # what ``emit`` (the steps after the model) takes per call
         self._failure: BaseException | None = None
         self._tuner: AdaptiveTuner | None = None
         if config.adaptive is not None:
@@ -255,7 +255,7 @@ class DynamicBatcher:
                 ):
                     break
                 part = batch if take == rows else batch.slice(start, take)
-                budget = max_cost_ns - int(self._after_ns_per_row * take)
+                budget = max_cost_ns - self._after.expected_ns(take)
                 if budget <= 0 or not self.run_inline(part, max_cost_ns=budget):
                     break
                 start += take
@@ -369,9 +369,7 @@ class DynamicBatcher:
             self._guard(self._on_batch, rows, wait_ns, compute_ns)
         started = time.perf_counter_ns()
         self._guard(self._emit, result)
-        per_row = (time.perf_counter_ns() - started) / max(rows, 1)
-        seen = self._after_ns_per_row
-        self._after_ns_per_row = per_row if seen == 0.0 else 0.8 * seen + 0.2 * per_row
+        self._after.observe(rows, time.perf_counter_ns() - started)
 
     def _guard(self, fn: Callable[..., None], *args: Any) -> None:
         """Call a user callback; keep the first exception for ``close`` instead of dying."""

@@ -112,8 +112,7 @@ class _Window:
 
     def hist(self, name: str, **labels: str) -> _Hist:
         bounds = []
-        for le, now in self.after.buckets(name, tuple(sorted(labels.items()))):
-            then = self.before.get(name + "_bucket", **labels, le=le) if self.before is not None else 0.0
-            bounds.append((float(le), now - then))
+        for le, _ in self.after.buckets(name, tuple(sorted(labels.items()))):
+            bounds.append((float(le), self.delta(name + "_bucket", **labels, le=le)))
         bounds.sort()
         return _Hist(bounds, self.delta(name + "_count", **labels), self.delta(name + "_sum", **labels))
