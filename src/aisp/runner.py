@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import resource
 import signal
 import sys
 import threading
@@ -24,10 +23,12 @@ from aisp.graph import Graph
 from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.versions import ServedModel
 from aisp.observe.clock import wall_ms
+from aisp.observe.stats import peak_rss_mb
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
 from aisp.state.checkpoint import Checkpoint, CheckpointStore
 
 if TYPE_CHECKING:
+    from aisp.observe.latency import LatencyHistogram
     from aisp.observe.trace_config import TraceConfig
     from aisp.pipeline import Pipeline
 
@@ -134,22 +135,6 @@ class RunSummary:
         return msgspec.json.format(msgspec.json.encode(self), indent=2)
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident memory, in MB.
-
-    Linux's ``VmHWM`` when it can be read: ``getrusage``'s ``ru_maxrss`` is kept across
-    ``fork`` and ``exec``, so a run started by a large process would report that process's size.
-    """
-    try:
-        with open("/proc/self/status", "rb") as fh:
-            for line in fh:
-                if line.startswith(b"VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError, IndexError):
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
 def summarize(ex: LocalExecutor) -> RunSummary:
     st = ex.stats
     secs = st.seconds()
@@ -196,6 +181,8 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
     """Build, start and drain ``pipeline``; SIGINT/SIGTERM (when handled) trigger a clean drain."""
     opts = options or RunOptions()
     graph = pipeline.build()
+    if opts.execution.workers > 1:
+        return _run_workers(graph, opts)
     with ExitStack() as resources:
         ck = opts.checkpoints
         store = None
@@ -206,7 +193,7 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
         latest = _restore_point(graph, store)
         ex = _executor(graph, opts, store, latest, resources)
         if opts.handle_signals:
-            resources.callback(_install_signals(ex) or (lambda: None))
+            resources.callback(_install_signals(ex.request_stop) or (lambda: None))
         if opts.tune_gc:
             resources.callback(_tune_gc())
         _observe(ex, opts.observe, resources)  # starts the executor
@@ -217,11 +204,16 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
     return _summary(ex, graph, opts, latest, stopped_early)
 
 
-def _restore_point(graph: Graph, store: CheckpointStore | None) -> Checkpoint | None:
+def _restore_point(graph: Graph, store: CheckpointStore | None, workers: int = 1) -> Checkpoint | None:
     latest = store.latest() if store is not None else None
     if latest is not None and latest.meta.get("pipeline") != graph.name:
         raise ConfigError(
             f"checkpoint {latest.path} is of pipeline {latest.meta.get('pipeline')!r}, not {graph.name!r}"
+        )
+    if latest is not None and latest.meta.get("workers", 1) != workers:
+        raise ConfigError(
+            f"checkpoint {latest.path} was taken with --workers {latest.meta.get('workers', 1)}; restart with"
+            f" the same number (keyed state is split by it), not {workers}"
         )
     return latest
 
@@ -313,6 +305,109 @@ def _drive(ex: LocalExecutor, opts: RunOptions, store: CheckpointStore | None) -
             poll()
 
 
+def _run_workers(graph: Graph, opts: RunOptions) -> RunSummary:
+    """``graph`` on ``opts.execution.workers`` processes (``schedule/workers.py``)."""
+    from aisp.observe.latency import LatencyHistogram
+    from aisp.schedule.exchange import plan_exchange
+    from aisp.schedule.workers import WorkerPool
+
+    n = opts.execution.workers
+    plan = plan_exchange(graph)
+    _check_worker_options(opts)
+    ck = opts.checkpoints
+    started = time.monotonic_ns()
+    with ExitStack() as resources:
+        store = None
+        if ck is not None:
+            store = CheckpointStore(ck.dir, keep=ck.keep)
+            store.lock()
+            resources.callback(store.unlock)
+        latest = _restore_point(graph, store, n)
+        writer = dead_letter_sink(opts.dead_letter).open(
+            latest.meta.get("dead_letter_bytes") if latest is not None else None
+        )
+        resources.callback(writer.close)
+        sinks, encoders = {}, {}
+        for node in graph.nodes:
+            if node.kind == "sink":
+                position = latest.meta["sinks"].get(node.step_id) if latest is not None else None
+                part = node.spec.open() if position is None else node.spec.resume(position)
+                resources.callback(part.close)
+                sinks[node.step_id], encoders[node.step_id] = part, node.spec.line_encoder()
+        stop = threading.Event()
+        if opts.handle_signals:
+            resources.callback(_install_signals(stop.set) or (lambda: None))
+        pool = WorkerPool(
+            graph, plan, n, options=opts.execution, sinks=sinks, encoders=encoders, dead_letter=writer,
+            store=store, restore={"id": latest.id, "position": latest.meta["position"]} if latest else None,
+        )  # fmt: skip
+        pool.start()
+        resources.callback(pool.close)
+        pool.run(stop=stop, interval_s=ck.interval_s if ck is not None else None)
+    results = pool.results()
+    e2e = LatencyHistogram()
+    for r in results:
+        e2e.merge(r.e2e)
+    secs = (time.monotonic_ns() - started) / 1e9
+    firsts = [r.first_read_ns for r in results if r.first_read_ns is not None]
+    lasts = [r.last_written_ns for r in results if r.last_written_ns is not None]
+    models: dict[str, dict[str, Any]] = {}
+    for r in results:
+        for sid, m in r.models.items():
+            into = models.setdefault(sid, {"rows": 0, "batches": 0, "errors": 0})
+            for k in into:
+                into[k] += m[k]
+    for m in models.values():
+        m["mean_batch_rows"] = round(m["rows"] / m["batches"], 1) if m["batches"] else 0.0
+    summary = RunSummary(
+        pipeline=graph.name,
+        events_in=pool.events_in,
+        events_out=sum(r.events_out for r in results),
+        dead_letters=writer.count,
+        seconds=round(secs, 3),
+        events_per_s=round(pool.events_in / secs, 1) if secs > 0 else 0.0,
+        latency_ms=e2e.summary_ms(),
+        peak_rss_mb=round(peak_rss_mb() + sum(r.peak_rss_mb for r in results), 1),
+        stopped_early=stop.is_set(),
+        dead_letters_by_step=dict(writer.by_step),
+        stages=[{"worker": w, **s} for w, r in enumerate(results) for s in r.stages],
+        models=models,
+        checkpoints=pool.checkpoints,
+        restored_from=latest.id if latest is not None else None,
+        active_seconds=round((max(lasts) - min(firsts)) / 1e9, 3) if firsts and lasts else 0.0,
+        active_from_ms=wall_ms(min(firsts)) if firsts else 0,
+    )
+    _finish_summary(summary, e2e, graph, opts)
+    return summary
+
+
+def _check_worker_options(opts: RunOptions) -> None:
+    """What does not run on several workers yet: a clear error instead of a silent difference."""
+    ck, obs = opts.checkpoints, opts.observe
+    unsupported = {
+        "--state-store": ck is not None and ck.state_store,
+        "--partition-state": ck is not None and ck.partition_state_dir is not None,
+        "--metrics-port": obs.metrics_port is not None,
+        "--dashboard": obs.dashboard_port is not None,
+        "--trace-sample": obs.trace is not None,
+    }
+    named = [name for name, used in unsupported.items() if used]
+    if named:
+        raise ConfigError(f"{', '.join(named)} cannot be combined with --workers N > 1 yet")
+
+
+def _finish_summary(summary: RunSummary, e2e: LatencyHistogram, graph: Graph, opts: RunOptions) -> None:
+    """The SLO attainment, and the summary file."""
+    slo_ms = opts.observe.slo_ms
+    summary.slo_ms = slo_ms if slo_ms is not None else graph.latency_bound_ms()
+    if summary.slo_ms > 0 and e2e.count:
+        within = e2e.cumulative([summary.slo_ms * 1e6])[0]
+        summary.slo_attainment = round(within / e2e.count, 6)
+    if opts.observe.summary_json:
+        with open(opts.observe.summary_json, "wb") as fh:
+            fh.write(summary.to_json())
+
+
 def _summary(
     ex: LocalExecutor, graph: Graph, opts: RunOptions, latest: Checkpoint | None, stopped_early: bool
 ) -> RunSummary:
@@ -320,14 +415,7 @@ def _summary(
     summary.stopped_early = stopped_early
     summary.checkpoints = ex.stats.checkpoints
     summary.restored_from = latest.id if latest is not None else None
-    slo_ms = opts.observe.slo_ms
-    summary.slo_ms = slo_ms if slo_ms is not None else graph.latency_bound_ms()
-    if summary.slo_ms > 0 and ex.stats.e2e.count:
-        within = ex.stats.e2e.cumulative([summary.slo_ms * 1e6])[0]
-        summary.slo_attainment = round(within / ex.stats.e2e.count, 6)
-    if opts.observe.summary_json:
-        with open(opts.observe.summary_json, "wb") as fh:
-            fh.write(summary.to_json())
+    _finish_summary(summary, ex.stats.e2e, graph, opts)
     return summary
 
 
@@ -388,12 +476,12 @@ def _tune_gc() -> Callable[[], None]:
     return restore
 
 
-def _install_signals(ex: LocalExecutor) -> Callable[[], None] | None:
+def _install_signals(stop: Callable[[], None]) -> Callable[[], None] | None:
     if threading.current_thread() is not threading.main_thread():
         return None
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        ex.request_stop()
+        stop()
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
 

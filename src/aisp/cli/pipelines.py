@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -38,6 +39,10 @@ def run(
     rate: Annotated[float, typer.Option(help="Pace the source at N events/s, open loop (0: max).")] = 0.0,
     events: Annotated[int | None, typer.Option(help="Events for a generator source.")] = None,
     batch_rows: Annotated[int, typer.Option(help="Rows per source batch.")] = 1024,
+    workers: Annotated[
+        int,
+        typer.Option(help="Worker processes that share the pipeline by key (a file input; 0: one per core)."),
+    ] = 1,
     summary_json: Annotated[
         str | None, typer.Option("--summary-json", help="Write the summary here.")
     ] = None,
@@ -109,7 +114,11 @@ def run(
             p,
             RunOptions(
                 dead_letter=dead_letter,
-                execution=ExecutorOptions(rate_events_per_s=rate, source_batch_rows=batch_rows),
+                execution=ExecutorOptions(
+                    rate_events_per_s=rate,
+                    source_batch_rows=batch_rows,
+                    workers=workers or os.cpu_count() or 1,
+                ),
                 checkpoints=_checkpoints(
                     checkpoint_dir, checkpoint_interval_s, state_store, state_max_keys, partition_state
                 ),

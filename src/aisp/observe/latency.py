@@ -7,6 +7,7 @@ latency of every event of a batch with one ``bincount``.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -128,6 +129,25 @@ class LatencyHistogram:
             self._count += snap._count
             self._max_ns = max(self._max_ns, snap._max_ns)
             self._sum_ns += snap._sum_ns
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (the buckets hit, count, sum, max) for another process: ``from_dict``."""
+        snap = self.snapshot()
+        hit = np.flatnonzero(snap._counts)
+        return {
+            "buckets": hit.tolist(),
+            "counts": snap._counts[hit].tolist(),
+            "count": snap._count,
+            "sum_ns": snap._sum_ns,
+            "max_ns": snap._max_ns,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LatencyHistogram:
+        h = cls()
+        h._counts[np.asarray(data["buckets"], dtype=np.int64)] = np.asarray(data["counts"], dtype=np.int64)
+        h._count, h._sum_ns, h._max_ns = int(data["count"]), int(data["sum_ns"]), int(data["max_ns"])
+        return h
 
     def percentile(self, q: float) -> float:
         """The ``q``-th percentile in nanoseconds (0 when empty); ``q=100`` is the exact max."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 from collections import deque
@@ -11,7 +12,7 @@ from typing import Any
 
 from aisp.observe.latency import LatencyHistogram
 
-__all__ = ["AdmissionStats", "LatencyTrail", "RunStats", "StageStats"]
+__all__ = ["AdmissionStats", "LatencyTrail", "RunStats", "StageStats", "peak_rss_mb"]
 
 
 @dataclass
@@ -147,3 +148,19 @@ class RunStats:
 
     def stage(self, step_id: str, kind: str) -> StageStats:
         return self.stages.setdefault(step_id, StageStats(step_id, kind))
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory, in MB.
+
+    Linux's ``VmHWM`` when it can be read: ``getrusage``'s ``ru_maxrss`` is kept across
+    ``fork`` and ``exec``, so a run started by a large process would report that process's size.
+    """
+    try:
+        with open("/proc/self/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

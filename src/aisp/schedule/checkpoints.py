@@ -149,16 +149,18 @@ class CheckpointCoordinator:
         self.state_store, self.partition_states = state_store, partition_states
         self._state_max_keys = state_max_keys
 
-    def checkpoint(self, store: CheckpointStore, *, timeout_s: float = 10.0) -> int | None:
-        """Take a checkpoint; returns its id, or None when the pipeline did not go quiet within
-        ``timeout_s`` (then nothing is written)."""
+    def checkpoint(
+        self, store: CheckpointStore, *, timeout_s: float = 10.0, checkpoint_id: int | None = None
+    ) -> int | None:
+        """Take a checkpoint (numbered ``checkpoint_id``, else the store's next); returns its id,
+        or None when the pipeline did not go quiet within ``timeout_s`` (then nothing is written)."""
         try:
             if not self.flight.quiesce(timeout_s):
                 return None
             captured = self._capture()
         finally:
             self.flight.resume()
-        return self._write(store, *captured)
+        return self._write(store, *captured, checkpoint_id=checkpoint_id)
 
     def _capture(self) -> tuple[Any, ...]:
         """(Under the pause) copies, or views that stay valid; conversions come after."""
@@ -203,6 +205,8 @@ class CheckpointCoordinator:
         sources: dict[str, Any],
         partitions: dict[int, Any],
         meta: dict[str, Any],
+        *,
+        checkpoint_id: int | None = None,
     ) -> int:
         """(Beside the running pipeline) the durable part of a checkpoint; its id."""
         tables = {f"keys.{space}": pa.table({"key": view()}) for space, view in key_views.items()}
@@ -211,7 +215,8 @@ class CheckpointCoordinator:
         for sink in self._sink_parts.values():
             sink.sync()
         self._dead_letter.sync()
-        checkpoint_id = store.next_id()
+        if checkpoint_id is None:
+            checkpoint_id = store.next_id()
         if self.state_store is not None:  # every 10th drops what no kept checkpoint reads
             kept = store.ids()
             before = kept[0] if kept and checkpoint_id % 10 == 0 else 0

@@ -375,10 +375,12 @@ class LocalExecutor:
             self._finish(sid)
 
     # -- checkpoints --------------------------------------------------------------------------
-    def checkpoint(self, store: CheckpointStore, *, timeout_s: float = 10.0) -> int | None:
+    def checkpoint(
+        self, store: CheckpointStore, *, timeout_s: float = 10.0, checkpoint_id: int | None = None
+    ) -> int | None:
         """Take a checkpoint (``CheckpointCoordinator.checkpoint``); its id, or None when the
         pipeline did not go quiet within ``timeout_s``."""
-        return self.checkpoints.checkpoint(store, timeout_s=timeout_s)
+        return self.checkpoints.checkpoint(store, timeout_s=timeout_s, checkpoint_id=checkpoint_id)
 
     @property
     def drift_monitors(self) -> list[DriftMonitor]:

@@ -82,6 +82,11 @@ class SinkPartition(abc.ABC):
         self.flush()
         return None
 
+    def write_encoded(self, data: bytes, rows: int) -> None:
+        """Write ``rows`` rows already encoded by the sink's ``line_encoder()`` (JSON lines from
+        a worker process)."""
+        raise SinkError(f"{type(self).__name__} does not take encoded lines")
+
     def bind_sources(self, sources: Mapping[str, SourcePartition]) -> None:  # noqa: B027 - optional hook
         """The pipeline's live sources, by step, once they are open: for a sink that commits
         source positions together with its own writes (Kafka transactions)."""
@@ -107,6 +112,12 @@ class Sink(abc.ABC):
 
     @abc.abstractmethod
     def open(self) -> SinkPartition: ...
+
+    def line_encoder(self) -> RowEncoder | None:
+        """For a sink that writes each row as the JSON line of a ``RowEncoder``: that encoder, so
+        worker processes encode and the writer's ``write_encoded`` only writes. None: the writer
+        takes batches."""
+        return None
 
     def resume(self, position: Any) -> SinkPartition:
         """Reopen at ``position`` (from ``SinkPartition.snapshot()``), undoing or skipping what was

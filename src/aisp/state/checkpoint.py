@@ -174,6 +174,13 @@ class CheckpointStore:
                 log.warning("skipping checkpoint: %s", exc)
         return None
 
+    def discard_from(self, checkpoint_id: int) -> None:
+        """Remove the checkpoints numbered ``checkpoint_id`` and later (written by a worker for a
+        checkpoint its coordinator never completed)."""
+        for old in self.ids():
+            if old >= checkpoint_id:
+                shutil.rmtree(self.root / f"{_PREFIX}{old:010d}", ignore_errors=True)
+
     def next_id(self) -> int:
         ids = self.ids()
         return ids[-1] + 1 if ids else 1

@@ -31,6 +31,9 @@ class JsonlFileSink(Sink):
         """Truncate the file to ``position["bytes"]`` (what the checkpoint covered) and append."""
         return _JsonlWriter(self, int(position["bytes"]))
 
+    def line_encoder(self) -> RowEncoder:
+        return RowEncoder(self.columns)
+
     def describe(self) -> str:
         return f"jsonl:{self.path}"
 
@@ -58,6 +61,9 @@ class _JsonlWriter(SinkPartition):
     def write(self, batch: Batch) -> None:
         if batch.num_rows:
             self._fh.write(self._encoder.encode(batch))
+
+    def write_encoded(self, data: bytes, rows: int) -> None:
+        self._fh.write(data)
 
     def flush(self) -> None:
         self._fh.flush()

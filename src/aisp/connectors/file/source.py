@@ -28,7 +28,9 @@ class JsonlFileSource(Source):
 
     The file is read in ``read_block_bytes`` blocks, never whole; memory stays bounded by the
     block size, ``max_line_bytes`` and the engine's queues. Positions are
-    ``{"offset": bytes, "line": n}``. Every line is an event: a line that is not a valid
+    ``{"offset": bytes, "line": n}``; one that also holds ``"end"`` reads only the bytes
+    before that offset (``open_block``: a block of the file, for one of several workers).
+    Every line is an event: a line that is not a valid
     object of the schema (blank and whitespace-only lines included, and a line longer than
     ``max_line_bytes``, which is skipped without being held in memory) is dead-lettered with its
     line number and the reason. A UTF-8 byte order mark at the start of the file is skipped.
@@ -43,6 +45,13 @@ class JsonlFileSource(Source):
     def open(self, ctx: SourceContext, resume_from: Any = None) -> SourcePartition:
         return _JsonlPartition(self, ctx, resume_from)
 
+    def open_block(
+        self, ctx: SourceContext, offset: int, end: int, line: int, decoder: ColumnarDecoder | None = None
+    ) -> SourcePartition:
+        """A reader of the lines in bytes ``[offset, end)`` of the file, numbered from ``line + 1``;
+        ``decoder`` (of this source's schema) is reused when given."""
+        return _JsonlPartition(self, ctx, {"offset": offset, "line": line, "end": end}, decoder)
+
     def describe(self) -> str:
         return f"jsonl:{self.path}"
 
@@ -54,14 +63,22 @@ class _TooLong(bytes):
 
 
 class _JsonlPartition(SourcePartition):
-    def __init__(self, cfg: JsonlFileSource, ctx: SourceContext, resume_from: Any) -> None:
+    def __init__(
+        self,
+        cfg: JsonlFileSource,
+        ctx: SourceContext,
+        resume_from: Any,
+        decoder: ColumnarDecoder | None = None,
+    ) -> None:
         self._cfg, self._ctx = cfg, ctx
         try:
             self._fh: BinaryIO = Path(cfg.path).open("rb")  # noqa: SIM115 - closed in close()
         except OSError as exc:
             raise SourceError(f"cannot open input {cfg.path!r}: {exc.strerror}") from exc
         self._offset, self._line = 0, 0
+        self._end: int | None = None
         if resume_from:
+            self._end = resume_from.get("end")
             self._offset, self._line = int(resume_from["offset"]), int(resume_from["line"])
             self._fh.seek(self._offset)
         elif self._fh.read(len(_BOM)) == _BOM:
@@ -74,12 +91,15 @@ class _JsonlPartition(SourcePartition):
         self._tail_bytes = 0
         self._too_long = 0  # buffered ``_TooLong`` lines
         self._eof = False
-        self._decoder = ColumnarDecoder(cfg.schema)
+        self._decoder = decoder if decoder is not None else ColumnarDecoder(cfg.schema)
 
     def _fill(self, want: int) -> None:
         """Read blocks until ``want`` lines are buffered or the file ends."""
         while len(self._lines) - self._next_line < want and not self._eof:
-            block = self._fh.read(self._cfg.read_block_bytes)
+            size = self._cfg.read_block_bytes
+            if self._end is not None:
+                size = min(size, self._end - self._fh.tell())
+            block = self._fh.read(size) if size > 0 else b""
             rest = self._lines[self._next_line :]
             self._next_line = 0
             if not block:
