@@ -319,15 +319,24 @@ BASELINES: dict[str, Callable[[str | Path, str | Path, str | Path], dict[str, An
 }
 
 
-def compare_outputs(path_a: str | Path, path_b: str | Path, score_tol: float = 1e-6) -> list[str]:
+def compare_outputs(
+    path_a: str | Path, path_b: str | Path, score_tol: float = 1e-6, *, any_order: bool = False
+) -> list[str]:
     """Differences between two output files (same lines up to float formatting); [] if equal.
 
     Scores may differ by ``score_tol`` (ORT's batch-1 and batched kernels may round differently);
-    ``alert`` must agree unless the score is within ``score_tol`` of the threshold.
+    ``alert`` must agree unless the score is within ``score_tol`` of the threshold. With
+    ``any_order`` the lines of ``path_b`` are compared in the order of their ids (several
+    workers write each key's rows in order, but interleave keys); ``path_a`` is in id order.
     """
     problems: list[str] = []
     with open(path_a, "rb") as fa, open(path_b, "rb") as fb:
-        for i, (la, lb) in enumerate(itertools.zip_longest(fa, fb)):
+        lines_b: Iterable[bytes] = fb
+        if any_order:
+            lines_b = list(fb)
+            ids = np.fromiter((orjson.loads(x)["id"] for x in lines_b), dtype=np.int64, count=len(lines_b))
+            lines_b = [lines_b[i] for i in np.argsort(ids, kind="stable").tolist()]
+        for i, (la, lb) in enumerate(itertools.zip_longest(fa, lines_b)):
             if la is None or lb is None:
                 problems.append(f"line {i}: only in {'b' if la is None else 'a'}")
                 break

@@ -4,8 +4,10 @@ Every contender runs in its own process, one after another (never two at once), 
 JSONL file, ``--repeats`` times, alternating; the report gives the median events/s (by each
 contender's own clock), the median wall-clock of the whole command (start-up included), its p99
 latency and the peak RSS of the whole process tree (the engine's worker processes included),
-then the ratios c/a and c/b by throughput and by wall-clock. The engine's output is checked
-against the hand-tuned loop's (ids, users, alerts, n and mean_amount equal, scores within 1e-5).
+then the ratios c/a and c/b by throughput and by wall-clock. ``--workers 1,2`` runs the engine
+with each number of worker processes (``aisp-w2``: ``--workers 2``), for the scaling. Each
+engine run's output is checked against the hand-tuned loop's (ids, users, alerts, n and
+mean_amount equal, scores within 1e-5; several workers' lines in the order of their ids).
 A last run paces the engine open loop at 80% of its measured maximum and reports the end-to-end
 latency percentiles under that load.
 
@@ -70,10 +72,10 @@ def baseline(name: str, data: Path, out: Path) -> dict[str, Any]:
     }
 
 
-def engine(data: Path, out: Path, rate: float = 0.0) -> dict[str, Any]:
+def engine(data: Path, out: Path, rate: float = 0.0, workers: int = 1) -> dict[str, Any]:
     summary = out.with_suffix(".summary.json")
     cmd = [sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--input", str(data), "--output", str(out)]
-    cmd += ["--summary-json", str(summary), "--no-live", "--rate", str(rate)]
+    cmd += ["--summary-json", str(summary), "--no-live", "--rate", str(rate), "--workers", str(workers)]
     _, rss, wall = run_tree(cmd)
     s = json.loads(summary.read_text())
     return {
@@ -103,18 +105,28 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-naive", action="store_true", help="skip (a); it takes ~1 min per 1M events")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--workers",
+        default="1,2",
+        help="`aisp run --workers N` for each N (comma-separated); the first is 'aisp'",
+    )
     args = ap.parse_args()
+    workers = [int(x) for x in args.workers.split(",")]
+    engines = {"aisp" if i == 0 else f"aisp-w{n}": n for i, n in enumerate(workers)}
 
     work = Path(tempfile.mkdtemp(prefix="aisp-bench-"))
     data = work / "events.jsonl"
     write_events(data, args.events, seed=0)
-    outs = {"naive": work / "naive.jsonl", "tuned": work / "tuned.jsonl", "aisp": work / "aisp.jsonl"}
+    order = ([] if args.skip_naive else ["naive"]) + ["tuned", *engines]
+    outs = {name: work / f"{name}.jsonl" for name in order}
     results: dict[str, Any] = {}
-    order = ([] if args.skip_naive else ["naive"]) + ["tuned", "aisp"]
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in order}
     for i in range(args.repeats):
         for name in order:
-            r = engine(data, outs[name]) if name == "aisp" else baseline(name, data, outs[name])
+            if name in engines:
+                r = engine(data, outs[name], workers=engines[name])
+            else:
+                r = baseline(name, data, outs[name])
             runs[name].append(r)
             print(
                 f"  run {i + 1} {name:6s} {r['events_per_s']:>12,.0f} ev/s  wall {r['wall_s']:7.2f} s"
@@ -128,10 +140,21 @@ def main() -> int:
         if base in results:
             results[f"ratio_{key}"] = round(c["events_per_s"] / results[base]["events_per_s"], 2)
             results[f"ratio_{key}_wall"] = round(results[base]["wall_s"] / c["wall_s"], 2)
-    problems = compare_outputs(outs["tuned"], outs["aisp"], score_tol=1e-5)
-    results["outputs_equal"] = not problems
-    if problems:
-        print("engine output differs from the hand-tuned loop's:", *problems[:5], sep="\n  ", file=sys.stderr)
+    for name, n in engines.items():
+        if name != "aisp":
+            results[f"ratio_{name}_b"] = round(
+                results[name]["events_per_s"] / results["tuned"]["events_per_s"], 2
+            )
+            results[f"ratio_{name}_b_wall"] = round(results["tuned"]["wall_s"] / results[name]["wall_s"], 2)
+        problems = compare_outputs(outs["tuned"], outs[name], score_tol=1e-5, any_order=n > 1)
+        results["outputs_equal"] = results.get("outputs_equal", True) and not problems
+        if problems:
+            print(
+                f"{name}'s output differs from the hand-tuned loop's:",
+                *problems[:5],
+                sep="\n  ",
+                file=sys.stderr,
+            )
     rate = round(0.8 * c["events_per_s"])
     results["paced_80pct"] = {"rate": rate, **engine(data, outs["aisp"], rate=rate)}
     results["machine"] = {

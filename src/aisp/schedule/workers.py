@@ -121,7 +121,7 @@ class WorkerPool:
         self._encoders = encoders
         self.dead_letter, self.store = dead_letter, store
         self._restore = restore
-        self._window = window or 4 * workers
+        self._window = window or 2 * workers
         self._block_bytes = block_bytes
         self._cond = threading.Condition()
         self._through = [0 if plan.key is not None else w for w in range(workers)]
