@@ -257,8 +257,15 @@ def _executor(
 def _observe(ex: LocalExecutor, opts: ObserveOptions, res: ExitStack) -> None:
     """Tracing, /metrics and the dashboard for ``ex``, stopped by ``res`` when the run ends."""
     serving = opts.metrics_port is not None or opts.dashboard_port is not None
-    if serving:  # imported before the pipeline runs: ~0.2 s of imports under its GIL was a stall
-        from aisp.observe.server import ObserveServer
+    observer = None
+    if serving:  # forked now, while this process has one thread (observe/remote.py)
+        from aisp.observe.remote import RemoteObserver
+
+        port = opts.metrics_port if opts.metrics_port is not None else opts.dashboard_port
+        observer = RemoteObserver(
+            ex.graph, ex.thread_of(), port or 0, dashboard=opts.dashboard_port is not None
+        )
+        res.callback(observer.close)
     if opts.trace is not None:
         from aisp.observe.tracing import EventTracer
 
@@ -268,14 +275,12 @@ def _observe(ex: LocalExecutor, opts: ObserveOptions, res: ExitStack) -> None:
     res.callback(ex.request_stop)  # a failure below still drains what started
     if ex.tracer is not None:  # after start: its export thread must not keep workers from forking
         ex.tracer.start()
-    if not serving:
+    if observer is None:
         return
-    port = opts.metrics_port if opts.metrics_port is not None else opts.dashboard_port
-    server = ObserveServer(ex, port or 0, dashboard=opts.dashboard_port is not None)
-    res.callback(server.close)
-    print(f"metrics http://127.0.0.1:{server.port}/metrics", file=sys.stderr, flush=True)
+    observer.start(ex)
+    print(f"metrics http://127.0.0.1:{observer.port}/metrics", file=sys.stderr, flush=True)
     if opts.dashboard_port is not None:
-        print(f"dashboard http://127.0.0.1:{server.port}/", file=sys.stderr, flush=True)
+        print(f"dashboard http://127.0.0.1:{observer.port}/", file=sys.stderr, flush=True)
 
 
 def _drive(ex: LocalExecutor, opts: RunOptions, store: CheckpointStore | None) -> None:

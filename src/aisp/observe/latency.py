@@ -132,15 +132,16 @@ class LatencyHistogram:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (the buckets hit, count, sum, max) for another process: ``from_dict``."""
-        snap = self.snapshot()
-        hit = np.flatnonzero(snap._counts)
-        return {
-            "buckets": hit.tolist(),
-            "counts": snap._counts[hit].tolist(),
-            "count": snap._count,
-            "sum_ns": snap._sum_ns,
-            "max_ns": snap._max_ns,
-        }
+        with self._lock:
+            self._fold()
+            hit = np.flatnonzero(self._counts)
+            return {
+                "buckets": hit.tolist(),
+                "counts": self._counts[hit].tolist(),
+                "count": self._count,
+                "sum_ns": self._sum_ns,
+                "max_ns": self._max_ns,
+            }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LatencyHistogram:

@@ -79,9 +79,13 @@ def _buckets(hist: LatencyHistogram, bounds: tuple[float, ...], scale: float) ->
 class PipelineCollector:
     """A ``prometheus_client`` collector over one executor (see the module docstring)."""
 
-    def __init__(self, executor: PipelineView, admission: AdmissionStats | None = None) -> None:
+    def __init__(
+        self, executor: PipelineView, admission: AdmissionStats | None = None, *, retries: Any = RETRIES
+    ) -> None:
         self._ex = executor
         self._admission = admission
+        self._retries = retries
+        """Retry counts by (target, reason): this process's, or another's (``observe.remote``)."""
 
     def collect(self) -> Iterator[Any]:
         stats = self._ex.stats
@@ -202,7 +206,7 @@ class PipelineCollector:
             "Retried calls to brokers and remote models, by target and reason",
             labels=["target", "reason"],
         )
-        for (target, reason), n in RETRIES.items():
+        for (target, reason), n in self._retries.items():
             retries.add_metric([target, reason], n)
         yield retries
         if self._admission is not None:
@@ -284,13 +288,23 @@ def gc_pauses() -> GcPauses:
     return _GC_PAUSES
 
 
-def metrics_registry(executor: PipelineView) -> CollectorRegistry:
-    """A registry of ``executor``'s families with the process's (CPU, memory, GC and its pauses)."""
+def metrics_registry(
+    executor: PipelineView, *, pid: int | None = None, gc_collector: Any = None, retries: Any = RETRIES
+) -> CollectorRegistry:
+    """A registry of ``executor``'s families with the process's (CPU, memory, GC and its pauses).
+
+    For a pipeline in another process (``observe.remote``): ``pid`` is that process (its CPU
+    and memory are read from ``/proc``), ``gc_collector`` yields its GC families and
+    ``retries`` holds its retry counts.
+    """
     registry = CollectorRegistry()
-    registry.register(PipelineCollector(executor))
-    ProcessCollector(registry=registry)
-    GCCollector(registry=registry)
-    registry.register(gc_pauses())
+    registry.register(PipelineCollector(executor, retries=retries))
+    ProcessCollector(registry=registry, pid=(lambda: str(pid)) if pid is not None else (lambda: "self"))
+    if gc_collector is None:
+        GCCollector(registry=registry)
+        registry.register(gc_pauses())
+    else:
+        registry.register(gc_collector)
     return registry
 
 

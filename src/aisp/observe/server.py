@@ -10,7 +10,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from aisp.observe.dashboard import DashboardState, page, sse
 from aisp.observe.metrics import TextExposition, metrics_registry
@@ -21,12 +21,19 @@ __all__ = ["ObserveServer"]
 
 class ObserveServer:
     """Serves ``executor``'s ``/metrics`` (and the dashboard if ``dashboard``) on ``host:port``
-    (0: a free port) in a daemon thread, from construction until ``close()``."""
+    (0: a free port) in a daemon thread, from construction until ``close()``; ``registry``:
+    the metrics (default: ``metrics_registry(executor)``)."""
 
     def __init__(
-        self, executor: PipelineView, port: int, *, dashboard: bool, host: str = "127.0.0.1"
+        self,
+        executor: PipelineView,
+        port: int,
+        *,
+        dashboard: bool,
+        host: str = "127.0.0.1",
+        registry: CollectorRegistry | None = None,
     ) -> None:
-        text = TextExposition(metrics_registry(executor))
+        text = TextExposition(registry if registry is not None else metrics_registry(executor))
         state = DashboardState(executor) if dashboard else None
         stop = self._stop = threading.Event()
 

@@ -46,6 +46,39 @@ class StageStats:
             hist = self.phases.setdefault(name, LatencyHistogram())
         hist.record_one(ns)
 
+    def to_state(self) -> dict[str, Any]:
+        """Everything, as plain data for another process (``from_state``)."""
+        return {
+            "step_id": self.step_id,
+            "kind": self.kind,
+            "rows_in": self.rows_in,
+            "rows_out": self.rows_out,
+            "batches": self.batches,
+            "errors": self.errors,
+            "busy_ns": self.busy_ns,
+            "cpu_ns": self.cpu_ns,
+            "queue_rows": self.queue_rows(),
+            "phases": {name: h.to_dict() for name, h in list(self.phases.items())},
+            "batch_rows": self.batch_rows.to_dict(),
+        }
+
+    @classmethod
+    def from_state(cls, data: dict[str, Any]) -> StageStats:
+        queued = int(data["queue_rows"])
+        return cls(
+            step_id=data["step_id"],
+            kind=data["kind"],
+            rows_in=data["rows_in"],
+            rows_out=data["rows_out"],
+            batches=data["batches"],
+            errors=data["errors"],
+            busy_ns=data["busy_ns"],
+            cpu_ns=data["cpu_ns"],
+            queue_rows=lambda: queued,
+            phases={name: LatencyHistogram.from_dict(h) for name, h in data["phases"].items()},
+            batch_rows=LatencyHistogram.from_dict(data["batch_rows"]),
+        )
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "step": self.step_id,
@@ -102,6 +135,14 @@ class LatencyTrail:
         finally:
             self._lock.release()
 
+    def export(self) -> list[tuple[int, float, float, float, int]]:
+        """The points as plain data (``load`` them into a trail in another process)."""
+        return list(self._points)
+
+    def load(self, points: list[tuple[int, float, float, float, int]]) -> None:
+        self._points.clear()
+        self._points.extend(tuple(p) for p in points)  # type: ignore[misc]
+
     def points(self, started_ns: int) -> list[dict[str, float]]:
         """Oldest first: ``{"t": seconds since started_ns, "p50", "p90", "p99": ms, "count"}``."""
         return [
@@ -148,6 +189,37 @@ class RunStats:
 
     def stage(self, step_id: str, kind: str) -> StageStats:
         return self.stages.setdefault(step_id, StageStats(step_id, kind))
+
+    def to_state(self) -> dict[str, Any]:
+        """Everything, as plain data for another process (``from_state``)."""
+        return {
+            "started_ns": self.started_ns,
+            "ended_ns": self.ended_ns,
+            "first_read_ns": self.first_read_ns,
+            "last_written_ns": self.last_written_ns,
+            "events_in": self.events_in,
+            "events_out": self.events_out,
+            "checkpoints": self.checkpoints,
+            "e2e": self.e2e.to_dict(),
+            "trail": self.trail.export(),
+            "stages": [s.to_state() for s in list(self.stages.values())],
+        }
+
+    @classmethod
+    def from_state(cls, data: dict[str, Any]) -> RunStats:
+        stats = cls(
+            started_ns=data["started_ns"],
+            ended_ns=data["ended_ns"],
+            first_read_ns=data["first_read_ns"],
+            last_written_ns=data["last_written_ns"],
+            events_in=data["events_in"],
+            events_out=data["events_out"],
+            checkpoints=data["checkpoints"],
+            e2e=LatencyHistogram.from_dict(data["e2e"]),
+            stages={s["step_id"]: StageStats.from_state(s) for s in data["stages"]},
+        )
+        stats.trail.load(data["trail"])
+        return stats
 
 
 def peak_rss_mb() -> float:

@@ -12,10 +12,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from aisp.graph import Graph
-from aisp.observe.drift import DriftMonitor
 from aisp.observe.stats import RunStats
 
-__all__ = ["BatcherCounts", "BatcherView", "DeadLetterView", "ModelView", "PipelineView"]
+__all__ = ["BatcherCounts", "BatcherView", "DeadLetterView", "DriftView", "ModelView", "PipelineView"]
 
 
 class BatcherCounts(Protocol):
@@ -54,6 +53,21 @@ class BatcherView(Protocol):
     def settings(self) -> dict[str, float]: ...
 
 
+class DriftView(Protocol):
+    """A model step's drift scores (``observe.drift.DriftMonitor``): PSI and KS per feature."""
+
+    @property
+    def stage(self) -> str: ...
+    @property
+    def features(self) -> list[str]: ...
+    @property
+    def psi(self) -> Any: ...
+    @property
+    def ks(self) -> Any: ...
+    @property
+    def alerts(self) -> list[dict[str, Any]]: ...
+
+
 class DeadLetterView(Protocol):
     """Where a pipeline's dead letters go: how many, and by step."""
 
@@ -77,5 +91,5 @@ class PipelineView(Protocol):
     @property
     def batchers(self) -> Mapping[str, BatcherView]: ...
     @property
-    def drift_monitors(self) -> Sequence[DriftMonitor]: ...
+    def drift_monitors(self) -> Sequence[DriftView]: ...
     def thread_of(self) -> dict[str, str]: ...

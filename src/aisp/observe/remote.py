@@ -1,0 +1,285 @@
+"""Watching a run from another process: ``/metrics`` and the dashboard off the pipeline's GIL.
+
+Rendering the Prometheus text, a dashboard state or a diagnosis takes milliseconds of Python
+(10-40 ms for a scrape of a busy pipeline); in the pipeline's process every millisecond of it
+delays events. So ``aisp run --metrics-port/--dashboard`` forks an observer process before the
+pipeline starts (while it has one thread) and, every ``interval_s``, sends it a snapshot of
+what observers read (``snapshot``: the ``PipelineView``'s counters, histogram buckets that
+were hit, the batchers' counters and settings, drift scores, dead letters by step, the GC's
+statistics and pauses, retries): one msgspec encode of a few kilobytes, well under a
+millisecond. The observer rebuilds a ``PipelineView`` from each (``SnapshotView``) and serves
+``ObserveServer`` from it. What it shows is at most ``interval_s`` old; the process metrics
+(CPU, memory, open files) are the pipeline process's, read from ``/proc``.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+from prometheus_client.core import CounterMetricFamily
+
+from aisp.graph import Graph
+from aisp.observe.latency import LatencyHistogram
+from aisp.observe.metrics import GcPauses, gc_pauses
+from aisp.observe.stats import RunStats
+from aisp.observe.view import PipelineView
+from aisp.retry import RETRIES
+
+__all__ = ["RemoteObserver", "SnapshotView", "snapshot"]
+
+
+def snapshot(view: PipelineView) -> dict[str, Any]:
+    """What observers read of ``view`` now, as plain data (``SnapshotView.load`` takes it)."""
+    return {
+        "stats": view.stats.to_state(),
+        "dead_letters": {"count": view.dead_letter.count, "by_step": dict(view.dead_letter.by_step)},
+        "stopping": view.stopping,
+        "batchers": {sid: _batcher(b) for sid, b in view.batchers.items()},
+        "drift": [
+            {
+                "stage": m.stage,
+                "features": list(m.features),
+                "psi": [float(x) for x in m.psi],
+                "ks": [float(x) for x in m.ks],
+                "alerts": [{"feature": a["feature"]} for a in m.alerts],
+            }
+            for m in view.drift_monitors
+        ],
+        "gc": {"stats": gc.get_stats(), "pauses": gc_pauses().pauses.to_dict()},
+        "retries": [[target, reason, n] for (target, reason), n in RETRIES.items()],
+    }
+
+
+def _batcher(b: Any) -> dict[str, Any]:
+    st, rt = b.stats, b.runtime
+    return {
+        "stats": {
+            k: getattr(st, k) for k in ("batches", "rows", "timeouts", "errors", "shed", "queued_rows")
+        },
+        "runtime": {
+            "name": str(rt.name),
+            "version": str(rt.version),
+            "provider": str(getattr(rt, "provider", "")),
+            "swaps": int(getattr(rt, "swaps", 0)),
+        },
+        "settings": b.settings(),
+    }
+
+
+@dataclass(frozen=True)
+class _Counts:
+    batches: int = 0
+    rows: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    shed: int = 0
+    queued_rows: int = 0
+
+
+@dataclass(frozen=True)
+class _Runtime:
+    name: str
+    version: str
+    provider: str
+    swaps: int
+
+
+@dataclass(frozen=True)
+class _Batcher:
+    stats: _Counts
+    runtime: _Runtime
+    _settings: dict[str, float]
+
+    def settings(self) -> dict[str, float]:
+        return self._settings
+
+
+@dataclass(frozen=True)
+class _DeadLetters:
+    count: int
+    by_step: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class _Drift:
+    stage: str
+    features: list[str]
+    psi: list[float]
+    ks: list[float]
+    alerts: list[dict[str, Any]]
+
+
+class _Retries:
+    def __init__(self) -> None:
+        self.counts: list[tuple[tuple[str, str], int]] = []
+
+    def items(self) -> list[tuple[tuple[str, str], int]]:
+        return self.counts
+
+
+class _Gc:
+    """The pipeline process's GC statistics and pauses (``prometheus_client``'s GCCollector
+    families and ``aisp_gc_pause_seconds``), from the last snapshot."""
+
+    def __init__(self) -> None:
+        self.stats: list[dict[str, int]] = []
+        self.pauses = GcPauses.__new__(GcPauses)
+        self.pauses.pauses = LatencyHistogram()
+
+    def collect(self) -> Iterator[Any]:
+        collected = CounterMetricFamily(
+            "python_gc_objects_collected", "Objects collected during gc", labels=["generation"]
+        )
+        uncollectable = CounterMetricFamily(
+            "python_gc_objects_uncollectable", "Uncollectable objects found during GC", labels=["generation"]
+        )
+        collections = CounterMetricFamily(
+            "python_gc_collections", "Number of times this generation was collected", labels=["generation"]
+        )
+        for generation, st in enumerate(self.stats):
+            collected.add_metric([str(generation)], st["collected"])
+            uncollectable.add_metric([str(generation)], st["uncollectable"])
+            collections.add_metric([str(generation)], st["collections"])
+        yield from (collected, uncollectable, collections)
+        yield from self.pauses.collect()
+
+
+class SnapshotView:
+    """A ``PipelineView`` of another process's pipeline, as of its last snapshot (``load``)."""
+
+    def __init__(self, graph: Graph, threads: dict[str, str]) -> None:
+        self.graph = graph
+        self._threads = threads
+        self.stats = RunStats()
+        self.dead_letter: _DeadLetters = _DeadLetters(0, {})
+        self.stopping = False
+        self.batchers: dict[str, _Batcher] = {}
+        self.drift_monitors: Sequence[_Drift] = []
+        self.retries = _Retries()
+        self.gc = _Gc()
+
+    def thread_of(self) -> dict[str, str]:
+        return self._threads
+
+    def load(self, data: dict[str, Any]) -> None:
+        """Take a ``snapshot``; each part is replaced whole, so a reader sees one or the other."""
+        self.stats = RunStats.from_state(data["stats"])
+        self.dead_letter = _DeadLetters(**data["dead_letters"])
+        self.stopping = bool(data["stopping"])
+        self.batchers = {
+            sid: _Batcher(_Counts(**b["stats"]), _Runtime(**b["runtime"]), b["settings"])
+            for sid, b in data["batchers"].items()
+        }
+        self.drift_monitors = [_Drift(**d) for d in data["drift"]]
+        self.retries.counts = [((t, r), n) for t, r, n in data["retries"]]
+        self.gc.stats = data["gc"]["stats"]
+        self.gc.pauses.pauses = LatencyHistogram.from_dict(data["gc"]["pauses"])
+
+
+def _observer_main(
+    graph: Graph,
+    threads: dict[str, str],
+    port: int,
+    dashboard: bool,
+    snapshots: Connection,
+    ready: Connection,
+    parent_ends: list[Connection],
+) -> None:
+    from aisp.ipc import worker_init
+    from aisp.observe.metrics import metrics_registry
+    from aisp.observe.server import ObserveServer
+
+    worker_init(*parent_ends)
+    os.nice(10)  # on a machine the pipeline keeps busy, the pipeline comes first
+    view = SnapshotView(graph, threads)
+    try:
+        registry = metrics_registry(view, pid=os.getppid(), gc_collector=view.gc, retries=view.retries)
+        server = ObserveServer(view, port, dashboard=dashboard, registry=registry)
+    except OSError as exc:
+        ready.send_bytes(msgspec.json.encode({"error": f"cannot serve on port {port}: {exc.strerror}"}))
+        return
+    ready.send_bytes(msgspec.json.encode({"port": server.port}))
+    ready.close()
+    dec = msgspec.json.Decoder()
+    try:
+        while True:
+            view.load(dec.decode(snapshots.recv_bytes()))
+    except (EOFError, OSError):
+        pass
+    finally:
+        server.close()
+
+
+class RemoteObserver:
+    """Forks the observer process (call while this process has one thread), then, from
+    ``start(view)`` until ``close()``, sends it a snapshot of ``view`` every ``interval_s``.
+
+    ``port`` is the one it serves on (the requested one, or the free one it found)."""
+
+    def __init__(
+        self, graph: Graph, threads: dict[str, str], port: int, *, dashboard: bool, interval_s: float = 1.0
+    ) -> None:
+        from aisp.errors import ConfigError
+
+        ctx = mp.get_context("fork")
+        rx, self._tx = ctx.Pipe(duplex=False)
+        ready_rx, ready_tx = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=_observer_main,
+            args=(graph, threads, port, dashboard, rx, ready_tx, [self._tx, ready_rx]),
+            name="aisp-observer",
+            daemon=True,
+        )
+        self._proc.start()
+        rx.close()
+        ready_tx.close()
+        try:
+            answer = (
+                msgspec.json.decode(ready_rx.recv_bytes()) if ready_rx.poll(30) else {"error": "no answer"}
+            )
+        except EOFError:
+            answer = {"error": "the observer process exited"}
+        finally:
+            ready_rx.close()
+        if "error" in answer:
+            self._proc.join(1)
+            raise ConfigError(f"/metrics and the dashboard: {answer['error']}")
+        self.port = int(answer["port"])
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, view: PipelineView) -> None:
+        self._thread = threading.Thread(
+            target=self._publish, args=(view,), name="aisp-observe-publish", daemon=True
+        )
+        self._thread.start()
+
+    def _publish(self, view: PipelineView) -> None:
+        enc = msgspec.json.Encoder()
+        while True:
+            try:
+                self._tx.send_bytes(enc.encode(snapshot(view)))
+            except OSError:
+                return
+            if self._stop.wait(self._interval_s):
+                return
+
+    def close(self) -> None:
+        """Stop publishing and end the observer process."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._tx.close()
+        self._proc.join(5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
