@@ -55,12 +55,15 @@ def _stream(port: int, stop: threading.Event) -> None:
         return
 
 
-def run(data: Path, work: Path, rate: int, observe: bool, port: int) -> dict[str, Any]:
+def run(data: Path, work: Path, rate: int, mode: str, port: int) -> dict[str, Any]:
+    """One run: ``unobserved``, ``served`` (/metrics and the dashboard on, nobody watching)
+    or ``observed``."""
+    observe = mode == "observed"
     summary = work / "summary.json"
     cmd = [sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--input", str(data)]
     cmd += ["--output", str(work / "out.jsonl"), "--summary-json", str(summary), "--no-live"]
     cmd += ["--rate", str(rate)]
-    if observe:
+    if mode != "unobserved":
         cmd += ["--dashboard", "--metrics-port", str(port)]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
@@ -91,14 +94,18 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--port", type=int, default=9477)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--served", action="store_true", help="also runs with the server on and nobody watching ('served')"
+    )
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="aisp-observe-"))
     data = work / "events.jsonl"
     write_events(data, args.events, seed=0)
-    runs: dict[str, list[dict[str, Any]]] = {"unobserved": [], "observed": []}
+    modes = ["unobserved", *(["served"] if args.served else []), "observed"]
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     for i in range(args.repeats):
         for name in runs:
-            r = run(data, work, args.rate, name == "observed", args.port)
+            r = run(data, work, args.rate, name, args.port)
             runs[name].append(r)
             lat = r["latency_ms"]
             print(f"  run {i + 1} {name:10s} p50 {lat['p50']:7.2f} p99 {lat['p99']:7.2f} ms", file=sys.stderr)

@@ -184,6 +184,15 @@ class SnapshotView:
         self.gc.pauses.pauses = LatencyHistogram.from_dict(data["gc"]["pauses"])
 
 
+def _yield_cpu() -> None:
+    """Run only on CPU time the pipeline leaves (Linux ``SCHED_IDLE``; else the lowest nice):
+    on a machine the pipeline keeps busy, a scrape waits, not an event."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
+
+
 def _observer_main(
     graph: Graph,
     threads: dict[str, str],
@@ -198,7 +207,7 @@ def _observer_main(
     from aisp.observe.server import ObserveServer
 
     worker_init(*parent_ends)
-    os.nice(10)  # on a machine the pipeline keeps busy, the pipeline comes first
+    _yield_cpu()
     view = SnapshotView(graph, threads)
     try:
         registry = metrics_registry(view, pid=os.getppid(), gc_collector=view.gc, retries=view.retries)
