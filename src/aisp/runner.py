@@ -8,8 +8,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
@@ -29,6 +29,7 @@ from aisp.state.checkpoint import Checkpoint, CheckpointStore
 
 if TYPE_CHECKING:
     from aisp.observe.latency import LatencyHistogram
+    from aisp.observe.remote import RemoteObserver
     from aisp.observe.trace_config import TraceConfig
     from aisp.pipeline import Pipeline
 
@@ -256,16 +257,7 @@ def _executor(
 
 def _observe(ex: LocalExecutor, opts: ObserveOptions, res: ExitStack) -> None:
     """Tracing, /metrics and the dashboard for ``ex``, stopped by ``res`` when the run ends."""
-    serving = opts.metrics_port is not None or opts.dashboard_port is not None
-    observer = None
-    if serving:  # forked now, while this process has one thread (observe/remote.py)
-        from aisp.observe.remote import RemoteObserver
-
-        port = opts.metrics_port if opts.metrics_port is not None else opts.dashboard_port
-        observer = RemoteObserver(
-            ex.graph, ex.thread_of(), port or 0, dashboard=opts.dashboard_port is not None
-        )
-        res.callback(observer.close)
+    observer = _observer(ex.graph, opts, res)
     if opts.trace is not None:
         from aisp.observe.tracing import EventTracer
 
@@ -275,12 +267,54 @@ def _observe(ex: LocalExecutor, opts: ObserveOptions, res: ExitStack) -> None:
     res.callback(ex.request_stop)  # a failure below still drains what started
     if ex.tracer is not None:  # after start: its export thread must not keep workers from forking
         ex.tracer.start()
-    if observer is None:
-        return
-    observer.start(ex)
-    print(f"metrics http://127.0.0.1:{observer.port}/metrics", file=sys.stderr, flush=True)
+    if observer is not None:
+        from aisp.observe.remote import snapshot
+
+        observer.start(lambda: snapshot(ex))
+        _announce(observer.port, opts)
+
+
+def _observer(graph: Graph, opts: ObserveOptions, res: ExitStack) -> RemoteObserver | None:
+    """The process serving /metrics and the dashboard, if asked for (``observe/remote.py``):
+    forked now, while this process has one thread; closed by ``res``."""
+    if opts.metrics_port is None and opts.dashboard_port is None:
+        return None
+    from aisp.observe.remote import RemoteObserver
+
+    port = opts.metrics_port if opts.metrics_port is not None else opts.dashboard_port
+    observer = RemoteObserver(graph, port or 0, dashboard=opts.dashboard_port is not None)
+    res.callback(observer.close)
+    return observer
+
+
+def _announce(port: int, opts: ObserveOptions) -> None:
+    print(f"metrics http://127.0.0.1:{port}/metrics", file=sys.stderr, flush=True)
     if opts.dashboard_port is not None:
-        print(f"dashboard http://127.0.0.1:{observer.port}/", file=sys.stderr, flush=True)
+        print(f"dashboard http://127.0.0.1:{port}/", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _live_view(graph: Graph, merged: Callable[[], dict[str, Any] | None]) -> Iterator[Callable[[], None]]:
+    """The live view of a run on several workers, from their merged snapshots; yields the tick
+    that redraws it (at most 4 times a second)."""
+    from aisp.live import LiveView
+    from aisp.observe.remote import SnapshotView
+
+    view = SnapshotView(graph)
+    last = 0.0
+
+    def tick() -> None:
+        nonlocal last
+        if time.monotonic() - last < 0.25:
+            return
+        last = time.monotonic()
+        data = merged()
+        if data is not None:
+            view.load(data)
+            live.update()
+
+    with LiveView(view) as live:
+        yield tick
 
 
 def _drive(ex: LocalExecutor, opts: RunOptions, store: CheckpointStore | None) -> None:
@@ -342,13 +376,19 @@ def _run_workers(graph: Graph, opts: RunOptions) -> RunSummary:
         stop = threading.Event()
         if opts.handle_signals:
             resources.callback(_install_signals(stop.set) or (lambda: None))
+        observer = _observer(graph, opts.observe, resources)  # forked before the workers
         pool = WorkerPool(
             graph, plan, n, options=opts.execution, sinks=sinks, encoders=encoders, dead_letter=writer,
             store=store, restore={"id": latest.id, "position": latest.meta["position"]} if latest else None,
+            observe=observer is not None or opts.observe.live,
         )  # fmt: skip
         pool.start()
         resources.callback(pool.close)
-        pool.run(stop=stop, interval_s=ck.interval_s if ck is not None else None)
+        if observer is not None:
+            observer.start(pool.merged)
+            _announce(observer.port, opts.observe)
+        tick = resources.enter_context(_live_view(graph, pool.merged)) if opts.observe.live else None
+        pool.run(stop=stop, interval_s=ck.interval_s if ck is not None else None, tick=tick)
     results = pool.results()
     e2e = LatencyHistogram()
     for r in results:
@@ -392,8 +432,6 @@ def _check_worker_options(opts: RunOptions) -> None:
     unsupported = {
         "--state-store": ck is not None and ck.state_store,
         "--partition-state": ck is not None and ck.partition_state_dir is not None,
-        "--metrics-port": obs.metrics_port is not None,
-        "--dashboard": obs.dashboard_port is not None,
         "--trace-sample": obs.trace is not None,
     }
     named = [name for name, used in unsupported.items() if used]

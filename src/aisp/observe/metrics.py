@@ -157,6 +157,17 @@ class PipelineCollector:
         events.add_metric(["in"], stats.events_in)
         events.add_metric(["out"], stats.events_out)
         yield events
+        workers = getattr(self._ex, "workers", None)  # a run on several workers (observe.remote)
+        if workers:
+            by_worker = CounterMetricFamily(
+                "aisp_worker_events",
+                "Events each worker process took and wrote",
+                labels=["worker", "direction"],
+            )
+            for w in workers:
+                by_worker.add_metric([str(w["worker"]), "in"], w["events_in"])
+                by_worker.add_metric([str(w["worker"]), "out"], w["events_out"])
+            yield by_worker
         yield CounterMetricFamily("aisp_checkpoints", "Checkpoints written", value=stats.checkpoints)
         yield GaugeMetricFamily(
             "aisp_uptime_seconds", "Seconds since the pipeline started", value=stats.seconds()

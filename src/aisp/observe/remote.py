@@ -18,7 +18,9 @@ import gc
 import multiprocessing as mp
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -29,11 +31,11 @@ from prometheus_client.core import CounterMetricFamily
 from aisp.graph import Graph
 from aisp.observe.latency import LatencyHistogram
 from aisp.observe.metrics import GcPauses, gc_pauses
-from aisp.observe.stats import RunStats
+from aisp.observe.stats import LatencyTrail, RunStats
 from aisp.observe.view import PipelineView
 from aisp.retry import RETRIES
 
-__all__ = ["RemoteObserver", "SnapshotView", "snapshot"]
+__all__ = ["MergedTrail", "RemoteObserver", "SnapshotView", "merge", "snapshot"]
 
 
 def snapshot(view: PipelineView) -> dict[str, Any]:
@@ -55,7 +57,97 @@ def snapshot(view: PipelineView) -> dict[str, Any]:
         ],
         "gc": {"stats": gc.get_stats(), "pauses": gc_pauses().pauses.to_dict()},
         "retries": [[target, reason, n] for (target, reason), n in RETRIES.items()],
+        "threads": view.thread_of(),
     }
+
+
+def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One snapshot of several workers' (``snapshot`` of each): counters summed, histograms
+    merged, drift scores per worker (their stage ``STEP@wI``), and ``workers``: each one's
+    events in and out. The latency trail is left empty (``MergedTrail`` rebuilds it)."""
+    stats = [p["stats"] for p in parts]
+    stages: dict[str, dict[str, Any]] = {}
+    for st in stats:
+        for s in st["stages"]:
+            into = stages.get(s["step_id"])
+            stages[s["step_id"]] = dict(s) if into is None else _merge_stage(into, s)
+    batchers: dict[str, dict[str, Any]] = {}
+    for p in parts:
+        for sid, b in p["batchers"].items():
+            into = batchers.setdefault(sid, {**b, "stats": dict.fromkeys(b["stats"], 0)})
+            for k, v in b["stats"].items():
+                into["stats"][k] += v
+    gc_stats = [
+        {k: sum(p["gc"]["stats"][g][k] for p in parts) for k in parts[0]["gc"]["stats"][g]}
+        for g in range(len(parts[0]["gc"]["stats"]))
+    ]
+    retries: Counter[tuple[str, str]] = Counter()
+    for p in parts:
+        for target, reason, n in p["retries"]:
+            retries[(target, reason)] += n
+    dead: Counter[str] = Counter()
+    for p in parts:
+        dead.update(p["dead_letters"]["by_step"])
+    firsts = [st["first_read_ns"] for st in stats if st["first_read_ns"] is not None]
+    lasts = [st["last_written_ns"] for st in stats if st["last_written_ns"] is not None]
+    ended = [st["ended_ns"] for st in stats]
+    return {
+        "stats": {
+            "started_ns": min(st["started_ns"] for st in stats),
+            "ended_ns": max(ended) if None not in ended else None,
+            "first_read_ns": min(firsts) if firsts else None,
+            "last_written_ns": max(lasts) if lasts else None,
+            "events_in": sum(st["events_in"] for st in stats),
+            "events_out": sum(st["events_out"] for st in stats),
+            "checkpoints": max(st["checkpoints"] for st in stats),
+            "e2e": _merge_hist([st["e2e"] for st in stats]),
+            "trail": [],
+            "stages": list(stages.values()),
+        },
+        "dead_letters": {"count": sum(dead.values()), "by_step": dict(dead)},
+        "stopping": any(p["stopping"] for p in parts),
+        "batchers": batchers,
+        "drift": [{**d, "stage": f"{d['stage']}@w{i}"} for i, p in enumerate(parts) for d in p["drift"]],
+        "gc": {"stats": gc_stats, "pauses": _merge_hist([p["gc"]["pauses"] for p in parts])},
+        "retries": [[t, r, n] for (t, r), n in sorted(retries.items())],
+        "threads": parts[0]["threads"],
+        "workers": [
+            {"worker": i, "events_in": p["stats"]["events_in"], "events_out": p["stats"]["events_out"]}
+            for i, p in enumerate(parts)
+        ],
+    }
+
+
+def _merge_hist(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    merged = LatencyHistogram()
+    for h in parts:
+        merged.merge(LatencyHistogram.from_dict(h))
+    return merged.to_dict()
+
+
+def _merge_stage(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for k in ("rows_in", "rows_out", "batches", "errors", "busy_ns", "cpu_ns", "queue_rows"):
+        out[k] = a[k] + b[k]
+    out["phases"] = {
+        name: _merge_hist([h for h in (a["phases"].get(name), b["phases"].get(name)) if h is not None])
+        for name in {*a["phases"], *b["phases"]}
+    }
+    out["batch_rows"] = _merge_hist([a["batch_rows"], b["batch_rows"]])
+    return out
+
+
+class MergedTrail:
+    """The end-to-end p50/p90/p99 of each second, from merged snapshots taken about once a
+    second (the workers' own trails cannot be merged: percentiles do not add up)."""
+
+    def __init__(self) -> None:
+        self._trail = LatencyTrail(LatencyHistogram())
+
+    def add(self, merged: dict[str, Any]) -> None:
+        """Fill ``merged["stats"]["trail"]``: its window since the previous one is a point."""
+        self._trail.tick(time.monotonic_ns(), LatencyHistogram.from_dict(merged["stats"]["e2e"]))
+        merged["stats"]["trail"] = self._trail.export()
 
 
 def _batcher(b: Any) -> dict[str, Any]:
@@ -155,9 +247,11 @@ class _Gc:
 class SnapshotView:
     """A ``PipelineView`` of another process's pipeline, as of its last snapshot (``load``)."""
 
-    def __init__(self, graph: Graph, threads: dict[str, str]) -> None:
+    def __init__(self, graph: Graph) -> None:
         self.graph = graph
-        self._threads = threads
+        self._threads: dict[str, str] = {}
+        self.workers: list[dict[str, int]] | None = None
+        """With several workers (``merge``): each one's events in and out."""
         self.stats = RunStats()
         self.dead_letter: _DeadLetters = _DeadLetters(0, {})
         self.stopping = False
@@ -182,6 +276,8 @@ class SnapshotView:
         self.retries.counts = [((t, r), n) for t, r, n in data["retries"]]
         self.gc.stats = data["gc"]["stats"]
         self.gc.pauses.pauses = LatencyHistogram.from_dict(data["gc"]["pauses"])
+        self._threads = data["threads"]
+        self.workers = data.get("workers")
 
 
 def _yield_cpu() -> None:
@@ -195,7 +291,6 @@ def _yield_cpu() -> None:
 
 def _observer_main(
     graph: Graph,
-    threads: dict[str, str],
     port: int,
     dashboard: bool,
     snapshots: Connection,
@@ -208,7 +303,7 @@ def _observer_main(
 
     worker_init(*parent_ends)
     _yield_cpu()
-    view = SnapshotView(graph, threads)
+    view = SnapshotView(graph)
     try:
         registry = metrics_registry(view, pid=os.getppid(), gc_collector=view.gc, retries=view.retries)
         server = ObserveServer(view, port, dashboard=dashboard, registry=registry)
@@ -229,13 +324,12 @@ def _observer_main(
 
 class RemoteObserver:
     """Forks the observer process (call while this process has one thread), then, from
-    ``start(view)`` until ``close()``, sends it a snapshot of ``view`` every ``interval_s``.
+    ``start(source)`` until ``close()``, sends it ``source()`` (a ``snapshot``, or a ``merge``
+    of several; None: nothing new) every ``interval_s``.
 
     ``port`` is the one it serves on (the requested one, or the free one it found)."""
 
-    def __init__(
-        self, graph: Graph, threads: dict[str, str], port: int, *, dashboard: bool, interval_s: float = 1.0
-    ) -> None:
+    def __init__(self, graph: Graph, port: int, *, dashboard: bool, interval_s: float = 1.0) -> None:
         from aisp.errors import ConfigError
 
         ctx = mp.get_context("fork")
@@ -243,7 +337,7 @@ class RemoteObserver:
         ready_rx, ready_tx = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
             target=_observer_main,
-            args=(graph, threads, port, dashboard, rx, ready_tx, [self._tx, ready_rx]),
+            args=(graph, port, dashboard, rx, ready_tx, [self._tx, ready_rx]),
             name="aisp-observer",
             daemon=True,
         )
@@ -266,17 +360,19 @@ class RemoteObserver:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self, view: PipelineView) -> None:
+    def start(self, source: Callable[[], dict[str, Any] | None]) -> None:
         self._thread = threading.Thread(
-            target=self._publish, args=(view,), name="aisp-observe-publish", daemon=True
+            target=self._publish, args=(source,), name="aisp-observe-publish", daemon=True
         )
         self._thread.start()
 
-    def _publish(self, view: PipelineView) -> None:
+    def _publish(self, source: Callable[[], dict[str, Any] | None]) -> None:
         enc = msgspec.json.Encoder()
         while True:
+            data = source()
             try:
-                self._tx.send_bytes(enc.encode(snapshot(view)))
+                if data is not None:
+                    self._tx.send_bytes(enc.encode(data))
             except OSError:
                 return
             if self._stop.wait(self._interval_s):

@@ -119,13 +119,15 @@ class LatencyTrail:
         self._prev: LatencyHistogram | None = None
         self._lock = threading.Lock()
 
-    def tick(self, now_ns: int) -> None:
+    def tick(self, now_ns: int, e2e: LatencyHistogram | None = None) -> None:
+        """A point for the second before ``now_ns``, if due; ``e2e``: the histogram as it is
+        now, when it is not the one the trail was made with (a merge of several workers')."""
         if now_ns < self._next_ns or not self._lock.acquire(blocking=False):
             return  # not due, or another sink's thread is taking this second
         try:
             if now_ns < self._next_ns:
                 return
-            snap = self._e2e.snapshot()
+            snap = (e2e or self._e2e).snapshot()
             window = snap.since(self._prev) if self._prev is not None else snap
             self._prev = snap
             self._next_ns = now_ns + 1_000_000_000

@@ -230,8 +230,10 @@ class FileBlocks:
 # -- messages: a tag byte, then these fields -----------------------------------------------------
 # coordinator -> worker: R (READ) read and decode a block; K (PAIR) checkpoint k at block B;
 # E (ONE) the input ends at block B. worker -> coordinator: O (LINES) encoded rows of a sink,
-# A (SINK) a batch for a sink, D dead letters (JSON), C (ONE) a block's part was taken,
-# K (ACK) checkpoint k taken or not, F the worker's result (JSON), X an error.
+# A (SINK) a batch for a sink, D dead letters (JSON), S lines that did not decode (dead letters,
+# JSON), C (ONE) a block's part was taken, K (ACK) checkpoint k taken or not, M a snapshot of
+# the worker's pipeline (JSON, ``observe.remote.snapshot``), F the worker's result (JSON),
+# X an error.
 # worker -> worker: P (ONE) a block's part (Arrow IPC; none when empty).
 READ = struct.Struct("<Iqqq")  # block, offset, end, line
 PAIR = struct.Struct("<II")

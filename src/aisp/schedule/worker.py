@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
@@ -26,6 +27,7 @@ from aisp.graph import Graph, graph_from
 from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
 from aisp.ingest.decode import ColumnarDecoder
 from aisp.ipc import report_error, worker_init
+from aisp.observe.remote import snapshot
 from aisp.observe.stats import peak_rss_mb
 from aisp.schedule.config import ExecutorOptions
 from aisp.schedule.exchange import (
@@ -84,11 +86,13 @@ class _Inbox:
             self._cond.notify_all()
 
     def take(self) -> Batch | None:
-        """The next block's part; None after the last block. While it is not there, ``work()``
-        decodes this worker's next block (the part a peer may be waiting for); when there is
-        nothing to do either, an empty batch after a short wait (so the source can pause for a
-        checkpoint)."""
+        """The next block's part; None after the last block. First ``work()`` decodes the
+        blocks handed to this worker (parts peers wait for); when the part is not there and
+        there is nothing to decode either, an empty batch after a short wait (so the source
+        can pause for a checkpoint)."""
         waited = False
+        while self._work():
+            pass
         while True:
             with self._cond:
                 if self.next in self._parts:
@@ -201,8 +205,10 @@ class _Worker:
         store: CheckpointStore | None,
         restore_id: int | None,
         encoders: dict[str, RowEncoder | None],
+        observe: bool = False,
     ) -> None:
         self.index, self.plan, self.workers, self.pipes = index, plan, workers, pipes
+        self._observe = observe
         self.outbox = _Outbox(pipes.results)
         keyed = plan.key is not None
         self.inbox = _Inbox(0 if keyed else index, 1 if keyed else workers, self._taken, self._decode_next)
@@ -231,7 +237,9 @@ class _Worker:
             ),
             restore=restore,
         )
-        self._reads: collections.deque[tuple[int, int, int, int]] = collections.deque()
+        self._reads: collections.deque[tuple[int, tuple[int, int, int, int]]] = collections.deque()
+        self._reads_cond = threading.Condition()
+        self._decoding = threading.Lock()  # one block at a time: parts go out whole, in order
         self._decoder = ColumnarDecoder(plan.source.schema)
         self._enc = msgspec.json.Encoder()
         self._barriers: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
@@ -248,7 +256,9 @@ class _Worker:
                 msg = conn.recv_bytes()
                 tag = msg[:1]
                 if tag == b"R":
-                    self._reads.append(READ.unpack_from(msg, 1))
+                    with self._reads_cond:
+                        self._reads.append((time.monotonic_ns(), READ.unpack_from(msg, 1)))
+                        self._reads_cond.notify()
                     self.inbox.wake()
                 elif tag == b"K":
                     self._barriers.put(PAIR.unpack_from(msg, 1))
@@ -261,12 +271,40 @@ class _Worker:
             self.inbox.close()
 
     def _decode_next(self) -> bool:
-        """(The source's thread) read and decode this worker's next block, send each peer its
-        part and keep this worker's; False when no block is waiting."""
-        try:
-            block, offset, end, line = self._reads.popleft()
-        except IndexError:
-            return False
+        """Read and decode this worker's next block, send each peer its part and keep this
+        worker's; False when no block is waiting. The source's thread does it when it takes a
+        part (one thread doing the GIL-bound work is fastest), ``_late_reads`` when that thread
+        is slow to come back."""
+        with self._decoding:
+            try:
+                _, (block, offset, end, line) = self._reads.popleft()
+            except IndexError:
+                return False
+            self._decode(block, offset, end, line)
+        return True
+
+    def _late_reads(self, grace_ns: int = 10_000_000) -> None:
+        """(A thread) decode a block the source's thread left waiting for ``grace_ns``: a paced
+        source sleeps between its batches, and a peer would wait for its part meanwhile."""
+        while not self._stop.is_set():
+            with self._reads_cond:
+                if not self._reads:
+                    self._reads_cond.wait(0.1)
+                    continue
+                late = self._reads[0][0] + grace_ns - time.monotonic_ns()
+            if late > 0:
+                self._stop.wait(late / 1e9)
+                continue
+            try:
+                self._decode_next()
+            except Exception as exc:  # noqa: BLE001 - the run cannot go on without this block
+                report_error(self.pipes.results, exc)
+                self._stop.set()
+                self.ex.request_stop()
+                self.inbox.close()
+                return
+
+    def _decode(self, block: int, offset: int, end: int, line: int) -> None:
         plan, n = self.plan, self.workers
         dead: list[DeadLetterRecord] = []
         ctx = SourceContext(plan.source_step, dead.extend, self.ex.options.source_batch_rows)
@@ -278,8 +316,8 @@ class _Worker:
         finally:
             part.close()
         batch = batches[0] if len(batches) == 1 else Batch.concat(batches) if batches else _EMPTY
-        if dead:
-            self.outbox.send(b"D" + self._enc.encode(dead))
+        if dead:  # counted by the coordinator as read
+            self.outbox.send(b"S" + self._enc.encode(dead))
         if plan.key is None:
             self._deliver(block, None, batch)
         elif not batch.num_rows:
@@ -291,7 +329,6 @@ class _Worker:
             grouped = batch.take(order)
             parts = [grouped.slice(int(bounds[v]), int(bounds[v + 1] - bounds[v])) for v in range(n)]
             self._deliver(block, parts, parts[self.index])
-        return True
 
     def _deliver(self, block: int, parts: list[Batch] | None, own: Batch) -> None:
         if parts is not None:
@@ -299,6 +336,12 @@ class _Worker:
                 part = parts[v]
                 conn.send_bytes(b"P" + ONE.pack(block) + (batch_to_bytes(part) if part.num_rows else b""))
         self.inbox.put(block, own)
+
+    def _publish(self) -> None:
+        """A snapshot of this worker's pipeline for the coordinator's observer, every second."""
+        enc = msgspec.json.Encoder()
+        while not self._stop.wait(1.0):
+            self.outbox.send(b"M" + enc.encode(snapshot(self.ex)))
 
     def _peer(self, conn: Connection) -> None:
         try:
@@ -318,6 +361,9 @@ class _Worker:
             threading.Thread(target=self._peer, args=(c,), name=f"aisp-worker-peer-{v}", daemon=True)
             for v, c in self.pipes.from_peers.items()
         ]
+        threads.append(threading.Thread(target=self._late_reads, name="aisp-worker-decode", daemon=True))
+        if self._observe:
+            threads.append(threading.Thread(target=self._publish, name="aisp-worker-observe", daemon=True))
         self.ex.start()
         for t in threads:
             t.start()
@@ -331,6 +377,7 @@ class _Worker:
                 self.store.discard_from(checkpoint_id)
                 ok = self.ex.checkpoint(self.store, checkpoint_id=checkpoint_id, timeout_s=60.0) is not None
             self.outbox.send(b"K" + ACK.pack(checkpoint_id, ok))
+        self._stop.set()
         for conn in self.pipes.to_peers.values():
             conn.close()
         if self.ex.errors:
@@ -367,11 +414,12 @@ def worker_main(
     keep: int,
     restore_id: int | None,
     encoders: dict[str, RowEncoder | None],
+    observe: bool,
 ) -> None:
     worker_init(*others)
     try:
         store = CheckpointStore(store_root, keep=keep) if store_root is not None else None
-        _Worker(index, graph, plan, workers, options, pipes, store, restore_id, encoders).run()
+        _Worker(index, graph, plan, workers, options, pipes, store, restore_id, encoders, observe).run()
     except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, which raises it
         report_error(pipes.results, exc)
     finally:

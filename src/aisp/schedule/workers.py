@@ -44,6 +44,7 @@ from aisp.errors import AispError
 from aisp.graph import Graph
 from aisp.ipc import set_pipe_size
 from aisp.observe.latency import LatencyHistogram
+from aisp.observe.remote import MergedTrail, merge
 from aisp.schedule.config import ExecutorOptions
 from aisp.schedule.exchange import (
     ACK,
@@ -98,6 +99,7 @@ class WorkerPool:
         restore: the coordinator's checkpoint to start from (its workers restore the same id).
         window: blocks handed out and not yet taken by every worker.
         block_bytes: bytes of input per block (0: about ``source_batch_rows`` rows per worker).
+        observe: the workers send a snapshot of their pipelines every second (``merged``).
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class WorkerPool:
         restore: Any = None,
         window: int = 0,
         block_bytes: int = 0,
+        observe: bool = False,
     ) -> None:
         self.graph, self.plan, self.n, self.options = graph, plan, workers, options
         self._sinks = [sinks[sid] for sid in plan.sinks]
@@ -123,6 +126,11 @@ class WorkerPool:
         self._restore = restore
         self._window = window or 2 * workers
         self._block_bytes = block_bytes
+        self._observe = observe
+        self._snapshots: dict[int, dict[str, Any]] = {}
+        self._trail = MergedTrail()
+        self.source_dead_letters = 0
+        """Lines the workers could not decode (read, and dead-lettered)."""
         self._cond = threading.Condition()
         self._through = [0 if plan.key is not None else w for w in range(workers)]
         self._acks: dict[int, list[bool]] = {}
@@ -178,6 +186,7 @@ class WorkerPool:
                     keep,
                     restore_id,
                     self._encoders,
+                    self._observe,
                 ),
                 name=f"aisp-worker-{w}",
                 daemon=True,
@@ -212,6 +221,12 @@ class WorkerPool:
                         self._sinks[i].write(batch_from_bytes(memoryview(msg)[3:]))
                 elif tag == b"D":
                     self.dead_letter.records(dec.decode(msg[1:]))
+                elif tag == b"S":
+                    records = dec.decode(msg[1:])
+                    self.source_dead_letters += len(records)
+                    self.dead_letter.records(records)
+                elif tag == b"M":
+                    self._snapshots[w] = dec.decode(msg[1:])
                 elif tag == b"C":
                     (block,) = ONE.unpack_from(msg, 1)
                     with self._cond:
@@ -348,6 +363,19 @@ class WorkerPool:
         }
         self.store.write(checkpoint_id, {}, meta)
         self.checkpoints += 1
+
+    def merged(self) -> dict[str, Any] | None:
+        """The workers' last snapshots as one (``observe.remote.merge``), with this process's
+        dead letters and reads; None until every worker has sent one."""
+        parts = [self._snapshots.get(w) for w in range(self.n)]
+        if any(p is None for p in parts):
+            return None
+        data = merge(parts)  # type: ignore[arg-type]
+        data["dead_letters"] = {"count": self.dead_letter.count, "by_step": dict(self.dead_letter.by_step)}
+        data["stats"]["events_in"] += self.source_dead_letters
+        data["stats"]["checkpoints"] = self.checkpoints
+        self._trail.add(data)
+        return data
 
     def results(self) -> list[WorkerResult]:
         return [self._results[w] for w in sorted(self._results)]

@@ -47,7 +47,7 @@ def pipeline_text(view: object, retries: object = RETRIES) -> str:
 
 def test_a_loaded_snapshot_renders_the_same_metrics_and_dashboard() -> None:
     ex = finished_executor()
-    view = SnapshotView(ex.graph, ex.thread_of())
+    view = SnapshotView(ex.graph)
     view.load(msgspec.json.decode(msgspec.json.encode(snapshot(ex))))  # as it crosses the pipe
     assert pipeline_text(view, view.retries) == pipeline_text(ex)
     assert "aisp_drift_psi" in pipeline_text(view, view.retries)
@@ -58,9 +58,9 @@ def test_a_loaded_snapshot_renders_the_same_metrics_and_dashboard() -> None:
 
 def test_the_observer_serves_the_pipeline_process_metrics() -> None:
     ex = finished_executor()
-    observer = RemoteObserver(ex.graph, ex.thread_of(), 0, dashboard=True, interval_s=0.05)
+    observer = RemoteObserver(ex.graph, 0, dashboard=True, interval_s=0.05)
     try:
-        observer.start(ex)
+        observer.start(lambda: snapshot(ex))
         url = f"http://127.0.0.1:{observer.port}"
         text, out = "", None
         for _ in range(100):  # the first snapshot arrives within interval_s
