@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import TracebackType
+from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from aisp.graph import Graph
 from aisp.observe.view import PipelineView
 
-__all__ = ["LiveView"]
+__all__ = ["LiveView", "merged_live_view"]
 
 
 class LiveView:
@@ -67,3 +71,28 @@ class LiveView:
                 f"{s.busy_ns / 1e9:.2f}",
             )
         return Group(head, table)
+
+
+@contextmanager
+def merged_live_view(
+    graph: Graph, merged: Callable[[], dict[str, Any] | None]
+) -> Iterator[Callable[[], None]]:
+    """The live view of a run on several workers, from their merged snapshots; yields the tick
+    that redraws it (at most 4 times a second)."""
+    from aisp.observe.remote import SnapshotView
+
+    view = SnapshotView(graph)
+    last = 0.0
+
+    def tick() -> None:
+        nonlocal last
+        if time.monotonic() - last < 0.25:
+            return
+        last = time.monotonic()
+        data = merged()
+        if data is not None:
+            view.load(data)
+            live.update()
+
+    with LiveView(view) as live:
+        yield tick

@@ -8,8 +8,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
@@ -293,30 +293,6 @@ def _announce(port: int, opts: ObserveOptions) -> None:
         print(f"dashboard http://127.0.0.1:{port}/", file=sys.stderr, flush=True)
 
 
-@contextmanager
-def _live_view(graph: Graph, merged: Callable[[], dict[str, Any] | None]) -> Iterator[Callable[[], None]]:
-    """The live view of a run on several workers, from their merged snapshots; yields the tick
-    that redraws it (at most 4 times a second)."""
-    from aisp.live import LiveView
-    from aisp.observe.remote import SnapshotView
-
-    view = SnapshotView(graph)
-    last = 0.0
-
-    def tick() -> None:
-        nonlocal last
-        if time.monotonic() - last < 0.25:
-            return
-        last = time.monotonic()
-        data = merged()
-        if data is not None:
-            view.load(data)
-            live.update()
-
-    with LiveView(view) as live:
-        yield tick
-
-
 def _drive(ex: LocalExecutor, opts: RunOptions, store: CheckpointStore | None) -> None:
     """Run until the pipeline is drained: checkpoints, model version polls, the live view."""
     interval = opts.checkpoints.interval_s if opts.checkpoints is not None else 1.0
@@ -346,7 +322,7 @@ def _drive(ex: LocalExecutor, opts: RunOptions, store: CheckpointStore | None) -
 
 def _run_workers(graph: Graph, opts: RunOptions) -> RunSummary:
     """``graph`` on ``opts.execution.workers`` processes (``schedule/workers.py``)."""
-    from aisp.observe.latency import LatencyHistogram
+    from aisp.live import merged_live_view
     from aisp.schedule.exchange import plan_exchange
     from aisp.schedule.workers import WorkerPool
 
@@ -387,40 +363,18 @@ def _run_workers(graph: Graph, opts: RunOptions) -> RunSummary:
         if observer is not None:
             observer.start(pool.merged)
             _announce(observer.port, opts.observe)
-        tick = resources.enter_context(_live_view(graph, pool.merged)) if opts.observe.live else None
+        tick = resources.enter_context(merged_live_view(graph, pool.merged)) if opts.observe.live else None
         pool.run(stop=stop, interval_s=ck.interval_s if ck is not None else None, tick=tick)
-    results = pool.results()
-    e2e = LatencyHistogram()
-    for r in results:
-        e2e.merge(r.e2e)
-    secs = (time.monotonic_ns() - started) / 1e9
-    firsts = [r.first_read_ns for r in results if r.first_read_ns is not None]
-    lasts = [r.last_written_ns for r in results if r.last_written_ns is not None]
-    models: dict[str, dict[str, Any]] = {}
-    for r in results:
-        for sid, m in r.models.items():
-            into = models.setdefault(sid, {"rows": 0, "batches": 0, "errors": 0})
-            for k in into:
-                into[k] += m[k]
-    for m in models.values():
-        m["mean_batch_rows"] = round(m["rows"] / m["batches"], 1) if m["batches"] else 0.0
+    e2e, fields = pool.summary((time.monotonic_ns() - started) / 1e9)
     summary = RunSummary(
         pipeline=graph.name,
-        events_in=pool.events_in,
-        events_out=sum(r.events_out for r in results),
         dead_letters=writer.count,
-        seconds=round(secs, 3),
-        events_per_s=round(pool.events_in / secs, 1) if secs > 0 else 0.0,
         latency_ms=e2e.summary_ms(),
-        peak_rss_mb=round(peak_rss_mb() + sum(r.peak_rss_mb for r in results), 1),
+        peak_rss_mb=round(peak_rss_mb() + fields.pop("peak_rss_mb"), 1),
         stopped_early=stop.is_set(),
         dead_letters_by_step=dict(writer.by_step),
-        stages=[{"worker": w, **s} for w, r in enumerate(results) for s in r.stages],
-        models=models,
-        checkpoints=pool.checkpoints,
         restored_from=latest.id if latest is not None else None,
-        active_seconds=round((max(lasts) - min(firsts)) / 1e9, 3) if firsts and lasts else 0.0,
-        active_from_ms=wall_ms(min(firsts)) if firsts else 0,
+        **fields,
     )
     _finish_summary(summary, e2e, graph, opts)
     return summary

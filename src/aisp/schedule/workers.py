@@ -43,6 +43,7 @@ import msgspec
 from aisp.errors import AispError
 from aisp.graph import Graph
 from aisp.ipc import set_pipe_size
+from aisp.observe.clock import wall_ms
 from aisp.observe.latency import LatencyHistogram
 from aisp.observe.remote import MergedTrail, merge
 from aisp.schedule.config import ExecutorOptions
@@ -379,6 +380,36 @@ class WorkerPool:
 
     def results(self) -> list[WorkerResult]:
         return [self._results[w] for w in sorted(self._results)]
+
+    def summary(self, seconds: float) -> tuple[LatencyHistogram, dict[str, Any]]:
+        """The workers' results as one: the merged end-to-end latency, and ``RunSummary``'s
+        fields (``peak_rss_mb``: the workers' sum)."""
+        results = self.results()
+        e2e = LatencyHistogram()
+        for r in results:
+            e2e.merge(r.e2e)
+        firsts = [r.first_read_ns for r in results if r.first_read_ns is not None]
+        lasts = [r.last_written_ns for r in results if r.last_written_ns is not None]
+        models: dict[str, dict[str, Any]] = {}
+        for r in results:
+            for sid, m in r.models.items():
+                into = models.setdefault(sid, {"rows": 0, "batches": 0, "errors": 0})
+                for k in into:
+                    into[k] += m[k]
+        for m in models.values():
+            m["mean_batch_rows"] = round(m["rows"] / m["batches"], 1) if m["batches"] else 0.0
+        return e2e, {
+            "events_in": self.events_in,
+            "events_out": sum(r.events_out for r in results),
+            "seconds": round(seconds, 3),
+            "events_per_s": round(self.events_in / seconds, 1) if seconds > 0 else 0.0,
+            "peak_rss_mb": sum(r.peak_rss_mb for r in results),
+            "stages": [{"worker": w, **s} for w, r in enumerate(results) for s in r.stages],
+            "models": models,
+            "checkpoints": self.checkpoints,
+            "active_seconds": round((max(lasts) - min(firsts)) / 1e9, 3) if firsts and lasts else 0.0,
+            "active_from_ms": wall_ms(min(firsts)) if firsts else 0,
+        }
 
     def close(self) -> None:
         """Close the pipes and end the workers (killed if they outlive a short wait)."""
