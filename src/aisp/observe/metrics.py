@@ -36,6 +36,7 @@ Families (seconds and rows in the names; labels bounded by the pipeline's steps)
   with ``aisp_gc_pause_seconds``: how long each garbage collection stopped the process.
 * ``aisp_drift_psi{stage, feature}``, ``aisp_drift_ks{stage, feature}``,
   ``aisp_drift_alerts_total{stage, feature}`` for infer steps with drift monitoring.
+* ``aisp_worker_events_total{worker, direction}`` for a run on several workers.
 
 Histograms are exported from the executor's own log-linear histograms (about 1% resolution)
 into fixed Prometheus buckets, so recording stays one vectorised call per batch.
