@@ -139,12 +139,12 @@ def test_sigkill_with_two_workers_gives_exactly_once_outputs(
     data, expected, dead = kill_reference
     out = tmp_path / "out.jsonl"
     cmd = aisp_run(data, out, "--workers", "2", "--checkpoint-dir", str(tmp_path / "chk"))
-    cmd += ["--checkpoint-interval-s", "0.25", "--rate", "20000"]  # 3 s of input: kills land mid-run
+    cmd += ["--checkpoint-interval-s", "0.25", "--rate", "15000"]  # 4 s of input: kills land mid-run
     rng, kills = random.Random(3), 0
     while True:
         proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if kills < 4:
-            time.sleep(rng.uniform(1.2, 2.2))  # start-up takes about 1 s
+            time.sleep(rng.uniform(1.0, 2.0))  # start-up takes 0.8-1 s
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGKILL)  # the coordinator; its workers die with it
                 proc.communicate()

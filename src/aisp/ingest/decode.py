@@ -144,6 +144,7 @@ class ColumnarDecoder:
         self._converters = [_converter(f.type) for f in info.fields]
         self._one = msgspec.json.Decoder(schema)
         self._getter = attrgetter(*self.fields)
+        self._getters = [attrgetter(name) for name in self.fields]
 
     def decode(self, lines: Sequence[bytes]) -> Decoded:
         """Rows of the lines that are valid, errors for the others (see the module docstring)."""
@@ -203,14 +204,10 @@ class ColumnarDecoder:
         return None
 
     def _columns(self, items: list[Any]) -> dict[str, pa.Array]:
-        if not items:
-            values: list[Sequence[Any]] = [[] for _ in self.fields]
-        elif len(self.fields) == 1:
-            values = [[self._getter(x) for x in items]]
-        else:
-            values = list(zip(*map(self._getter, items), strict=True))
+        # one C-level pass per field: half the cost of a tuple per row transposed with zip
         return {
-            name: conv(vals) for name, conv, vals in zip(self.fields, self._converters, values, strict=True)
+            name: conv(list(map(get, items)))
+            for name, conv, get in zip(self.fields, self._converters, self._getters, strict=True)
         }
 
 

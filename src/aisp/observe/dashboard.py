@@ -56,7 +56,7 @@ class DashboardState:
         self._min_interval_s = min_interval_s
         self._diagnose_every_s = diagnose_every_s
         self._lock = threading.Lock()
-        self._prev: tuple[float, dict[str, Any]] | None = None
+        self._prev: tuple[float, dict[str, Any], float] | None = None
         self._diagnosed: tuple[float, Scrape, list[dict[str, Any]]] | None = None
         self._e2e = LatencyHistogram()
         self._phases: dict[tuple[str, str], LatencyHistogram] = {}
@@ -76,14 +76,16 @@ class DashboardState:
             if self._prev is not None and now - self._prev[0] < self._min_interval_s and self._state:
                 return self._state
             counts = self._counts()
-            seconds = now - self._prev[0] if self._prev is not None else self._ex.stats.seconds()
+            clock = self._ex.stats.seconds()  # the counters' own clock (a copy's is its time)
+            seconds = clock - self._prev[2] if self._prev is not None else clock
             self._state = self._build(self._diagnosis(now), counts, max(seconds, 1e-6))
-            self._prev = (now, counts)
+            self._prev = (now, counts, clock)
             return self._state
 
     def _diagnosis(self, now: float) -> list[dict[str, Any]]:
         """The findings over the last ``diagnose_every_s`` (re-diagnosed that often: reading
-        every metric is the costliest part of an update, and runs under the pipeline's GIL)."""
+        every metric is the costliest part of an update; ``aisp serve`` does it in the pipeline's
+        process)."""
         if self._diagnosed is not None and now - self._diagnosed[0] < self._diagnose_every_s:
             return self._diagnosed[2]
         scrape = Scrape.of(self._registry)

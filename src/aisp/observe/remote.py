@@ -103,6 +103,7 @@ def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "e2e": _merge_hist([st["e2e"] for st in stats]),
             "trail": [],
             "stages": list(stages.values()),
+            "as_of_ns": min(st["as_of_ns"] for st in stats),
         },
         "dead_letters": {"count": sum(dead.values()), "by_step": dict(dead)},
         "stopping": any(p["stopping"] for p in parts),

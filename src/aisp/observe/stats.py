@@ -172,6 +172,9 @@ class RunStats:
     checkpoints: int = 0
     e2e: LatencyHistogram = field(default_factory=LatencyHistogram)
     stages: dict[str, StageStats] = field(default_factory=dict)
+    as_of_ns: int | None = None
+    """When the counters were taken, for a copy of them (``from_state``; None: they are live),
+    so that rates between two copies use the copies' own clock."""
     trail: LatencyTrail = field(init=False, repr=False)
     """The last minutes of end-to-end percentiles, a point a second (``LatencyTrail``)."""
 
@@ -179,7 +182,7 @@ class RunStats:
         self.trail = LatencyTrail(self.e2e)
 
     def seconds(self) -> float:
-        end = self.ended_ns if self.ended_ns is not None else time.monotonic_ns()
+        end = self.ended_ns if self.ended_ns is not None else self.as_of_ns or time.monotonic_ns()
         return (end - self.started_ns) / 1e9
 
     def active_seconds(self) -> float:
@@ -205,6 +208,7 @@ class RunStats:
             "e2e": self.e2e.to_dict(),
             "trail": self.trail.export(),
             "stages": [s.to_state() for s in list(self.stages.values())],
+            "as_of_ns": time.monotonic_ns(),
         }
 
     @classmethod
@@ -219,6 +223,7 @@ class RunStats:
             checkpoints=data["checkpoints"],
             e2e=LatencyHistogram.from_dict(data["e2e"]),
             stages={s["step_id"]: StageStats.from_state(s) for s in data["stages"]},
+            as_of_ns=data["as_of_ns"],
         )
         stats.trail.load(data["trail"])
         return stats
