@@ -75,6 +75,9 @@ class BatcherStats:
     errors: int = 0
     shed: int = 0
     queued_rows: int = 0
+    inline_batches: int = 0
+    """Of ``batches``, the calls made in the thread that handed the rows over (``run_inline``,
+    ``feed``), not on a dispatcher thread."""
 
 
 class DynamicBatcher:
@@ -226,6 +229,7 @@ class DynamicBatcher:
             ):
                 return False
             self._in_flight += 1
+            self._count["inline_batches"] += 1
             if self._tuner is not None:  # offered load, as if submitted
                 self._tuner.arrived(rows)
         self._run_claimed(batch, 0)

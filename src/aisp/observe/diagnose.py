@@ -187,7 +187,10 @@ def _classify_model(
     instances = int(st.settings.get("instances", 1) or 1)
     ev.update(max_batch_rows=int(cap), instances=instances, compute_us_per_row=per_row_us)
     at_cap = cap > 0 and st.batch_rows >= 0.8 * cap
-    if at_cap and cap <= TINY_BATCH_ROWS and st.wait_s >= st.mean("compute"):
+    # rows wait for calls in the batcher, or (calls run in the thread that feeds the model,
+    # back to back) in the batch being fed: either way the model is kept busy a row at a time
+    kept_busy = st.wait_s >= st.mean("compute") or st.busy / instances >= BUSY_MODEL
+    if at_cap and cap <= TINY_BATCH_ROWS and kept_busy:
         need = st.rows_in * st.mean("compute") * 4  # rows arriving during four calls
         size = _pow2_at_least(need, int(cap) * 4, 1024)
         return (

@@ -120,8 +120,10 @@ class LocalExecutor:
         return self._task_of[step_id] != step_id
 
     def thread_of(self) -> dict[str, str]:
-        """Step id -> the thread (group) that does its work (see ``planning.thread_of``)."""
-        return planning.thread_of(self._nodes, self._task_of)
+        """Step id -> the thread (group) that does its work (see ``planning.thread_of``): a
+        model most of whose calls ran in the thread that fed it counts as that thread's."""
+        inline = [sid for sid, b in self.batchers.items() if 2 * b.stats.inline_batches > b.stats.batches]
+        return planning.thread_of(self._nodes, self._task_of, inline)
 
     def tasks(self) -> dict[str, list[str]]:
         """Task id -> the step ids it runs, in order."""

@@ -4,7 +4,7 @@ does each step's work."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from aisp.graph import Node, split_ref
 
@@ -39,18 +39,23 @@ def assign_tasks(
     return task_of
 
 
-def thread_of(nodes: Mapping[str, Node], task_of: Mapping[str, str]) -> dict[str, str]:
+def thread_of(
+    nodes: Mapping[str, Node], task_of: Mapping[str, str], inline: Collection[str] = ()
+) -> dict[str, str]:
     """Step id -> the thread (group) that does its work: its task's, except that a model's
     calls, and the steps chained after it, run on the model's dispatcher threads (named by
-    the model step); a batch the model's queue would dispatch at once runs them in its
-    upstream thread instead (``DynamicBatcher.feed``)."""
+    the model step). A batch the model's queue would dispatch at once runs them in the thread
+    that hands it over instead (``DynamicBatcher.feed``): for the model steps in ``inline``
+    (most of whose calls ran so), that thread is named."""
     out: dict[str, str] = {}
     for sid, node in nodes.items():
-        if node.kind == "infer" or task_of[sid] == sid:
+        if node.kind == "infer" and sid in inline and task_of[sid] != sid:
+            out[sid] = out[split_ref(node.inputs[0])[0]]  # the upstream task's thread
+        elif node.kind == "infer" or task_of[sid] == sid:
             out[sid] = sid
         else:
             up = split_ref(node.inputs[0])[0]
-            out[sid] = up if nodes[up].kind == "infer" else out[up]
+            out[sid] = up if nodes[up].kind == "infer" and up not in inline else out[up]
     return out
 
 
