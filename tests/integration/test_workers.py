@@ -228,13 +228,58 @@ def test_what_workers_cannot_do_yet_is_refused_clearly(tmp_path: Path, extra: li
     assert reason in " ".join(res.stderr.split())
 
 
-def test_a_generated_source_is_refused_with_the_reason(tmp_path: Path) -> None:
+def test_generated_events_are_split_by_range_with_the_same_results(tmp_path: Path) -> None:
+    outs = {}
+    for workers in (1, 2):
+        out = tmp_path / f"out{workers}.jsonl"
+        cmd = [
+            sys.executable,
+            "-m",
+            "aisp.cli",
+            "run",
+            str(PIPELINE),
+            "--events",
+            "30000",
+            "--output",
+            str(out),
+        ]
+        res = subprocess.run(
+            [*cmd, "--workers", str(workers), "--no-live"],
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert res.returncode == 0, res.stderr
+        outs[workers] = sorted_rows(out)
+    assert len(outs[1]) == 30_000
+    assert [(r["id"], r["n"], r["mean_amount"], r["alert"]) for r in outs[2]] == [
+        (r["id"], r["n"], r["mean_amount"], r["alert"]) for r in outs[1]
+    ]
+
+
+def test_a_source_that_cannot_be_split_is_refused_with_the_reason(tmp_path: Path) -> None:
+    pipeline = tmp_path / "unsplit.py"
+    pipeline.write_text(
+        "from aisp import Batch, NullSink, Pipeline\n"
+        "from aisp.ingest.base import Source, SourcePartition\n"
+        "class Once(SourcePartition):\n"
+        "    def next_batch(self, max_rows):\n"
+        "        return None\n"
+        "class Mine(Source):\n"
+        "    def open(self, ctx, resume_from=None):\n"
+        "        return Once()\n"
+        "def build():\n"
+        "    p = Pipeline('unsplit')\n"
+        "    p.source('events', Mine()).sink('out', NullSink())\n"
+        "    return p\n"
+    )
     res = subprocess.run(
-        [sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--events", "10", "--workers", "2"],
+        [sys.executable, "-m", "aisp.cli", "run", str(pipeline), "--workers", "2", "--no-live"],
         env=ENV, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert res.returncode == 2
-    assert "needs one JSON-lines file source" in " ".join(res.stderr.split())
+    assert "needs one source that can be split" in " ".join(res.stderr.split())
 
 
 def test_a_checkpoint_restarts_only_with_the_same_number_of_workers(tmp_path: Path) -> None:

@@ -11,6 +11,11 @@ A ``Source`` is a config-only factory (cheap to build, safe to copy, no live res
   and this position replays exactly the rows that came later.
 * ``commit(position)`` says a checkpoint holding ``position`` is durable (acks to a broker).
 * ``close()`` releases the reader; it is called once, also after errors.
+
+A source that several worker processes can share (``aisp run --workers N``) also cuts its
+input into ``Split``s: ``splits(resume_from, rows)`` hands them out in order (and says the
+position after those handed out, for checkpoints), and ``split_reader(ctx)`` reads one in
+another process.
 """
 
 from __future__ import annotations
@@ -25,7 +30,16 @@ import numpy.typing as npt
 
 from aisp.batch import Batch
 
-__all__ = ["DeadLetterRecord", "Source", "SourceContext", "SourcePartition", "attach_traceparents"]
+__all__ = [
+    "DeadLetterRecord",
+    "Source",
+    "SourceContext",
+    "SourcePartition",
+    "Split",
+    "SplitReader",
+    "Splits",
+    "attach_traceparents",
+]
 
 DeadLetterRecord = dict[str, Any]
 
@@ -62,6 +76,37 @@ class SourcePartition(abc.ABC):
         """Release resources."""
 
 
+@dataclass(frozen=True)
+class Split:
+    """A part of a source's input another process can read on its own: ``spec`` (plain data,
+    for ``Source.split_reader``) and the number of events in it."""
+
+    spec: dict[str, Any]
+    rows: int
+
+
+class Splits(abc.ABC):
+    """A source's input cut into splits, handed out in order from a position."""
+
+    @abc.abstractmethod
+    def next(self) -> Split | None:
+        """The next split, or None at the end of the input."""
+
+    @property
+    @abc.abstractmethod
+    def position(self) -> Any:
+        """The position after the splits handed out so far (``Source.open`` and
+        ``Source.splits`` resume there)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources."""
+
+
+SplitReader = Callable[[dict[str, Any]], list[Batch]]
+"""Reads the events of one split (``Split.spec``); what does not decode goes to the context's
+dead letters."""
+
+
 class Source(abc.ABC):
     """Config-only factory of ``SourcePartition``s.
 
@@ -76,6 +121,19 @@ class Source(abc.ABC):
 
     def describe(self) -> str:
         return type(self).__name__
+
+    def column_names(self) -> list[str] | None:
+        """The columns of the batches it reads, when known before reading."""
+        return None
+
+    def splits(self, resume_from: Any, rows: int) -> Splits | None:
+        """The input cut into splits of about ``rows`` events, from ``resume_from``, for
+        several workers; None: this source cannot be split."""
+        return None
+
+    def split_reader(self, ctx: SourceContext) -> SplitReader:
+        """A reader of this source's splits, in another process (``splits`` says which)."""
+        raise NotImplementedError(f"{self.describe()} cannot be split")
 
 
 def attach_traceparents(batch: Batch, kept: npt.NDArray[np.int64], headers: list[Any]) -> Batch:

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 
 from aisp.batch import Batch, matrix_column
-from aisp.ingest.base import Source, SourceContext, SourcePartition
+from aisp.ingest.base import Source, SourceContext, SourcePartition, Split, SplitReader, Splits
 
 __all__ = ["WorkloadFSource"]
 
@@ -38,14 +38,57 @@ class WorkloadFSource(Source):
     def describe(self) -> str:
         return f"workload-f(events={self.events}, seed={self.seed})"
 
+    def column_names(self) -> list[str]:
+        return ["id", "user", "amount", "ts", "f"]
+
+    def splits(self, resume_from: Any, rows: int) -> Splits:
+        """Ranges of ``rows`` events (each the same events whoever reads it)."""
+        return _Ranges(int(resume_from or 0), self.events, max(1, rows))
+
+    def split_reader(self, ctx: SourceContext) -> SplitReader:
+        names = _user_names(self.users)
+
+        def read(spec: dict[str, Any]) -> list[Batch]:
+            part = _WorkloadFPartition(self, int(spec["start"]), end=int(spec["end"]), names=names)
+            batches = []
+            while (batch := part.next_batch(_WorkloadFPartition._BLOCK)) is not None:
+                batches.append(batch)
+            return batches
+
+        return read
+
+
+def _user_names(users: int) -> pa.Array:
+    return pa.array([f"u{i}" for i in range(users)], type=pa.string())
+
+
+class _Ranges(Splits):
+    def __init__(self, start: int, total: int, rows: int) -> None:
+        self._next, self._total, self._rows = start, total, rows
+
+    def next(self) -> Split | None:
+        if self._next >= self._total:
+            return None
+        end = min(self._total, self._next + self._rows)
+        split = Split({"start": self._next, "end": end}, end - self._next)
+        self._next = end
+        return split
+
+    @property
+    def position(self) -> Any:
+        return self._next
+
 
 class _WorkloadFPartition(SourcePartition):
     _BLOCK = 4096  # events are drawn in fixed blocks so output does not depend on batch sizes
 
-    def __init__(self, cfg: WorkloadFSource, start: int) -> None:
+    def __init__(
+        self, cfg: WorkloadFSource, start: int, end: int | None = None, names: pa.Array | None = None
+    ) -> None:
         self._cfg = cfg
         self._next = start
-        self._names = pa.array([f"u{i}" for i in range(cfg.users)], type=pa.string())
+        self._end = cfg.events if end is None else min(end, cfg.events)
+        self._names = names if names is not None else _user_names(cfg.users)
         self._block_no = -1
         self._block: dict[str, np.ndarray] = {}
 
@@ -63,7 +106,7 @@ class _WorkloadFPartition(SourcePartition):
         self._block_no = block_no
 
     def next_batch(self, max_rows: int) -> Batch | None:
-        total = self._cfg.events
+        total = self._end
         if self._next >= total:
             return None
         block_no, offset = divmod(self._next, self._BLOCK)

@@ -7,34 +7,27 @@ hash depends only on the key's bytes (a polynomial over the UTF-8 bytes, compute
 column at once with numpy over the Arrow buffers, then a 64-bit finaliser), never on Python's
 per-process ``hash``.
 
-``FileBlocks`` cuts a JSON-lines file into blocks of whole lines (about ``block_bytes`` each)
-without holding them: it reads to count lines and find the line ends, so each block carries its
-byte range and the number of the line before it (dead letters keep their line numbers).
+The input is cut by the source (``Source.splits``: a file into blocks of whole lines, a
+generator into ranges of events).
 """
 
 from __future__ import annotations
 
-import io
 import struct
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
 from aisp.batch import Batch
-from aisp.connectors.file.source import JsonlFileSource
-from aisp.errors import ConfigError, SourceError
+from aisp.errors import ConfigError
 from aisp.graph import Graph
-from aisp.ingest.decode import ColumnarDecoder
+from aisp.ingest.base import Source
 
 __all__ = [
-    "Block",
     "ExchangePlan",
-    "FileBlocks",
     "Pipes",
     "batch_from_bytes",
     "batch_to_bytes",
@@ -48,7 +41,6 @@ _P_INV = np.uint64(pow(0x100000001B3, -1, 1 << 64))
 _MIX1 = np.uint64(0xFF51AFD7ED558CCD)
 _MIX2 = np.uint64(0xC4CEB9FE1A85EC53)
 _LEN = np.uint64(0x9E3779B97F4A7C15)
-_BOM = b"\xef\xbb\xbf"
 
 _powers = np.ones(1, dtype=np.uint64)
 _inverse = np.ones(1, dtype=np.uint64)
@@ -151,91 +143,15 @@ def batch_from_bytes(data: bytes | memoryview) -> Batch:
         return Batch(reader.read_next_batch())
 
 
-@dataclass(frozen=True)
-class Block:
-    """Lines ``line + 1 ..`` of a file, in bytes ``[offset, end)``; ``lines`` of them."""
-
-    offset: int
-    end: int
-    line: int
-    lines: int
-
-
-class FileBlocks:
-    """Cuts ``path`` into blocks of whole lines, from a position (``offset``, ``line``).
-
-    A block ends at the first line end at or after ``offset + block_bytes`` (or at the end of
-    the file); a last line without a newline is a line. A UTF-8 byte order mark at the start of
-    the file is skipped. Reads are sequential, in pieces of at most ``read_bytes``.
-    """
-
-    def __init__(
-        self,
-        path: str,
-        *,
-        offset: int = 0,
-        line: int = 0,
-        block_bytes: int = 1 << 18,
-        read_bytes: int = 1 << 20,
-    ) -> None:
-        try:
-            self._fh: BinaryIO = Path(path).open("rb", buffering=0)  # noqa: SIM115 - closed in close()
-        except OSError as exc:
-            raise SourceError(f"cannot open input {path!r}: {exc.strerror}") from exc
-        self._fh.seek(0, io.SEEK_END)
-        self.size = self._fh.tell()
-        if offset == 0:
-            self._fh.seek(0)
-            offset = len(_BOM) if self._fh.read(len(_BOM)) == _BOM else 0
-        self.offset, self.line = offset, line
-        self.block_bytes, self._read_bytes = max(1, block_bytes), read_bytes
-
-    def next(self) -> Block | None:
-        """The next block, or None at the end of the file."""
-        start = self.offset
-        if start >= self.size:
-            return None
-        target = min(start + self.block_bytes, self.size)
-        self._fh.seek(start)
-        newlines, pos, last = 0, start, b""
-        while pos < target:
-            piece = self._fh.read(min(self._read_bytes, target - pos))
-            if not piece:
-                break
-            newlines += piece.count(b"\n")
-            pos += len(piece)
-            last = piece[-1:]
-        end = pos
-        if last != b"\n":  # go on to the end of the line
-            while True:
-                piece = self._fh.read(4096)
-                if not piece:
-                    break
-                i = piece.find(b"\n")
-                if i >= 0:
-                    end += i + 1
-                    newlines += 1
-                    last = b"\n"
-                    break
-                end += len(piece)
-        lines = newlines + (1 if end >= self.size and last != b"\n" and end > start else 0)
-        block = Block(start, end, self.line, lines)
-        self.offset, self.line = end, self.line + lines
-        return block
-
-    def close(self) -> None:
-        self._fh.close()
-
-
 # -- messages: a tag byte, then these fields -----------------------------------------------------
-# coordinator -> worker: R (READ) read and decode a block; K (PAIR) checkpoint k at block B;
+# coordinator -> worker: R (READ) read a block: the source's split; K (PAIR) checkpoint k at block B;
 # E (ONE) the input ends at block B. worker -> coordinator: O (LINES) encoded rows of a sink,
 # A (SINK) a batch for a sink, D dead letters (JSON), S lines that did not decode (dead letters,
 # JSON), C (ONE) a block's part was taken, K (ACK) checkpoint k taken or not, M a snapshot of
 # the worker's pipeline (JSON, ``observe.remote.snapshot``), F the worker's result (JSON),
 # X an error.
 # worker -> worker: P (ONE) a block's part (Arrow IPC; none when empty).
-READ = struct.Struct("<Iqqq")  # block, offset, end, line
+READ = struct.Struct("<I")  # block, then the split (JSON)
 PAIR = struct.Struct("<II")
 ONE = struct.Struct("<I")
 LINES = struct.Struct("<HI")  # sink index, rows
@@ -246,10 +162,11 @@ PIPE_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class ExchangePlan:
-    """How a graph is shared by workers: its file source and the column keys are routed by."""
+    """How a graph is shared by workers: its source (one that splits) and the column rows are
+    routed by."""
 
     source_step: str
-    source: JsonlFileSource
+    source: Source
     key: str | None
     sinks: tuple[str, ...]
 
@@ -257,21 +174,22 @@ class ExchangePlan:
 def plan_exchange(graph: Graph) -> ExchangePlan:
     """Check that ``graph`` can run on several workers and say how; ``ConfigError`` says why not."""
     sources = [n for n in graph.nodes if n.kind == "source"]
-    if len(sources) != 1 or not isinstance(sources[0].spec, JsonlFileSource):
-        described = ", ".join(getattr(n.spec, "describe", lambda: "?")() for n in sources)
+    source = sources[0].spec if len(sources) == 1 else None
+    if source is None or type(source).splits is Source.splits:
+        described = ", ".join(n.spec.describe() for n in sources)
         raise ConfigError(
-            f"--workers N needs one JSON-lines file source (--input FILE); this pipeline reads {described}"
+            "--workers N needs one source that can be split (a JSON-lines file, a generator);"
+            f" this pipeline reads {described}"
         )
-    source: JsonlFileSource = sources[0].spec
     keys = sorted({n.spec.column for n in graph.nodes if n.kind == "key_by"})
     if len(keys) > 1:
         raise ConfigError(f"--workers N routes rows by one key; this pipeline is keyed by {keys}")
     key = keys[0] if keys else None
-    fields = set(ColumnarDecoder(source.schema).fields)
-    if key is not None and key not in fields:
+    fields = source.column_names()
+    if key is not None and fields is not None and key not in fields:
         raise ConfigError(
             f"--workers N routes rows by the key_by column {key!r} as read from the input; it is not a"
-            f" field of {source.schema.__name__} ({', '.join(sorted(fields))})"
+            f" column of {source.describe()} ({', '.join(sorted(fields))})"
         )
     sinks = tuple(sorted(n.step_id for n in graph.nodes if n.kind == "sink"))
     return ExchangePlan(sources[0].step_id, source, key, sinks)

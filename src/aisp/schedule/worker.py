@@ -25,7 +25,6 @@ from aisp.batch import Batch
 from aisp.errors import AispError
 from aisp.graph import Graph, graph_from
 from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
-from aisp.ingest.decode import ColumnarDecoder
 from aisp.ipc import report_error, worker_init
 from aisp.observe.remote import snapshot
 from aisp.observe.stats import peak_rss_mb
@@ -237,10 +236,13 @@ class _Worker:
             ),
             restore=restore,
         )
-        self._reads: collections.deque[tuple[int, tuple[int, int, int, int]]] = collections.deque()
+        self._reads: collections.deque[tuple[int, int, bytes]] = collections.deque()
         self._reads_cond = threading.Condition()
         self._decoding = threading.Lock()  # one block at a time: parts go out whole, in order
-        self._decoder = ColumnarDecoder(plan.source.schema)
+        self._dead: list[DeadLetterRecord] = []
+        ctx = SourceContext(plan.source_step, self._dead.extend, options.source_batch_rows)
+        self._read_split = plan.source.split_reader(ctx)
+        self._dec = msgspec.json.Decoder()
         self._enc = msgspec.json.Encoder()
         self._barriers: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -256,8 +258,9 @@ class _Worker:
                 msg = conn.recv_bytes()
                 tag = msg[:1]
                 if tag == b"R":
+                    (block,) = READ.unpack_from(msg, 1)
                     with self._reads_cond:
-                        self._reads.append((time.monotonic_ns(), READ.unpack_from(msg, 1)))
+                        self._reads.append((time.monotonic_ns(), block, msg[1 + READ.size :]))
                         self._reads_cond.notify()
                     self.inbox.wake()
                 elif tag == b"K":
@@ -277,10 +280,10 @@ class _Worker:
         is slow to come back."""
         with self._decoding:
             try:
-                _, (block, offset, end, line) = self._reads.popleft()
+                _, block, split = self._reads.popleft()
             except IndexError:
                 return False
-            self._decode(block, offset, end, line)
+            self._decode(block, self._dec.decode(split))
         return True
 
     def _late_reads(self, grace_ns: int = 10_000_000) -> None:
@@ -304,18 +307,11 @@ class _Worker:
                 self.inbox.close()
                 return
 
-    def _decode(self, block: int, offset: int, end: int, line: int) -> None:
-        plan, n = self.plan, self.workers
-        dead: list[DeadLetterRecord] = []
-        ctx = SourceContext(plan.source_step, dead.extend, self.ex.options.source_batch_rows)
-        part = plan.source.open_block(ctx, offset, end, line, self._decoder)
-        try:
-            batches = []
-            while (b := part.next_batch(1 << 30)) is not None:
-                batches.append(b)
-        finally:
-            part.close()
+    def _decode(self, block: int, split: dict[str, Any]) -> None:
+        self._dead.clear()
+        batches = self._read_split(split)
         batch = batches[0] if len(batches) == 1 else Batch.concat(batches) if batches else _EMPTY
+        dead, plan, n = self._dead, self.plan, self.workers
         if dead:  # counted by the coordinator as read
             self.outbox.send(b"S" + self._enc.encode(dead))
         if plan.key is None:

@@ -1,14 +1,15 @@
 """Keyed parallelism: one pipeline run by N shared-nothing worker processes (``--workers N``).
 
-The coordinator (the process that was started) cuts the input file into blocks of whole lines
-(``exchange.FileBlocks``) and hands block ``b`` to worker ``b % N``, which reads and decodes
-it. A keyed pipeline's rows go to the worker that owns their key (``exchange.key_owner`` of the
-``key_by`` column, one vectorised hash per block): the decoding worker keeps its own part and
-sends each other worker its part, as Arrow IPC over a pipe, so every worker takes every block's
-part in block order and each key's rows stay in input order. A pipeline without keys keeps each
-block where it was decoded. Each worker runs the whole graph in a ``LocalExecutor`` with its
-own keyed state; its sinks relay rows to the coordinator (JSON lines already encoded, for a
-sink that writes them; else Arrow IPC), which writes the real sinks and the dead letters.
+The coordinator (the process that was started) cuts the input into blocks (the source's
+``splits``: a file's blocks of whole lines, a generator's ranges of events) and hands block
+``b`` to worker ``b % N``, which reads and decodes it. A keyed pipeline's rows go to the worker
+that owns their key (``exchange.key_owner`` of the ``key_by`` column, one vectorised hash per
+block): the decoding worker keeps its own part and sends each other worker its part, as Arrow
+IPC over a pipe, so every worker takes every block's part in block order and each key's rows
+stay in input order. A pipeline without keys keeps each block where it was decoded. Each worker
+runs the whole graph in a ``LocalExecutor`` with its own keyed state; its sinks relay rows to
+the coordinator (JSON lines already encoded, for a sink that writes them; else Arrow IPC), which
+writes the real sinks and the dead letters.
 
 Flow control: the coordinator hands out a block only while fewer than ``window`` blocks are
 not yet taken by every worker, so the pipes and queues between processes hold a bounded number
@@ -35,13 +36,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from aisp.errors import AispError
 from aisp.graph import Graph
+from aisp.ingest.base import Splits
 from aisp.ipc import set_pipe_size
 from aisp.observe.clock import wall_ms
 from aisp.observe.latency import LatencyHistogram
@@ -55,9 +56,7 @@ from aisp.schedule.exchange import (
     PIPE_BYTES,
     READ,
     SINK,
-    Block,
     ExchangePlan,
-    FileBlocks,
     Pipes,
     batch_from_bytes,
 )
@@ -99,7 +98,7 @@ class WorkerPool:
             own in ``worker-I`` under it.
         restore: the coordinator's checkpoint to start from (its workers restore the same id).
         window: blocks handed out and not yet taken by every worker.
-        block_bytes: bytes of input per block (0: about ``source_batch_rows`` rows per worker).
+        block_rows: events per block (0: ``source_batch_rows`` per worker).
         observe: the workers send a snapshot of their pipelines every second (``merged``).
     """
 
@@ -116,7 +115,7 @@ class WorkerPool:
         store: CheckpointStore | None,
         restore: Any = None,
         window: int = 0,
-        block_bytes: int = 0,
+        block_rows: int = 0,
         observe: bool = False,
     ) -> None:
         self.graph, self.plan, self.n, self.options = graph, plan, workers, options
@@ -126,7 +125,7 @@ class WorkerPool:
         self.dead_letter, self.store = dead_letter, store
         self._restore = restore
         self._window = window or 2 * workers
-        self._block_bytes = block_bytes
+        self._block_rows = block_rows
         self._observe = observe
         self._snapshots: dict[int, dict[str, Any]] = {}
         self._trail = MergedTrail()
@@ -278,11 +277,12 @@ class WorkerPool:
     ) -> None:
         """Hand out the input, checkpoint every ``interval_s`` (and at the end), until the input
         ends or ``stop`` is set; then let the workers drain and collect their results."""
-        pos = self._restore["position"] if self._restore is not None else {"offset": 0, "line": 0}
-        block_bytes = self._block_bytes or self._guess_block_bytes(int(pos["offset"]))
-        blocks = FileBlocks(
-            self.plan.source.path, offset=int(pos["offset"]), line=int(pos["line"]), block_bytes=block_bytes
+        position = self._restore["position"] if self._restore is not None else None
+        blocks = self.plan.source.splits(
+            position, self._block_rows or self.options.source_batch_rows * self.n
         )
+        assert blocks is not None  # plan_exchange checked that the source splits
+        enc = msgspec.json.Encoder()
         handed, last_checkpoint = 0, time.monotonic()
         try:
             while not stop.is_set():
@@ -296,7 +296,8 @@ class WorkerPool:
                 block = blocks.next()
                 if block is None:
                     break
-                self._hand_out(handed, block)
+                self.events_in += block.rows
+                self._send(handed % self.n, b"R" + READ.pack(handed) + enc.encode(block.spec))
                 handed += 1
             if interval_s is not None:
                 self._checkpoint(handed, blocks)
@@ -319,19 +320,7 @@ class WorkerPool:
             self._raise_on_error()
             return block < min(self._through) + self._window
 
-    def _guess_block_bytes(self, offset: int) -> int:
-        """About ``source_batch_rows`` rows for each worker per block, by the first lines' length."""
-        with Path(self.plan.source.path).open("rb") as fh:
-            fh.seek(offset)
-            head = fh.read(1 << 16)
-        per_line = len(head) / max(1, head.count(b"\n")) if head else 100.0
-        return max(4096, int(per_line * self.options.source_batch_rows * self.n))
-
-    def _hand_out(self, b: int, block: Block) -> None:
-        self.events_in += block.lines
-        self._send(b % self.n, b"R" + READ.pack(b, block.offset, block.end, block.line))
-
-    def _checkpoint(self, handed: int, blocks: FileBlocks) -> None:
+    def _checkpoint(self, handed: int, blocks: Splits) -> None:
         """The aligned barrier at block ``handed`` (see the module docstring)."""
         if self.store is None:
             return
@@ -357,10 +346,9 @@ class WorkerPool:
         meta = {
             "pipeline": self.graph.name,
             "workers": self.n,
-            "position": {"offset": blocks.offset, "line": blocks.line},
+            "position": blocks.position,
             "sinks": sinks,
             "dead_letter_bytes": dead,
-            "events_in": blocks.line,
         }
         self.store.write(checkpoint_id, {}, meta)
         self.checkpoints += 1

@@ -12,7 +12,7 @@ import numpy as np
 
 from aisp.batch import Batch
 from aisp.errors import SourceError
-from aisp.ingest.base import Source, SourceContext, SourcePartition
+from aisp.ingest.base import Source, SourceContext, SourcePartition, SplitReader, Splits
 from aisp.ingest.decode import ColumnarDecoder
 
 __all__ = ["JsonlFileSource"]
@@ -29,8 +29,8 @@ class JsonlFileSource(Source):
     The file is read in ``read_block_bytes`` blocks, never whole; memory stays bounded by the
     block size, ``max_line_bytes`` and the engine's queues. Positions are
     ``{"offset": bytes, "line": n}``; one that also holds ``"end"`` reads only the bytes
-    before that offset (``open_block``: a block of the file, for one of several workers).
-    Every line is an event: a line that is not a valid
+    before that offset (a block of the file, for one of several workers: ``splits``). Every
+    line is an event: a line that is not a valid
     object of the schema (blank and whitespace-only lines included, and a line longer than
     ``max_line_bytes``, which is skipped without being held in memory) is dead-lettered with its
     line number and the reason. A UTF-8 byte order mark at the start of the file is skipped.
@@ -45,12 +45,30 @@ class JsonlFileSource(Source):
     def open(self, ctx: SourceContext, resume_from: Any = None) -> SourcePartition:
         return _JsonlPartition(self, ctx, resume_from)
 
-    def open_block(
-        self, ctx: SourceContext, offset: int, end: int, line: int, decoder: ColumnarDecoder | None = None
-    ) -> SourcePartition:
-        """A reader of the lines in bytes ``[offset, end)`` of the file, numbered from ``line + 1``;
-        ``decoder`` (of this source's schema) is reused when given."""
-        return _JsonlPartition(self, ctx, {"offset": offset, "line": line, "end": end}, decoder)
+    def column_names(self) -> list[str]:
+        return ColumnarDecoder(self.schema).fields
+
+    def splits(self, resume_from: Any, rows: int) -> Splits:
+        """Blocks of whole lines (``blocks.FileBlocks``), about ``rows`` lines each."""
+        from aisp.connectors.file.blocks import FileSplits
+
+        return FileSplits(self.path, resume_from, rows)
+
+    def split_reader(self, ctx: SourceContext) -> SplitReader:
+        """Reads a block: the lines in bytes ``[offset, end)``, numbered from ``line + 1``."""
+        decoder = ColumnarDecoder(self.schema)
+
+        def read(spec: dict[str, Any]) -> list[Batch]:
+            part = _JsonlPartition(self, ctx, spec, decoder)
+            try:
+                batches = []
+                while (batch := part.next_batch(1 << 30)) is not None:
+                    batches.append(batch)
+                return batches
+            finally:
+                part.close()
+
+        return read
 
     def describe(self) -> str:
         return f"jsonl:{self.path}"
