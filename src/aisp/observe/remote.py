@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -155,7 +156,8 @@ def _batcher(b: Any) -> dict[str, Any]:
     st, rt = b.stats, b.runtime
     return {
         "stats": {
-            k: getattr(st, k) for k in ("batches", "rows", "timeouts", "errors", "shed", "queued_rows")
+            k: getattr(st, k)
+            for k in ("batches", "rows", "timeouts", "errors", "shed", "queued_rows", "inline_batches")
         },
         "runtime": {
             "name": str(rt.name),
@@ -168,27 +170,9 @@ def _batcher(b: Any) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class _Counts:
-    batches: int = 0
-    rows: int = 0
-    timeouts: int = 0
-    errors: int = 0
-    shed: int = 0
-    queued_rows: int = 0
-
-
-@dataclass(frozen=True)
-class _Runtime:
-    name: str
-    version: str
-    provider: str
-    swaps: int
-
-
-@dataclass(frozen=True)
 class _Batcher:
-    stats: _Counts
-    runtime: _Runtime
+    stats: SimpleNamespace  # the counters of ``BatcherStats``, by name
+    runtime: SimpleNamespace  # name, version, provider, swaps
     _settings: dict[str, float]
 
     def settings(self) -> dict[str, float]:
@@ -270,7 +254,7 @@ class SnapshotView:
         self.dead_letter = _DeadLetters(**data["dead_letters"])
         self.stopping = bool(data["stopping"])
         self.batchers = {
-            sid: _Batcher(_Counts(**b["stats"]), _Runtime(**b["runtime"]), b["settings"])
+            sid: _Batcher(SimpleNamespace(**b["stats"]), SimpleNamespace(**b["runtime"]), b["settings"])
             for sid, b in data["batchers"].items()
         }
         self.drift_monitors = [_Drift(**d) for d in data["drift"]]

@@ -47,7 +47,7 @@ from aisp.sinks.base import RowEncoder, Sink, SinkPartition
 from aisp.sinks.deadletter import DeadLetterSink, DeadLetterWriter
 from aisp.state.checkpoint import CheckpointStore
 
-__all__ = ["worker_main"]
+__all__ = ["WorkerSpec", "worker_main"]
 
 _EMPTY = Batch.from_columns({}, ids=np.empty(0, dtype=np.int64), ingest_ns=0)
 
@@ -192,22 +192,30 @@ class _RelayDeadLetters(DeadLetterWriter):
             self._outbox.send(b"D" + self._enc.encode(recs))
 
 
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker process is told when it is forked: which worker it is, of how many, the
+    graph and its plan, the executor options, where its checkpoints go (None: none) and which
+    to restore, the sinks' line encoders, and whether to send snapshots for observers."""
+
+    index: int
+    workers: int
+    graph: Graph
+    plan: ExchangePlan
+    options: ExecutorOptions
+    store_root: str | None
+    keep: int
+    restore_id: int | None
+    encoders: dict[str, RowEncoder | None]
+    observe: bool
+
+
 class _Worker:
-    def __init__(
-        self,
-        index: int,
-        graph: Graph,
-        plan: ExchangePlan,
-        workers: int,
-        options: ExecutorOptions,
-        pipes: Pipes,
-        store: CheckpointStore | None,
-        restore_id: int | None,
-        encoders: dict[str, RowEncoder | None],
-        observe: bool = False,
-    ) -> None:
+    def __init__(self, spec: WorkerSpec, pipes: Pipes, store: CheckpointStore | None) -> None:
+        index, graph, plan, workers, options = spec.index, spec.graph, spec.plan, spec.workers, spec.options
+        restore_id, encoders = spec.restore_id, spec.encoders
         self.index, self.plan, self.workers, self.pipes = index, plan, workers, pipes
-        self._observe = observe
+        self._observe = spec.observe
         self.outbox = _Outbox(pipes.results)
         keyed = plan.key is not None
         self.inbox = _Inbox(0 if keyed else index, 1 if keyed else workers, self._taken, self._decode_next)
@@ -398,24 +406,13 @@ class _Worker:
         }
 
 
-def worker_main(
-    index: int,
-    graph: Graph,
-    plan: ExchangePlan,
-    workers: int,
-    options: ExecutorOptions,
-    pipes: Pipes,
-    others: list[Connection],
-    store_root: str | None,
-    keep: int,
-    restore_id: int | None,
-    encoders: dict[str, RowEncoder | None],
-    observe: bool,
-) -> None:
+def worker_main(spec: WorkerSpec, pipes: Pipes, others: list[Connection]) -> None:
+    """The forked worker process: close ``others`` (the pipe ends it does not own), run, and
+    report an error to the coordinator."""
     worker_init(*others)
     try:
-        store = CheckpointStore(store_root, keep=keep) if store_root is not None else None
-        _Worker(index, graph, plan, workers, options, pipes, store, restore_id, encoders, observe).run()
+        store = CheckpointStore(spec.store_root, keep=spec.keep) if spec.store_root is not None else None
+        _Worker(spec, pipes, store).run()
     except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, which raises it
         report_error(pipes.results, exc)
     finally:

@@ -60,7 +60,7 @@ from aisp.schedule.exchange import (
     Pipes,
     batch_from_bytes,
 )
-from aisp.schedule.worker import worker_main
+from aisp.schedule.worker import WorkerSpec, worker_main
 from aisp.sinks.base import RowEncoder, SinkPartition
 from aisp.sinks.deadletter import DeadLetterWriter
 from aisp.state.checkpoint import CheckpointStore
@@ -175,18 +175,20 @@ class WorkerPool:
             proc = ctx.Process(
                 target=worker_main,
                 args=(
-                    w,
-                    self.graph,
-                    self.plan,
-                    n,
-                    self.options,
+                    WorkerSpec(
+                        w,
+                        n,
+                        self.graph,
+                        self.plan,
+                        self.options,
+                        root,
+                        keep,
+                        restore_id,
+                        self._encoders,
+                        self._observe,
+                    ),  # fmt: skip
                     pipes,
                     others,
-                    root,
-                    keep,
-                    restore_id,
-                    self._encoders,
-                    self._observe,
                 ),
                 name=f"aisp-worker-{w}",
                 daemon=True,
