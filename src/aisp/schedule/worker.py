@@ -2,9 +2,10 @@
 
 The worker runs the whole graph in a ``LocalExecutor`` whose source is its ``_Inbox`` (the
 parts of every block, in block order) and whose sinks and dead letters relay to the
-coordinator. Its source's thread also reads and decodes the blocks handed to this worker, when
-the part it needs next is not there yet: one thread does the GIL-bound work, so the worker uses
-one core, and no worker waits on another that is busy with something else.
+coordinator. Its source's thread also reads and decodes the blocks handed to this worker, each
+time it takes a part (and while the part it needs is not there yet): one thread does the
+GIL-bound work, so the worker uses one core, and peers get their parts early. A block left
+waiting 10 ms (a paced source sleeps between batches) is decoded by a helper thread instead.
 """
 
 from __future__ import annotations
