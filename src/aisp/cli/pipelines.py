@@ -38,7 +38,7 @@ def run(
     ] = None,
     rate: Annotated[float, typer.Option(help="Pace the source at N events/s, open loop (0: max).")] = 0.0,
     events: Annotated[int | None, typer.Option(help="Events for a generator source.")] = None,
-    batch_rows: Annotated[int, typer.Option(help="Rows per source batch.")] = 1024,
+    batch_rows: Annotated[int, typer.Option(help="Rows per source batch.")] = 2048,
     workers: Annotated[
         int,
         typer.Option(help="Worker processes that share the pipeline by key (a file input; 0: one per core)."),

@@ -50,7 +50,7 @@ class SourceContext:
 
     step_id: str
     dead_letter: Callable[[list[DeadLetterRecord]], None]
-    batch_rows: int = 1024
+    batch_rows: int = 2048
     on_assign: Callable[[list[int]], dict[int, int]] | None = None
     """For a source whose partitions are assigned by a group (Kafka): called with partitions
     newly assigned, before any of their records is read; returns the position to start each at

@@ -16,7 +16,7 @@ class ExecutorOptions:
     """Executor settings. ``rate_events_per_s`` paces sources open-loop (0: as fast as possible)."""
 
     channel_capacity_rows: int = 8192
-    source_batch_rows: int = 1024
+    source_batch_rows: int = 2048
     rate_events_per_s: float = 0.0
     paced_linger_ms: float = 1.0
     offload_sources: bool = True
