@@ -356,7 +356,7 @@ def _run_workers(graph: Graph, opts: RunOptions) -> RunSummary:
         pool = WorkerPool(
             graph, plan, n, options=opts.execution, sinks=sinks, encoders=encoders, dead_letter=writer,
             store=store, restore={"id": latest.id, "position": latest.meta["position"]} if latest else None,
-            observe=observer is not None or opts.observe.live,
+            observe=observer is not None or opts.observe.live, repository_poll_s=opts.repository_poll_s,
         )  # fmt: skip
         pool.start()
         resources.callback(pool.close)

@@ -155,8 +155,10 @@ def test_memory_stays_bounded_on_a_large_file(tmp_path: Path) -> None:
     assert peak_mb < 400, f"peak RSS of the process tree {peak_mb:.0f} MB"
 
 
-def test_new_model_version_mid_run_every_event_once_tagged(tmp_path: Path) -> None:
-    """A second version copied into the repository mid-run is picked up with nothing lost."""
+@pytest.mark.parametrize("workers", [1, 2])
+def test_new_model_version_mid_run_every_event_once_tagged(tmp_path: Path, workers: int) -> None:
+    """A second version copied into the repository mid-run is picked up with nothing lost (by
+    every worker)."""
     import shutil
 
     repo = tmp_path / "repo"
@@ -165,6 +167,7 @@ def test_new_model_version_mid_run_every_event_once_tagged(tmp_path: Path) -> No
     write_events(src, 60_000, seed=11)
     cmd = fraud_cmd(src, str(out), "--dead-letter", str(dl), "--summary-json", str(summary), "--no-live")
     cmd += ["--model-repository", str(repo), "--repository-poll-s", "0.1", "--rate", "20000"]
+    cmd += ["--workers", str(workers)]
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (not out.exists() or out.stat().st_size < 500_000):
@@ -175,13 +178,13 @@ def test_new_model_version_mid_run_every_event_once_tagged(tmp_path: Path) -> No
     staged.rename(repo / "fraud" / "2")  # appears atomically, as a deploy would do it
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    rows = sorted((json.loads(x) for x in out.read_text().splitlines()), key=lambda r: r["id"])
     ids = [r["id"] for r in rows]
-    assert sorted(ids) == list(range(60_000)), "an event was lost or written twice"
+    assert ids == list(range(60_000)), "an event was lost or written twice"
     versions = {r["model_version"] for r in rows}
     assert versions == {"1", "2"}
     assert all(r["model"] == "fraud" for r in rows)
     assert [r["model_version"] for r in rows[-100:]] == ["2"] * 100
     s = json.loads(summary.read_text())
-    assert s["dead_letters"] == 0 and s["models"]["score"]["swaps"] == 1
+    assert s["dead_letters"] == 0 and s["models"]["score"]["swaps"] == workers  # once in each
     assert not dl.read_text()

@@ -25,6 +25,7 @@ import numpy as np
 from aisp.batch import Batch
 from aisp.errors import AispError
 from aisp.graph import Graph, graph_from
+from aisp.infer.versions import ServedModel
 from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
 from aisp.ipc import report_error, worker_init
 from aisp.observe.remote import snapshot
@@ -209,6 +210,8 @@ class WorkerSpec:
     restore_id: int | None
     encoders: dict[str, RowEncoder | None]
     observe: bool
+    repository_poll_s: float = 1.0
+    """How often versioned models (``ServedModel``) look for a new version (0: never)."""
 
 
 class _Worker:
@@ -217,6 +220,7 @@ class _Worker:
         restore_id, encoders = spec.restore_id, spec.encoders
         self.index, self.plan, self.workers, self.pipes = index, plan, workers, pipes
         self._observe = spec.observe
+        self._poll_s = spec.repository_poll_s
         self.outbox = _Outbox(pipes.results)
         keyed = plan.key is not None
         self.inbox = _Inbox(0 if keyed else index, 1 if keyed else workers, self._taken, self._decode_next)
@@ -372,7 +376,13 @@ class _Worker:
         self.ex.start()
         for t in threads:
             t.start()
+        served = [b.runtime for b in self.ex.batchers.values() if isinstance(b.runtime, ServedModel)]
+        next_poll = time.monotonic() + self._poll_s
         while not self.ex.join(timeout_s=0):
+            if served and self._poll_s > 0 and time.monotonic() >= next_poll:
+                for model in served:  # a new version in the repository is served
+                    model.refresh()
+                next_poll = time.monotonic() + self._poll_s
             try:
                 checkpoint_id, blocks = self._barriers.get(timeout=0.02)
             except queue.Empty:
@@ -399,7 +409,12 @@ class _Worker:
             "last_written_ns": st.last_written_ns,
             "stages": [s.as_dict() for s in st.stages.values()],
             "models": {
-                sid: {"rows": b.stats.rows, "batches": b.stats.batches, "errors": b.stats.errors}
+                sid: {
+                    "rows": b.stats.rows,
+                    "batches": b.stats.batches,
+                    "errors": b.stats.errors,
+                    "swaps": getattr(b.runtime, "swaps", 0),
+                }
                 for sid, b in self.ex.batchers.items()
             },
             "checkpoints": st.checkpoints,

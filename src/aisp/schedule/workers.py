@@ -100,6 +100,7 @@ class WorkerPool:
         window: blocks handed out and not yet taken by every worker.
         block_rows: events per block (0: ``source_batch_rows`` per worker).
         observe: the workers send a snapshot of their pipelines every second (``merged``).
+        repository_poll_s: how often the workers' versioned models look for a new version.
     """
 
     def __init__(
@@ -117,6 +118,7 @@ class WorkerPool:
         window: int = 0,
         block_rows: int = 0,
         observe: bool = False,
+        repository_poll_s: float = 1.0,
     ) -> None:
         self.graph, self.plan, self.n, self.options = graph, plan, workers, options
         self._sinks = [sinks[sid] for sid in plan.sinks]
@@ -127,6 +129,7 @@ class WorkerPool:
         self._window = window or 2 * workers
         self._block_rows = block_rows
         self._observe = observe
+        self._poll_s = repository_poll_s
         self._snapshots: dict[int, dict[str, Any]] = {}
         self._trail = MergedTrail()
         self.source_dead_letters = 0
@@ -383,7 +386,7 @@ class WorkerPool:
         models: dict[str, dict[str, Any]] = {}
         for r in results:
             for sid, m in r.models.items():
-                into = models.setdefault(sid, {"rows": 0, "batches": 0, "errors": 0})
+                into = models.setdefault(sid, {"rows": 0, "batches": 0, "errors": 0, "swaps": 0})
                 for k in into:
                     into[k] += m[k]
         for m in models.values():
