@@ -21,7 +21,7 @@ from aisp.connectors import dead_letter_sink
 from aisp.errors import ConfigError
 from aisp.graph import Graph
 from aisp.infer.batcher import DynamicBatcher
-from aisp.infer.versions import ServedModel
+from aisp.infer.versions import VersionWatcher
 from aisp.observe.clock import wall_ms
 from aisp.observe.stats import peak_rss_mb
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
@@ -296,7 +296,7 @@ def _announce(port: int, opts: ObserveOptions) -> None:
 def _drive(ex: LocalExecutor, opts: RunOptions, store: CheckpointStore | None) -> None:
     """Run until the pipeline is drained: checkpoints, model version polls, the live view."""
     interval = opts.checkpoints.interval_s if opts.checkpoints is not None else 1.0
-    watcher = _VersionWatcher(ex, opts.repository_poll_s)
+    watcher = VersionWatcher([b.runtime for b in ex.batchers.values()], opts.repository_poll_s)
     checkpoints = _Checkpointer(ex, store, interval)
     ex.on_drained = (lambda: ex.checkpoint(store)) if store is not None else ex.commit_sources
     bounded = opts.checkpoints is not None and opts.checkpoints.state_max_keys
@@ -437,22 +437,6 @@ class _Checkpointer:
         if self._ex.checkpoint(self._store) is None:
             log.warning("checkpoint skipped: the pipeline did not go quiet in time")
         self._last = time.monotonic()
-
-
-class _VersionWatcher:
-    """Polls versioned models (``refresh()``) so a new version in the repository is served."""
-
-    def __init__(self, ex: LocalExecutor, interval_s: float) -> None:
-        self._models = [b.runtime for b in ex.batchers.values() if isinstance(b.runtime, ServedModel)]
-        self._interval_ns = int(interval_s * 1e9)
-        self._next = time.monotonic_ns() + self._interval_ns
-
-    def poll(self) -> None:
-        if not self._models or self._interval_ns <= 0 or time.monotonic_ns() < self._next:
-            return
-        self._next = time.monotonic_ns() + self._interval_ns
-        for model in self._models:
-            model.refresh()
 
 
 def _tune_gc() -> Callable[[], None]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from aisp.errors import ModelError, ModelNotFound
 from aisp.infer.repository import ModelConfig, ModelRepository
 from aisp.infer.runtime import OnnxRuntime, TensorSpec
 
-__all__ = ["ServedModel"]
+__all__ = ["ServedModel", "VersionWatcher"]
 
 log = logging.getLogger("aisp.models")
 
@@ -186,3 +187,21 @@ class ServedModel:
         return (
             f"ServedModel({self.name!r}, version={self.version!r}, repository={str(self.repository.root)!r})"
         )
+
+
+class VersionWatcher:
+    """Polls the versioned models among ``runtimes`` (``ServedModel.refresh``) every
+    ``interval_s`` (0: never), so a new version in the repository is served; ``poll`` is
+    called often, by the thread that drives a run."""
+
+    def __init__(self, runtimes: Sequence[Any], interval_s: float) -> None:
+        self._models = [rt for rt in runtimes if isinstance(rt, ServedModel)]
+        self._interval_ns = int(interval_s * 1e9)
+        self._next = time.monotonic_ns() + self._interval_ns
+
+    def poll(self) -> None:
+        if not self._models or self._interval_ns <= 0 or time.monotonic_ns() < self._next:
+            return
+        self._next = time.monotonic_ns() + self._interval_ns
+        for model in self._models:
+            model.refresh()

@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily
 from aisp.graph import Graph
 from aisp.observe.latency import LatencyHistogram
 from aisp.observe.metrics import GcPauses, gc_pauses
-from aisp.observe.stats import LatencyTrail, RunStats
+from aisp.observe.stats import LatencyTrail, RunStats, StageStats
 from aisp.observe.view import PipelineView
 from aisp.retry import RETRIES
 
@@ -129,7 +129,7 @@ def _merge_hist(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def _merge_stage(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     out = dict(a)
-    for k in ("rows_in", "rows_out", "batches", "errors", "busy_ns", "cpu_ns", "queue_rows"):
+    for k in (*StageStats.COUNTERS, "queue_rows"):
         out[k] = a[k] + b[k]
     out["phases"] = {
         name: _merge_hist([h for h in (a["phases"].get(name), b["phases"].get(name)) if h is not None])

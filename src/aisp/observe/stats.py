@@ -38,6 +38,8 @@ class StageStats:
     """Rows per batch."""
 
     PHASES = ("queue", "batch", "serialize", "compute")
+    COUNTERS = ("rows_in", "rows_out", "batches", "errors", "busy_ns", "cpu_ns")
+    """The counters that add up (across the workers of a run)."""
 
     def phase(self, name: str, ns: int) -> None:
         """Record one batch's time in phase ``name``."""
@@ -51,12 +53,7 @@ class StageStats:
         return {
             "step_id": self.step_id,
             "kind": self.kind,
-            "rows_in": self.rows_in,
-            "rows_out": self.rows_out,
-            "batches": self.batches,
-            "errors": self.errors,
-            "busy_ns": self.busy_ns,
-            "cpu_ns": self.cpu_ns,
+            **{name: getattr(self, name) for name in self.COUNTERS},
             "queue_rows": self.queue_rows(),
             "phases": {name: h.to_dict() for name, h in list(self.phases.items())},
             "batch_rows": self.batch_rows.to_dict(),
@@ -68,12 +65,7 @@ class StageStats:
         return cls(
             step_id=data["step_id"],
             kind=data["kind"],
-            rows_in=data["rows_in"],
-            rows_out=data["rows_out"],
-            batches=data["batches"],
-            errors=data["errors"],
-            busy_ns=data["busy_ns"],
-            cpu_ns=data["cpu_ns"],
+            **{name: data[name] for name in cls.COUNTERS},
             queue_rows=lambda: queued,
             phases={name: LatencyHistogram.from_dict(h) for name, h in data["phases"].items()},
             batch_rows=LatencyHistogram.from_dict(data["batch_rows"]),

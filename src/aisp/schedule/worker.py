@@ -25,7 +25,7 @@ import numpy as np
 from aisp.batch import Batch
 from aisp.errors import AispError
 from aisp.graph import Graph, graph_from
-from aisp.infer.versions import ServedModel
+from aisp.infer.versions import VersionWatcher
 from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
 from aisp.ipc import report_error, worker_init
 from aisp.observe.remote import snapshot
@@ -376,13 +376,9 @@ class _Worker:
         self.ex.start()
         for t in threads:
             t.start()
-        served = [b.runtime for b in self.ex.batchers.values() if isinstance(b.runtime, ServedModel)]
-        next_poll = time.monotonic() + self._poll_s
+        versions = VersionWatcher([b.runtime for b in self.ex.batchers.values()], self._poll_s)
         while not self.ex.join(timeout_s=0):
-            if served and self._poll_s > 0 and time.monotonic() >= next_poll:
-                for model in served:  # a new version in the repository is served
-                    model.refresh()
-                next_poll = time.monotonic() + self._poll_s
+            versions.poll()
             try:
                 checkpoint_id, blocks = self._barriers.get(timeout=0.02)
             except queue.Empty:
