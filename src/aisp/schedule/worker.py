@@ -357,7 +357,8 @@ class _Worker:
             while True:
                 msg = conn.recv_bytes()
                 (block,) = ONE.unpack_from(msg, 1)
-                part = batch_from_bytes(memoryview(msg)[5:]) if len(msg) > 5 else _EMPTY
+                head = 1 + ONE.size
+                part = batch_from_bytes(memoryview(msg)[head:]) if len(msg) > head else _EMPTY
                 self.inbox.put(block, part)
         except (EOFError, OSError):
             return

@@ -219,16 +219,17 @@ class WorkerPool:
                 if tag == b"O":
                     i, rows = LINES.unpack_from(msg, 1)
                     with self._sink_locks[i]:
-                        self._sinks[i].write_encoded(msg[7:], rows)
+                        self._sinks[i].write_encoded(memoryview(msg)[1 + LINES.size :], rows)
                 elif tag == b"A":
                     (i,) = SINK.unpack_from(msg, 1)
                     with self._sink_locks[i]:
-                        self._sinks[i].write(batch_from_bytes(memoryview(msg)[3:]))
+                        self._sinks[i].write(batch_from_bytes(memoryview(msg)[1 + SINK.size :]))
                 elif tag == b"D":
                     self.dead_letter.records(dec.decode(msg[1:]))
                 elif tag == b"S":
                     records = dec.decode(msg[1:])
-                    self.source_dead_letters += len(records)
+                    with self._cond:  # several reader threads count
+                        self.source_dead_letters += len(records)
                     self.dead_letter.records(records)
                 elif tag == b"M":
                     self._snapshots[w] = dec.decode(msg[1:])

@@ -82,7 +82,7 @@ class SinkPartition(abc.ABC):
         self.flush()
         return None
 
-    def write_encoded(self, data: bytes, rows: int) -> None:
+    def write_encoded(self, data: bytes | memoryview, rows: int) -> None:
         """Write ``rows`` rows already encoded by the sink's ``line_encoder()`` (JSON lines from
         a worker process)."""
         raise SinkError(f"{type(self).__name__} does not take encoded lines")

@@ -62,7 +62,7 @@ class _JsonlWriter(SinkPartition):
         if batch.num_rows:
             self._fh.write(self._encoder.encode(batch))
 
-    def write_encoded(self, data: bytes, rows: int) -> None:
+    def write_encoded(self, data: bytes | memoryview, rows: int) -> None:
         self._fh.write(data)
 
     def flush(self) -> None:
