@@ -208,8 +208,7 @@ class _Gc:
 
     def __init__(self) -> None:
         self.stats: list[dict[str, int]] = []
-        self.pauses = GcPauses.__new__(GcPauses)
-        self.pauses.pauses = LatencyHistogram()
+        self.pauses = GcPauses()  # not a gc callback here: its histogram is the pipeline's
 
     def collect(self) -> Iterator[Any]:
         collected = CounterMetricFamily(
