@@ -27,7 +27,7 @@ from aisp.graph import split_ref
 from aisp.observe.diagnose import Scrape, diagnose
 from aisp.observe.latency import LatencyHistogram
 from aisp.observe.metrics import PipelineCollector
-from aisp.observe.stats import AdmissionStats
+from aisp.observe.stats import AdmissionStats, RunStats
 from aisp.observe.view import PipelineView
 
 __all__ = ["DashboardState", "page", "sse"]
@@ -75,10 +75,13 @@ class DashboardState:
             now = time.monotonic()
             if self._prev is not None and now - self._prev[0] < self._min_interval_s and self._state:
                 return self._state
-            counts = self._counts()
-            clock = self._ex.stats.seconds()  # the counters' own clock (a copy's is its time)
+            st = self._ex.stats  # read once: a remote view replaces it whole on each snapshot
+            clock = st.seconds()  # the counters' own clock (a copy's is its time)
+            if self._prev is not None and clock == self._prev[2] and self._state:
+                return self._state  # no newer snapshot yet: an empty interval would read as zeros
+            counts = self._counts(st)
             seconds = clock - self._prev[2] if self._prev is not None else clock
-            self._state = self._build(self._diagnosis(now), counts, max(seconds, 1e-6))
+            self._state = self._build(st, self._diagnosis(now), counts, max(seconds, 1e-6))
             self._prev = (now, counts, clock)
             return self._state
 
@@ -102,8 +105,8 @@ class DashboardState:
         points = stats.trail.points(stats.started_ns)  # up to the (possibly cached) state's time
         return {**state, "history": [p for p in points if p["t"] <= state["time_s"]]}
 
-    def _counts(self) -> dict[str, Any]:
-        st = self._ex.stats
+    @staticmethod
+    def _counts(st: RunStats) -> dict[str, Any]:
         return {
             "events_in": st.events_in,
             "events_out": st.events_out,
@@ -119,9 +122,8 @@ class DashboardState:
         return hist.since(earlier) if earlier is not None else hist.snapshot()
 
     def _build(
-        self, findings: list[dict[str, Any]], counts: dict[str, Any], seconds: float
+        self, st: RunStats, findings: list[dict[str, Any]], counts: dict[str, Any], seconds: float
     ) -> dict[str, Any]:
-        st = self._ex.stats
         empty: dict[str, Any] = {"events_in": 0, "events_out": 0, "stages": {}}
         before = self._prev[1] if self._prev is not None else empty
         stages = []

@@ -56,6 +56,20 @@ def test_a_loaded_snapshot_renders_the_same_metrics_and_dashboard() -> None:
     assert here == there
 
 
+def test_the_dashboard_of_a_view_keeps_its_state_until_a_newer_snapshot() -> None:
+    """Two updates between the same two snapshots must not read as an interval with no events
+    (rates and percentiles of zero on the page)."""
+    ex = finished_executor()
+    view = SnapshotView(ex.graph)
+    data = msgspec.json.decode(msgspec.json.encode(snapshot(ex)))
+    view.load(data)
+    state = DashboardState(view, min_interval_s=0.0)
+    first = state.update()
+    assert first["e2e_ms"]["count"] > 0 and first["events_in_per_s"] > 0
+    view.load(data)  # the same snapshot again, as when an update comes before the next one
+    assert state.update() == first
+
+
 def test_the_observer_serves_the_pipeline_process_metrics() -> None:
     ex = finished_executor()
     observer = RemoteObserver(ex.graph, 0, dashboard=True, interval_s=0.05)
