@@ -17,7 +17,7 @@ F_SETPIPE_SZ = 1031  # Linux fcntl: set a pipe's capacity
 F_GETPIPE_SZ = 1032
 
 
-def set_pipe_size(conn: Connection, size_bytes: int) -> int:
+def set_pipe_size(conn: Connection | int, size_bytes: int) -> int:
     """Grow the pipe behind ``conn`` to ``size_bytes`` (capped by the system limit); returns the size.
 
     Unprivileged processes may not exceed ``/proc/sys/fs/pipe-max-size``; the request is capped
@@ -27,10 +27,11 @@ def set_pipe_size(conn: Connection, size_bytes: int) -> int:
         limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
     except (OSError, ValueError):
         limit = size_bytes
+    fd = conn if isinstance(conn, int) else conn.fileno()
     try:
-        return int(fcntl.fcntl(conn.fileno(), F_SETPIPE_SZ, min(size_bytes, limit)))
+        return int(fcntl.fcntl(fd, F_SETPIPE_SZ, min(size_bytes, limit)))
     except OSError:
-        return int(fcntl.fcntl(conn.fileno(), F_GETPIPE_SZ))
+        return int(fcntl.fcntl(fd, F_GETPIPE_SZ))
 
 
 def _die_with_parent() -> None:

@@ -111,10 +111,16 @@ class Source(abc.ABC):
     """Config-only factory of ``SourcePartition``s.
 
     ``decode_heavy`` sources (JSON parsing) are run in a child process by the executor, so that
-    their GIL-bound decoding runs in parallel with the rest of the pipeline.
+    their GIL-bound decoding runs in parallel with the rest of the pipeline: the one
+    ``spawned()`` gives (a fresh interpreter), else a fork of the pipeline's process.
     """
 
     decode_heavy: ClassVar[bool] = False
+
+    def spawned(self) -> Source | None:
+        """The same input read and decoded by a fresh child interpreter (lighter than a fork
+        of the pipeline's process), or None if this source has no such form."""
+        return None
 
     @abc.abstractmethod
     def open(self, ctx: SourceContext, resume_from: Any = None) -> SourcePartition: ...

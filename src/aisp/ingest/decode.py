@@ -32,22 +32,14 @@ import numpy as np
 import pyarrow as pa
 
 from aisp.batch import matrix_column
+from aisp.ingest.plain import DecodeError, decode_rows, short
 
 __all__ = ["ColumnarDecoder", "DecodeError", "Decoded"]
 
 Converter = Callable[[Sequence[Any]], pa.Array]
 
-_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 # what building a column from values msgspec accepted can still raise (an int past int64, ...)
 _CONVERT_ERRORS = (pa.ArrowException, OverflowError, ValueError, TypeError, UnicodeError, RecursionError)
-
-
-@dataclass(frozen=True)
-class DecodeError:
-    """One line that did not decode: its index within the chunk and why."""
-
-    index: int
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -148,49 +140,10 @@ class ColumnarDecoder:
 
     def decode(self, lines: Sequence[bytes]) -> Decoded:
         """Rows of the lines that are valid, errors for the others (see the module docstring)."""
-        try:
-            items = list(map(self._one.decode, lines))
-        except _DECODE_ERRORS:
-            return self._decode_each(lines)
-        try:
-            return Decoded(self._columns(items), None, [])
-        except _CONVERT_ERRORS:
-            return self._isolate(items, np.arange(len(items), dtype=np.int64), [])
-
-    def _decode_each(self, lines: Sequence[bytes]) -> Decoded:
-        items: list[Any] = []
-        kept: list[int] = []
-        errors: list[DecodeError] = []
-        for i, line in enumerate(lines):
-            if not line.strip():
-                errors.append(DecodeError(i, "empty line"))
-                continue
-            try:
-                items.append(self._one.decode(line))
-                kept.append(i)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                errors.append(DecodeError(i, str(exc)))
-            except RecursionError:
-                errors.append(DecodeError(i, "JSON is nested too deeply"))
-        index = np.asarray(kept, dtype=np.int64)
-        try:
-            return Decoded(self._columns(items), index, errors)
-        except _CONVERT_ERRORS:
-            return self._isolate(items, index, errors)
-
-    def _isolate(self, items: list[Any], index: np.ndarray, errors: list[DecodeError]) -> Decoded:
-        """Columns of the rows that convert one by one; an error for each row that does not."""
-        good: list[Any] = []
-        kept: list[int] = []
-        for item, i in zip(items, index.tolist(), strict=True):
-            reason = self._convert_error(item)
-            if reason is None:
-                good.append(item)
-                kept.append(i)
-            else:
-                errors.append(DecodeError(i, reason))
-        errors.sort(key=lambda e: e.index)
-        return Decoded(self._columns(good), np.asarray(kept, dtype=np.int64), errors)
+        columns, kept, errors = decode_rows(
+            self._one, lines, self._columns, self._convert_error, _CONVERT_ERRORS
+        )
+        return Decoded(columns, None if kept is None else np.asarray(kept, dtype=np.int64), errors)
 
     def _convert_error(self, item: Any) -> str | None:
         values = self._getter(item) if len(self.fields) > 1 else (self._getter(item),)
@@ -198,7 +151,7 @@ class ColumnarDecoder:
             try:
                 conv([value])
             except OverflowError:
-                return f"field `{name}`: a number is out of range for its column ({_short(value)})"
+                return f"field `{name}`: a number is out of range for its column ({short(value)})"
             except _CONVERT_ERRORS as exc:
                 return f"field `{name}`: value does not fit its column ({type(exc).__name__}: {exc})"
         return None
@@ -209,8 +162,3 @@ class ColumnarDecoder:
             name: conv(list(map(get, items)))
             for name, conv, get in zip(self.fields, self._converters, self._getters, strict=True)
         }
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

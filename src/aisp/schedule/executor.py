@@ -284,8 +284,12 @@ class LocalExecutor:
     # -- tasks --------------------------------------------------------------------------------
     def _open_source(self, node: Node) -> SourcePartition:
         spec: Source = node.spec
-        if self.options.offload_sources and spec.decode_heavy and can_fork(node.step_id):
-            spec = ProcessSource(inner=spec)
+        if self.options.offload_sources and spec.decode_heavy:
+            child = spec.spawned()
+            if child is not None:
+                spec = child
+            elif can_fork(node.step_id):
+                spec = ProcessSource(inner=spec)
         position = self._restore.meta["sources"].get(node.step_id) if self._restore is not None else None
         if self.partition_states is not None:  # positions come with each partition's state
             ctx = SourceContext(
