@@ -14,9 +14,10 @@ import os
 import struct
 import subprocess
 import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgspec
 import numpy as np
@@ -82,6 +83,9 @@ class _SpawnedPartition(SourcePartition):
         finally:
             os.close(tx)
         self._rx = os.fdopen(rx, "rb")
+        # ends the child and closes the pipe once: at close(), or when a partition nobody closed
+        # is collected
+        self._end = weakref.finalize(self, _end_child, self._proc, self._rx)
 
     def _message(self) -> bytes:
         head = self._rx.read(_LENGTH.size)
@@ -145,12 +149,16 @@ class _SpawnedPartition(SourcePartition):
         return self._position
 
     def close(self) -> None:
-        self._rx.close()  # a child still writing gets a broken pipe and ends
-        try:
-            self._proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        self._end()
+
+
+def _end_child(proc: subprocess.Popen[bytes], rx: BinaryIO) -> None:
+    rx.close()  # a child still writing gets a broken pipe and ends
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _aligned(at: int) -> int:
