@@ -86,6 +86,9 @@ class LocalExecutor:
         self._ops: dict[str, Operator] = {}
         self._pending_inputs: dict[str, int] = {}
         self._threads: list[threading.Thread] = []
+        self._nested = threading.local()
+        """``ns``: nanoseconds of pushes nested in the current one (a model run inline hands
+        its results downstream before it returns), kept out of its stage's busy time."""
         self._key_indexes: dict[str, KeyIndex] = {}
         self._sink_parts: dict[str, SinkPartition] = {}
         self._source_parts: dict[str, SourcePartition] = {}
@@ -209,6 +212,15 @@ class LocalExecutor:
 
     # -- data flow ----------------------------------------------------------------------------
     def _push(self, sid: str, batch: Batch) -> None:
+        nested = self._nested
+        outer, nested.ns = getattr(nested, "ns", 0), 0
+        entered = time.perf_counter_ns()
+        try:
+            self._push_timed(sid, batch)
+        finally:  # the caller's stage did not spend this push's time
+            nested.ns = outer + time.perf_counter_ns() - entered
+
+    def _push_timed(self, sid: str, batch: Batch) -> None:
         st = self.stats.stages[sid]
         st.rows_in += batch.num_rows
         traced = batch.traced  # sampled events (set at ingest when tracing)
@@ -225,7 +237,7 @@ class LocalExecutor:
             self._dead_letter_rows(batch, sid, f"{type(exc).__name__}: {exc}")
             return
         finally:
-            took = time.perf_counter_ns() - t0
+            took = time.perf_counter_ns() - t0 - self._nested.ns
             st.busy_ns += took
         kind = self._nodes[sid].kind
         if kind != "infer":  # a model's phases come from its batcher
