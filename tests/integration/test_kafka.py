@@ -210,9 +210,17 @@ def test_keyed_state_moves_with_partitions_between_the_processes_of_a_group(
         first = worker("a")
         time.sleep(4.0)
         second = worker("b")
-        time.sleep(5.0)  # the group rebalances: each process owns one partition
+        deadline = time.monotonic() + 60  # the group rebalances: each process owns one partition
+        while (
+            len({c.parent for c in (tmp_path / "parts").glob("p-*/chk-*")}) < 2
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.25)
+        time.sleep(1.0)
         assert first.poll() is None and second.poll() is None
-        assert len(list((tmp_path / "parts").glob("p-*/chk-*"))) >= 2  # both partitions checkpointed
+        assert (
+            len({c.parent for c in (tmp_path / "parts").glob("p-*/chk-*")}) >= 2
+        )  # both partitions checkpointed
         first.kill()
         first.communicate()
         _, err = second.communicate(timeout=180)
