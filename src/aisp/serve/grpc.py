@@ -15,12 +15,13 @@ Binds 127.0.0.1 unless told otherwise.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent import futures
 from typing import Any
 
@@ -91,12 +92,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         metrics: ServerMetrics | None = None,
         limiter: Limiter | None = None,
         model_control: bool = False,
+        stream_window: int = 256,
     ) -> None:
         self.models = server
         self.name, self.version = name, version
         self.metrics = metrics
         self.limiter = limiter
         self.model_control = model_control
+        self.stream_window = stream_window
 
     def ServerLive(self, request: Any, context: Any) -> Any:  # noqa: N802 - the protocol's names
         return pb.ServerLiveResponse(live=True)
@@ -127,10 +130,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         model = self.models.served(request.name, request.version or None)
         return pb.ModelConfigResponse(config=model.config.message)
 
-    def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
+    async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
         started = time.perf_counter()
         try:
-            response = self._infer(request, context)
+            response = await self._infer(request, context)
             code = "OK"
         except Exception as exc:  # noqa: BLE001 - every failure is answered, typed or not
             status, details = status_of(exc)
@@ -140,17 +143,36 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
                 label = request.model_name if self.models.is_loaded(request.model_name) else "unknown"
                 self.metrics.observe("grpc", label, code, time.perf_counter() - started)
         if code != "OK":
-            context.abort(status, details)
+            await context.abort(status, details)
         return response
 
-    def ModelStreamInfer(self, request_iterator: Iterator[Any], context: Any) -> Iterator[Any]:  # noqa: N802
+    async def ModelStreamInfer(  # noqa: N802
+        self, request_iterator: AsyncIterator[Any], context: Any
+    ) -> AsyncIterator[Any]:
         """One response per request, in order; a request that fails is answered with its
-        ``error_message`` and the stream goes on."""
-        for request in request_iterator:
+        ``error_message`` and the stream goes on. The requests of a stream are read ahead (up
+        to ``stream_window``) and run concurrently, so they batch together like separate calls."""
+        answers: asyncio.Queue[asyncio.Task[Any] | None] = asyncio.Queue(self.stream_window)
+
+        async def read() -> None:
             try:
-                yield pb.ModelStreamInferResponse(infer_response=self._infer(request, context))
-            except Exception as exc:  # noqa: BLE001 - that request fails, the stream does not
-                yield pb.ModelStreamInferResponse(error_message=status_of(exc)[1])
+                async for request in request_iterator:
+                    await answers.put(asyncio.ensure_future(self._stream_answer(request, context)))
+            finally:
+                await answers.put(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (answer := await answers.get()) is not None:
+                yield await answer
+        finally:
+            reader.cancel()
+
+    async def _stream_answer(self, request: Any, context: Any) -> Any:
+        try:
+            return pb.ModelStreamInferResponse(infer_response=await self._infer(request, context))
+        except Exception as exc:  # noqa: BLE001 - that request fails, the stream does not
+            return pb.ModelStreamInferResponse(error_message=status_of(exc)[1])
 
     @_answered
     def ModelStatistics(self, request: Any, context: Any) -> Any:  # noqa: N802
@@ -199,7 +221,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         if not self.model_control:
             raise Forbidden(MODEL_CONTROL_OFF)
 
-    def _infer(self, request: Any, context: Any) -> Any:
+    async def _infer(self, request: Any, context: Any) -> Any:
         name, version = request.model_name, request.model_version or None
         sig = self.models.signature(name, version)
         req = parse_request(request, sig)
@@ -216,7 +238,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             timeout_s=remaining if remaining is not None and remaining < 1e6 else None,
             api_key=key,
         )
-        result = self.models.infer(name, admitted.arrays, **admitted.options)
+        result = await self.models.infer_async(name, admitted.arrays, **admitted.options)
         return encode_response(pb, req, sig, result.version, result.outputs)
 
 
@@ -364,35 +386,41 @@ OPEN_METHODS = ("/inference.GRPCInferenceService/ServerLive", "/inference.GRPCIn
 ADMIN_METHODS = ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")
 
 
-class _AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+class _AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Bearer tokens in the ``authorization`` metadata; health is open, the repository is admin."""
 
     def __init__(self, tokens: Tokens) -> None:
         self.tokens = tokens
 
-    def intercept_service(self, continuation: Any, details: Any) -> Any:
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
         method = details.method
         if method in OPEN_METHODS:
-            return continuation(details)
+            return await continuation(details)
         metadata = dict(details.invocation_metadata or ())
         scope: Scope = "admin" if method.rsplit("/", 1)[-1] in ADMIN_METHODS else "infer"
         status = self.tokens.check(metadata.get("authorization"), scope)
         if status == 200:
-            return continuation(details)
+            return await continuation(details)
         code = grpc.StatusCode.UNAUTHENTICATED if status == 401 else grpc.StatusCode.PERMISSION_DENIED
         message = "unauthorized" if status == 401 else "forbidden"
 
-        def refuse(request: Any, context: Any) -> Any:
-            context.abort(code, message)
+        async def refuse(request: Any, context: Any) -> Any:
+            await context.abort(code, message)
 
-        handler = continuation(details)
+        handler = await continuation(details)
         if handler is not None and handler.request_streaming:
             return grpc.stream_stream_rpc_method_handler(refuse)
         return grpc.unary_unary_rpc_method_handler(refuse)
 
 
 class GrpcServer:
-    """A gRPC server for a ``ModelServer`` on ``host:port`` (port 0 picks a free one)."""
+    """A gRPC server for a ``ModelServer`` on ``host:port`` (port 0 picks a free one).
+
+    It runs on ``grpc.aio`` in an event loop of its own thread: ModelInfer and ModelStreamInfer
+    are coroutines that gather into the models' batchers like the HTTP server's requests (a
+    thread per request, woken through a ``threading.Event``, made each call wait for the GIL
+    behind the others); the other methods, and the pipeline ingest stream, run in a pool of
+    ``workers`` threads."""
 
     def __init__(
         self,
@@ -412,36 +440,53 @@ class GrpcServer:
         """``tls``: (certificate chain PEM, private key PEM) to serve over TLS. ``models`` may
         be None when only ``pipelines`` are served. ``model_control``: allow repository loads
         and unloads."""
-        interceptors = [_AuthInterceptor(tokens)] if tokens is not None and tokens.enabled else []
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="aisp-grpc"),
-            interceptors=interceptors,
-            options=[
-                ("grpc.max_receive_message_length", 64 << 20),
-                ("grpc.max_send_message_length", 64 << 20),
-            ],
-        )
-        if models is not None:
-            pb_grpc.add_GRPCInferenceServiceServicer_to_server(
-                InferenceServicer(models, metrics=metrics, limiter=limiter, model_control=model_control),
-                self._server,
-            )
-        if pipelines:
-            streams = PipelineStreams(pipelines, admission_wait_s=admission_wait_ms / 1000, limiter=limiter)
-            self._server.add_generic_rpc_handlers((streams.handler(),))
-        if tls is None:
-            self.port = self._server.add_insecure_port(f"{host}:{port}")
-        else:
-            creds = grpc.ssl_server_credentials([(tls[1], tls[0])])
-            self.port = self._server.add_secure_port(f"{host}:{port}", creds)
         self.host = host
+        self._loop = asyncio.new_event_loop()
+        self._pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="aisp-grpc")
+        interceptors = [_AuthInterceptor(tokens)] if tokens is not None and tokens.enabled else []
+
+        async def build() -> tuple[grpc.aio.Server, int]:
+            server = grpc.aio.server(
+                migration_thread_pool=self._pool,
+                interceptors=interceptors,
+                options=[
+                    ("grpc.max_receive_message_length", 64 << 20),
+                    ("grpc.max_send_message_length", 64 << 20),
+                ],
+            )
+            if models is not None:
+                servicer = InferenceServicer(
+                    models, metrics=metrics, limiter=limiter, model_control=model_control
+                )
+                pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+            if pipelines:
+                streams = PipelineStreams(
+                    pipelines, admission_wait_s=admission_wait_ms / 1000, limiter=limiter
+                )
+                server.add_generic_rpc_handlers((streams.handler(),))
+            if tls is None:
+                bound = server.add_insecure_port(f"{host}:{port}")
+            else:
+                creds = grpc.ssl_server_credentials([(tls[1], tls[0])])
+                bound = server.add_secure_port(f"{host}:{port}", creds)
+            return server, bound
+
+        self._server, self.port = self._loop.run_until_complete(build())
+        self._thread = threading.Thread(target=self._loop.run_forever, name="aisp-grpc-loop", daemon=True)
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
     def start(self) -> None:
-        self._server.start()
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result()
 
     def stop(self, grace_s: float = 5.0) -> None:
-        self._server.stop(grace_s).wait()
+        """Refuse new calls, let the ones in progress finish for up to ``grace_s``, then end."""
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._server.stop(grace_s), self._loop).result()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+        self._loop.close()
+        self._pool.shutdown(wait=False)

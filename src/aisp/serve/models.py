@@ -276,10 +276,10 @@ class ModelServer:
         now = time.monotonic_ns()
         with self._lock:
             self._pending[req] = pending
-        gather = served.gather
+        gather = served.gathers.setdefault(loop, [])
         gather.append(Gathered(req, inputs, n, tier, deadline, now + int(self.admission_wait_ms * 1e6)))
         if len(gather) == 1:
-            loop.call_soon(self._flush, served)
+            loop.call_soon(self._flush, served, loop)
         started = time.perf_counter_ns()
         try:
             assert pending.future is not None
@@ -314,18 +314,20 @@ class ModelServer:
             raise BadRequest(f"model {sig.model!r} cannot compute an input of zero elements: {exc}") from exc
         return InferResult(sig.model, str(runtime.version), dict(outputs))
 
-    def _flush(self, served: Served) -> None:
+    def _flush(self, served: Served, loop: asyncio.AbstractEventLoop) -> None:
         """(Event loop) Submit the requests gathered this turn: those that fit in the model's
         queue, one batch per input shape; the rest wait for room until their admission time is
         up. Never raises into the loop: a failure fails the requests it concerns."""
-        items, served.gather = served.gather, []
+        items = served.gathers.pop(loop, [])
         try:
-            self._submit_gathered(served, items)
+            self._submit_gathered(served, items, loop)
         except Exception as exc:  # noqa: BLE001 - a fault here must fail its requests, never the loop
             log.exception("model %s: submitting %d requests failed", served.model.name, len(items))
             self._settle([it.req for it in items], f"internal error: {type(exc).__name__}: {exc}")
 
-    def _submit_gathered(self, served: Served, items: list[Gathered]) -> None:
+    def _submit_gathered(
+        self, served: Served, items: list[Gathered], loop: asyncio.AbstractEventLoop
+    ) -> None:
         if not items:
             return
         batcher = served.batcher
@@ -348,9 +350,10 @@ class ModelServer:
         waiting = [it for it in refused if it.admit_until_ns > now]
         self._settle([it.req for it in refused if it.admit_until_ns <= now], "overloaded")
         if waiting:
-            if not served.gather:
-                asyncio.get_running_loop().call_later(0.001, self._flush, served)
-            served.gather[:0] = waiting
+            gather = served.gathers.setdefault(loop, [])
+            if not gather:
+                loop.call_later(0.001, self._flush, served, loop)
+            gather[:0] = waiting
 
     def _settle(self, reqs: Sequence[int], error: str | None) -> None:
         """Finish requests ``reqs`` (with ``error``, or done)."""

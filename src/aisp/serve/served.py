@@ -85,7 +85,9 @@ class Served:
         self.model = model
         self.signature = signature_of(model)
         self.stats: dict[str, ModelStats] = {}
-        self.gather: list[Gathered] = []  # asyncio requests of this loop turn (see infer_async)
+        self.gathers: dict[asyncio.AbstractEventLoop, list[Gathered]] = {}
+        """Asyncio requests of the current turn of each event loop (see ``infer_async``): the
+        HTTP server's loop and the gRPC server's."""
         self._phase_ns = threading.local()
         self.batcher = DynamicBatcher(
             model,
