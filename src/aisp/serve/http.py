@@ -26,7 +26,7 @@ from aisp.serve.auth import Scope, Tokens
 from aisp.serve.headers import DEADLINE_HEADER, TIER_HEADER
 from aisp.serve.http_errors import EXCEPTION_HANDLERS, guarded
 from aisp.serve.http_events import NDJSON, Events
-from aisp.serve.http_models import model_routes
+from aisp.serve.http_models import InferFastPath, ModelRoutes
 from aisp.serve.metrics import CONTENT_TYPE, ServerMetrics
 from aisp.serve.models import ModelServer
 from aisp.serve.oip_http import HEADER_LENGTH
@@ -111,8 +111,10 @@ def create_app(
         Route("/v2/health/ready", ready),
         Route("/v2", server_metadata),
     ]
+    model_api = None
     if models is not None:
-        routes += model_routes(models, metrics, limiter, max_body_bytes, model_control=model_control)
+        model_api = ModelRoutes(models, metrics, limiter, max_body_bytes, model_control=model_control)
+        routes += model_api.routes()
     served_pipelines = dict(pipelines or {})
     if served_pipelines:
 
@@ -130,7 +132,9 @@ def create_app(
             Route("/v1/pipelines/{pipeline}/events", events, methods=["POST"]),
             *_dashboard_routes(served_pipelines),
         ]
-    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
+    app: Any = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
+    if model_api is not None:
+        app = InferFastPath(app, model_api)
     return _Auth(app, tokens) if tokens is not None and tokens.enabled else app
 
 

@@ -10,7 +10,9 @@ Loading and unloading (Triton's model control) are refused unless ``model_contro
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -31,7 +33,7 @@ from aisp.serve.metrics import ServerMetrics
 from aisp.serve.models import ModelServer
 from aisp.serve.oip_http import HEADER_LENGTH, encode_response, parse_request
 
-__all__ = ["MODEL_CONTROL_OFF", "ModelRoutes", "config_json", "model_routes"]
+__all__ = ["MODEL_CONTROL_OFF", "InferFastPath", "ModelRoutes", "config_json"]
 
 MODEL_CONTROL_OFF = (
     "explicit model load / unload is not allowed: model control is off on this server"
@@ -95,16 +97,52 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def model_routes(
-    models: ModelServer,
-    metrics: ServerMetrics,
-    limiter: Limiter | None,
-    max_body_bytes: int,
-    *,
-    model_control: bool,
-) -> list[Route]:
-    """OIP v2 model routes, model repository extension and statistics."""
-    return ModelRoutes(models, metrics, limiter, max_body_bytes, model_control=model_control).routes()
+_INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([0-9]+))?/infer")
+
+
+class InferFastPath:
+    """ASGI: ``POST /v2/models/{m}[/versions/{v}]/infer`` answered by ``ModelRoutes.infer_asgi``
+    before the framework (its router, request and response objects cost more per request than
+    a small model's share of a batch); every other request goes on to ``app``."""
+
+    def __init__(self, app: Any, routes: ModelRoutes) -> None:
+        self.app, self.routes = app, routes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            m = _INFER_PATH.fullmatch(scope["path"])
+            if m is not None:
+                version = m.group(2)
+                await self.routes.infer_asgi(scope, receive, send, m.group(1), version and str(int(version)))
+                return
+        await self.app(scope, receive, send)
+
+
+class _Headers(dict[str, str]):
+    """Request headers by lower-case name, looked up in any case."""
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return dict.get(self, key.lower(), default)
+
+
+async def _receive_body(receive: Any, headers: Mapping[str, str], limit: int) -> bytes:
+    """``_read_body`` from the ASGI ``receive`` channel."""
+    declared = headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise BadRequest("the client disconnected before sending the whole body")
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _version(request: Request) -> str | None:
@@ -113,7 +151,8 @@ def _version(request: Request) -> str | None:
 
 
 class ModelRoutes:
-    """The endpoints of ``model_routes`` over one ``ModelServer``."""
+    """OIP v2 model routes (``routes``), model repository extension and statistics over one
+    ``ModelServer``."""
 
     def __init__(
         self,
@@ -159,36 +198,69 @@ class ModelRoutes:
         return JSONResponse(config_json(cfg.message))
 
     async def infer(self, request: Request) -> Response:
+        """The infer route through Starlette (``InferFastPath`` answers POSTs before it)."""
         started = time.perf_counter()
+        name = request.path_params["model"]
         try:
-            response = await self._infer(request)
+            body, headers = await self._infer(
+                name, _version(request), request.headers, lambda: _read_body(request, self.max_body_bytes),
+                _peer(request),
+            )  # fmt: skip
+            response = Response(body, headers=headers)
         except Exception as exc:  # noqa: BLE001 - every failure is answered, typed or not
             response = error_response(exc)
-        model = request.path_params["model"]
-        label = model if self.models.is_loaded(model) else "unknown"
-        self.metrics.observe("http", label, str(response.status_code), time.perf_counter() - started)
+        self._observe(name, response.status_code, started)
         return response
 
-    async def _infer(self, request: Request) -> Response:
+    async def infer_asgi(self, scope: Any, receive: Any, send: Any, name: str, version: str | None) -> None:
+        """The infer route as a plain ASGI call: no router, request or response objects."""
+        started = time.perf_counter()
+        headers = _Headers((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"])
+        client = scope.get("client")
+        try:
+            body, extra = await self._infer(
+                name, version, headers, lambda: _receive_body(receive, headers, self.max_body_bytes),
+                client[0] if client else "unknown",
+            )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - every failure is answered, typed or not
+            response = error_response(exc)
+            self._observe(name, response.status_code, started)
+            await response(scope, receive, send)
+            return
+        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
+        raw.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": raw})
+        await send({"type": "http.response.body", "body": body})
+        self._observe(name, 200, started)
+
+    def _observe(self, name: str, status: int, started: float) -> None:
+        label = name if self.models.is_loaded(name) else "unknown"
+        self.metrics.observe("http", label, str(status), time.perf_counter() - started)
+
+    async def _infer(
+        self,
+        name: str,
+        version: str | None,
+        headers: Mapping[str, str],
+        read_body: Callable[[], Awaitable[bytes]],
+        peer: str,
+    ) -> tuple[bytes, dict[str, str]]:
         models, limiter = self.models, self.limiter
-        name, version = request.path_params["model"], _version(request)
         sig = models.signature(name, version)  # an unknown model is a 404 before the body is read
-        body = await _read_body(request, self.max_body_bytes)
-        req = parse_request(body, request.headers.get(HEADER_LENGTH), sig)
-        key = api_key(request.headers.get("authorization"), _peer(request)) if limiter is not None else ""
+        req = parse_request(await read_body(), headers.get(HEADER_LENGTH), sig)
+        key = api_key(headers.get("authorization"), peer) if limiter is not None else ""
         admitted = admit_infer(
             models,
             limiter,
             req,
             sig,
             version=version,
-            tier=parse_tier_header(request.headers),
-            timeout_s=parse_deadline_s(request.headers),
+            tier=parse_tier_header(headers),
+            timeout_s=parse_deadline_s(headers),
             api_key=key,
         )
         result = await models.infer_async(name, admitted.arrays, **admitted.options)
-        body, headers = encode_response(req, sig, result.version, result.outputs)
-        return Response(body, headers=headers)
+        return encode_response(req, sig, result.version, result.outputs)
 
     async def statistics(self, request: Request) -> Response:
         stats = self.models.statistics(request.path_params.get("model"), _version(request))
