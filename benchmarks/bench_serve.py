@@ -3,8 +3,10 @@
 Part 1, OIP v2 single-row JSON infer (``wrk`` with ``benchmarks/oip_infer.lua``, one wrk thread,
 closed loop, ``--seconds`` per point), at concurrency 1, 16, 64, 256, for:
 
-* ``hello``: a hello-world endpoint on the same stack (Starlette on uvicorn, httptools, uvloop);
-* ``unbatched``: the same stack decoding the same OIP JSON and calling ONNX Runtime per request;
+* ``asgi_hello``: a plain ASGI hello-world app on the same server (uvicorn, httptools, uvloop):
+  the server's own ceiling; ``hello``: the same endpoint on Starlette;
+* ``asgi_unbatched``: a plain ASGI app decoding the same OIP JSON and calling ONNX Runtime per
+  request; ``unbatched``: the same on Starlette;
 * ``aisp``: ``aisp serve`` on a model repository (dynamic batcher, admission control, metrics);
 
 first with workload F's small fraud MLP, then with a compute-heavy MLP (18 -> 1024 -> 1024 -> 1)
@@ -117,18 +119,20 @@ def infer_part(seconds: float, tmp: Path) -> dict[str, Any]:
     for model_name, model in models.items():
         repo = repository(tmp / f"repo-{model_name}", model, 512)
         contenders = {
+            "asgi_hello": [PY, str(apps), "asgi_hello", "0"],
             "hello": [PY, str(apps), "hello", "0"],
+            "asgi_unbatched": [PY, str(apps), "asgi_unbatched", "0", "uvicorn", str(model)],
             "unbatched": [PY, str(apps), "unbatched", "0", "uvicorn", str(model)],
             "aisp": [PY, "-m", "aisp.cli", "serve", str(repo), "--http-port", "0", "--grpc-port", "-1"],
         }
-        if model_name == "heavy":
-            del contenders["hello"]  # the stack's ceiling does not depend on the model
+        if model_name == "heavy":  # the stack's ceiling does not depend on the model
+            del contenders["hello"], contenders["asgi_hello"]
         for name, cmd in contenders.items():
             with server(cmd) as address:
                 for c in CONCURRENCY:
                     r = wrk(address, c, seconds)
                     results[f"{model_name}/{name}/c{c}"] = r
-                    print(f"{model_name:6} {name:9} c={c:3}  {r}", flush=True)
+                    print(f"{model_name:6} {name:14} c={c:3}  {r}", flush=True)
     if importlib.util.find_spec("granian") is None:
         print("granian is not installed (pip install -e '.[bench]'): skipping its hello run", flush=True)
         return results

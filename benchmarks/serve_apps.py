@@ -4,9 +4,11 @@
   body: the HTTP stack's ceiling (no decoding, no model).
 * ``unbatched``: the same OIP request parsing and response encoding as ``aisp serve``, but one
   ONNX Runtime call per request, in the request's own handler (no batcher).
+* ``asgi_hello`` and ``asgi_unbatched``: the same two as plain ASGI apps (no framework): the
+  ceiling of the HTTP server itself, and the cheapest unbatched server on it.
 
-Run one: ``python benchmarks/serve_apps.py hello|unbatched PORT [uvicorn|granian] [MODEL]``; it prints
-``http 127.0.0.1:PORT`` once it listens.
+Run one: ``python benchmarks/serve_apps.py APP PORT [uvicorn|granian] [MODEL]`` (APP: one of
+the four above); it prints ``http 127.0.0.1:PORT`` once it listens.
 """
 
 from __future__ import annotations
@@ -65,6 +67,61 @@ def unbatched(model: Path = MODEL) -> Any:
     return Starlette(routes=[Route("/v2/models/{model}/infer", infer, methods=["POST"])])
 
 
+async def _asgi_body(receive: Any) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _asgi_answer(send: Any, body: bytes, headers: dict[str, str]) -> None:
+    raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    raw.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": 200, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+def asgi_hello() -> Any:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await _asgi_body(receive)
+        await _asgi_answer(send, HELLO, {"content-type": "application/json"})
+
+    return app
+
+
+def asgi_unbatched(model: Path = MODEL) -> Any:
+    import onnxruntime as ort
+
+    from aisp.serve.oip import Signature, TensorSignature
+    from aisp.serve.oip_http import HEADER_LENGTH, encode_response, parse_request
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
+    session = ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
+    sig = Signature(
+        "fraud", 512, (TensorSignature("features", "FP32", (18,)),), (TensorSignature("score", "FP32", (1,)),)
+    )
+    header = HEADER_LENGTH.lower().encode()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        length = next((v.decode() for k, v in scope["headers"] if k == header), None)
+        req = parse_request(await _asgi_body(receive), length, sig)
+        (score,) = session.run(["score"], {"features": req.inputs[0].array})
+        await _asgi_answer(send, *encode_response(req, sig, "1", {"score": score}))
+
+    return app
+
+
+APPS = {"hello": hello, "unbatched": unbatched, "asgi_hello": asgi_hello, "asgi_unbatched": asgi_unbatched}
+
+
 def main() -> None:
     kind, port = sys.argv[1], int(sys.argv[2])
     server = sys.argv[3] if len(sys.argv) > 3 else "uvicorn"
@@ -88,7 +145,8 @@ def main() -> None:
 
     sock = socket.create_server(("127.0.0.1", port))
     print(f"http 127.0.0.1:{sock.getsockname()[1]}", flush=True)
-    app = hello() if kind == "hello" else unbatched(Path(sys.argv[4]) if len(sys.argv) > 4 else MODEL)
+    make = APPS[kind]
+    app = make(Path(sys.argv[4])) if len(sys.argv) > 4 and kind.endswith("unbatched") else make()
     config = uvicorn.Config(app, log_level="warning", http="httptools", loop="uvloop", lifespan="off")
     uvicorn.Server(config).run(sockets=[sock])
 
