@@ -31,6 +31,7 @@ from google.protobuf.json_format import ParseDict
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
+from aisp.aio import LoopThread
 from aisp.errors import AispError, BadRequest, Forbidden, ModelError, NotFound, Overloaded
 from aisp.infer.repository import check_model_name
 from aisp.schedule.ratelimit import Limiter
@@ -441,7 +442,7 @@ class GrpcServer:
         be None when only ``pipelines`` are served. ``model_control``: allow repository loads
         and unloads."""
         self.host = host
-        self._loop = asyncio.new_event_loop()
+        self._aio = LoopThread("aisp-grpc-loop")
         self._pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="aisp-grpc")
         interceptors = [_AuthInterceptor(tokens)] if tokens is not None and tokens.enabled else []
 
@@ -471,22 +472,20 @@ class GrpcServer:
                 bound = server.add_secure_port(f"{host}:{port}", creds)
             return server, bound
 
-        self._server, self.port = self._loop.run_until_complete(build())
-        self._thread = threading.Thread(target=self._loop.run_forever, name="aisp-grpc-loop", daemon=True)
+        self._server, self.port = self._aio.run(build())
+        self._started = False
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
     def start(self) -> None:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result()
+        self._aio.run(self._server.start())
+        self._started = True
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Refuse new calls, let the ones in progress finish for up to ``grace_s``, then end."""
-        if self._thread.is_alive():
-            asyncio.run_coroutine_threadsafe(self._server.stop(grace_s), self._loop).result()
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-        self._loop.close()
+        if self._started:
+            self._aio.run(self._server.stop(grace_s))
+        self._aio.close()
         self._pool.shutdown(wait=False)
