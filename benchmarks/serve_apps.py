@@ -39,29 +39,42 @@ def hello() -> Any:
     return Starlette(routes=[Route("/v2/models/{model}/infer", infer, methods=["POST"])])
 
 
-def unbatched(model: Path = MODEL) -> Any:
+def _answerer(model: Path) -> Any:
+    """``answer(body, header_length) -> (body, headers)``: the OIP request decoded as ``aisp
+    serve`` decodes it, one ONNX Runtime call, the response encoded as it encodes it."""
     import onnxruntime as ort
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import Response
-    from starlette.routing import Route
 
     from aisp.serve.oip import Signature, TensorSignature
-    from aisp.serve.oip_http import HEADER_LENGTH, encode_response, parse_request
+    from aisp.serve.oip_http import encode_response, parse_request
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     opts.inter_op_num_threads = 1
     session = ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
-
     sig = Signature(
         "fraud", 512, (TensorSignature("features", "FP32", (18,)),), (TensorSignature("score", "FP32", (1,)),)
     )
 
-    async def infer(request: Request) -> Response:
-        req = parse_request(await request.body(), request.headers.get(HEADER_LENGTH), sig)
+    def answer(body: bytes, header_length: str | None) -> tuple[bytes, dict[str, str]]:
+        req = parse_request(body, header_length, sig)
         (score,) = session.run(["score"], {"features": req.inputs[0].array})
-        body, headers = encode_response(req, sig, "1", {"score": score})
+        return encode_response(req, sig, "1", {"score": score})
+
+    return answer
+
+
+def unbatched(model: Path = MODEL) -> Any:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from aisp.serve.oip_http import HEADER_LENGTH
+
+    answer = _answerer(model)
+
+    async def infer(request: Request) -> Response:
+        body, headers = answer(await request.body(), request.headers.get(HEADER_LENGTH))
         return Response(body, headers=headers)
 
     return Starlette(routes=[Route("/v2/models/{model}/infer", infer, methods=["POST"])])
@@ -94,27 +107,16 @@ def asgi_hello() -> Any:
 
 
 def asgi_unbatched(model: Path = MODEL) -> Any:
-    import onnxruntime as ort
+    from aisp.serve.oip_http import HEADER_LENGTH
 
-    from aisp.serve.oip import Signature, TensorSignature
-    from aisp.serve.oip_http import HEADER_LENGTH, encode_response, parse_request
-
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1
-    opts.inter_op_num_threads = 1
-    session = ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
-    sig = Signature(
-        "fraud", 512, (TensorSignature("features", "FP32", (18,)),), (TensorSignature("score", "FP32", (1,)),)
-    )
+    answer = _answerer(model)
     header = HEADER_LENGTH.lower().encode()
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
         length = next((v.decode() for k, v in scope["headers"] if k == header), None)
-        req = parse_request(await _asgi_body(receive), length, sig)
-        (score,) = session.run(["score"], {"features": req.inputs[0].array})
-        await _asgi_answer(send, *encode_response(req, sig, "1", {"score": score}))
+        await _asgi_answer(send, *answer(await _asgi_body(receive), length))
 
     return app
 

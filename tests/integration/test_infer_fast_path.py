@@ -17,20 +17,11 @@ from tests.support.serving import aisp_serve, wait_http
 
 ROW = np.linspace(-1, 1, 18, dtype=np.float32)
 BODY = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 18], "data": ROW.tolist()}]}
-ALL_VERSIONS = """
-name: "fraud"
-platform: "onnxruntime_onnx"
-max_batch_size: 256
-input [ { name: "features" data_type: TYPE_FP32 dims: [ 18 ] } ]
-output [ { name: "score" data_type: TYPE_FP32 dims: [ 1 ] } ]
-dynamic_batching { max_queue_delay_microseconds: 500 }
-version_policy: { latest: { num_versions: 1 } }
-"""
 
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return fraud_repository(tmp_path_factory.mktemp("repo"), {1: 0.1, 2: 0.2}, ALL_VERSIONS)
+    return fraud_repository(tmp_path_factory.mktemp("repo"), {1: 0.1, 2: 0.2})  # serves the latest
 
 
 @pytest.fixture(scope="module")
