@@ -415,6 +415,30 @@ def test_hostile_ndjson_over_the_grpc_stream(pipeline: Served) -> None:
     channel.close()
 
 
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+    derandomize=True,
+)
+@given(st.lists(hostile_chunks(max_lines=60), min_size=1, max_size=4))
+def test_hostile_ndjson_over_a_websocket(pipeline: Served, messages: list[list[bytes]]) -> None:
+    """Hostile lines in several messages: each line answered in order (a row or an error with
+    its line number over the whole socket), then the server closes normally."""
+    from websockets.sync.client import connect
+
+    answer: list[bytes] = []
+    with connect(f"ws://{pipeline[0]}/v1/pipelines/fraud/ws", max_size=None) as ws:
+        for lines in messages:
+            if any(lines):  # an empty message would end the input
+                ws.send(b"\n".join(lines))
+        ws.send("")
+        for message in ws:
+            answer.append(message.encode() if isinstance(message, str) else message)
+    assert ws.close_code == 1000
+    check_results([line for lines in messages if any(lines) for line in lines], b"".join(answer))
+
+
 def test_odd_headers_on_the_ingest_route(pipeline: Served) -> None:
     url = f"http://{pipeline[0]}/v1/pipelines/fraud/events"
     for headers in (

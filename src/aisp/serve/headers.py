@@ -8,11 +8,20 @@ value came from.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from aisp.errors import BadRequest
 from aisp.transform.operators import DEFAULT_TIERS
 
-__all__ = ["DEADLINE_HEADER", "MAX_DEADLINE_MS", "TIER_HEADER", "TIER_KEY", "parse_deadline_ms", "parse_tier"]
+__all__ = [
+    "DEADLINE_HEADER",
+    "MAX_DEADLINE_MS",
+    "TIER_HEADER",
+    "TIER_KEY",
+    "Headers",
+    "parse_deadline_ms",
+    "parse_tier",
+]
 
 DEADLINE_HEADER = "X-Request-Deadline-Ms"
 """Milliseconds the client will wait: rows still queued after that are dropped, the request 504s."""
@@ -50,3 +59,14 @@ def parse_tier(name: str | None, source: str = TIER_KEY) -> int | None:
     if name not in DEFAULT_TIERS:
         raise BadRequest(f"{source} must be one of {sorted(DEFAULT_TIERS)}, got {name[:40]!r}")
     return DEFAULT_TIERS[name]
+
+
+class Headers(dict[str, str]):
+    """An ASGI request's headers (``of(scope)``) by lower-case name, looked up in any case."""
+
+    @classmethod
+    def of(cls, scope: Any) -> Headers:
+        return cls((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope["headers"])
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return dict.get(self, key.lower(), default)

@@ -3,7 +3,8 @@ pipelines, ``/metrics`` and the dashboard, behind optional bearer-token auth.
 
 Routes: ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /v2``, ``GET /metrics``; the
 model routes of ``http_models``; for served pipelines ``GET /v1/pipelines``,
-``POST /v1/pipelines/{p}/events`` (``http_events``) and the dashboard. Every error, unmatched
+``POST /v1/pipelines/{p}/events`` and the WebSocket ``/v1/pipelines/{p}/ws`` (``http_events``)
+and the dashboard. Every error, unmatched
 routes and methods included, is JSON ``{"error": ...}`` with its status (``http_errors``).
 Nothing from a request is ever unpickled.
 """
@@ -18,14 +19,14 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from aisp.errors import NotFound
 from aisp.schedule.ratelimit import Limiter, RateLimits
 from aisp.serve.auth import Scope, Tokens
-from aisp.serve.headers import DEADLINE_HEADER, TIER_HEADER
+from aisp.serve.headers import DEADLINE_HEADER, TIER_HEADER, Headers
 from aisp.serve.http_errors import EXCEPTION_HANDLERS, guarded
-from aisp.serve.http_events import NDJSON, Events
+from aisp.serve.http_events import NDJSON, Events, EventsSocket
 from aisp.serve.http_models import InferFastPath, ModelRoutes
 from aisp.serve.metrics import CONTENT_TYPE, ServerMetrics
 from aisp.serve.models import ModelServer
@@ -42,18 +43,26 @@ class _Auth:
         self.app, self.tokens = app, tokens
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not self.tokens.enabled or scope["path"].startswith("/v2/health/"):
+        if (
+            scope["type"] not in ("http", "websocket")
+            or not self.tokens.enabled
+            or scope["path"].startswith("/v2/health/")
+        ):
             await self.app(scope, receive, send)
             return
-        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
         needed: Scope = "admin" if scope["path"].startswith("/v2/repository") else "infer"
-        status = self.tokens.check(headers.get("authorization"), needed)
+        status = self.tokens.check(Headers.of(scope).get("authorization"), needed)
         if status == 200:
             await self.app(scope, receive, send)
             return
+        message = "unauthorized" if status == 401 else "forbidden"
+        if scope["type"] == "websocket":  # accepted, then closed with the reason (a refused
+            await receive()  # handshake could say no more than 403)
+            await send({"type": "websocket.accept"})
+            await send({"type": "websocket.close", "code": 4000 + status, "reason": message})
+            return
         extra = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
-        reply = JSONResponse({"error": "unauthorized" if status == 401 else "forbidden"}, status, extra)
-        await reply(scope, receive, send)
+        await JSONResponse({"error": message}, status, extra)(scope, receive, send)
 
 
 def create_app(
@@ -105,7 +114,7 @@ def create_app(
     async def metrics_endpoint(request: Request) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    routes = [
+    routes: list[BaseRoute] = [
         Route("/metrics", metrics_endpoint),
         Route("/v2/health/live", live),
         Route("/v2/health/ready", ready),
@@ -130,6 +139,7 @@ def create_app(
         routes += [
             Route("/v1/pipelines", pipeline_index),
             Route("/v1/pipelines/{pipeline}/events", events, methods=["POST"]),
+            WebSocketRoute("/v1/pipelines/{pipeline}/ws", EventsSocket(events)),
             *_dashboard_routes(served_pipelines),
         ]
     app: Any = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)

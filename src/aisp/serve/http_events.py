@@ -7,7 +7,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from starlette.requests import Request
@@ -17,10 +17,11 @@ from aisp.errors import AispError, BadRequest, NotFound, PayloadTooLarge
 from aisp.schedule.ratelimit import Limiter
 from aisp.serve.admission import PipelineAdmission
 from aisp.serve.auth import api_key
+from aisp.serve.headers import Headers
 from aisp.serve.http_errors import error_response, parse_deadline_s, parse_tier_header
 from aisp.serve.pipelines import Chunk, PipelineService
 
-__all__ = ["NDJSON", "Events"]
+__all__ = ["NDJSON", "Events", "EventsSocket", "close_code"]
 
 NDJSON = "application/x-ndjson"
 log = logging.getLogger("aisp.serve")
@@ -121,7 +122,7 @@ class Events:
             reply = await self._fire(service, stream, key, opts)
             await reply(scope, receive, send)
         else:
-            await self._results(service, stream, key, opts, send)
+            await self._results(service, stream, key, opts, _HttpOut(send))
 
     async def _fire(
         self, service: PipelineService, stream: AsyncIterator[list[bytes]], key: str, opts: dict[str, Any]
@@ -154,7 +155,7 @@ class Events:
         stream: AsyncIterator[list[bytes]],
         key: str,
         opts: dict[str, Any],
-        send: Any,
+        out: _Out,
     ) -> None:
         loop = asyncio.get_running_loop()
         wake, room = asyncio.Event(), asyncio.Event()
@@ -181,9 +182,7 @@ class Events:
         first = await anext(stream, None)
         if first is not None:
             await admit_next(first, True)  # may refuse: nothing has been sent yet
-        await send(
-            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", NDJSON.encode())]}
-        )
+        await out.start()
 
         async def read_rest() -> None:
             try:
@@ -207,12 +206,12 @@ class Events:
             sent = 0
             while True:
                 wake.clear()
-                out = []
+                ready = []
                 while pending:
                     chunk = pending[0]
                     upto = chunk.prefix
                     if upto > sent:
-                        out.append(chunk.lines(sent, upto))
+                        ready.append(chunk.lines(sent, upto))
                         sent = upto
                     if sent < chunk.n:
                         break
@@ -220,17 +219,142 @@ class Events:
                     sent = 0
                     state["unanswered"] -= chunk.n
                     room.set()
-                if out:
-                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                if ready:
+                    await out.write(b"".join(ready))
                 elif not pending and not state["reading"]:
                     break
                 else:
                     await wake.wait()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await out.end()
         finally:
             reader.cancel()
             for chunk in pending:
                 service.tracker.discard(chunk)
+
+
+class _Out(Protocol):
+    """Where ``_results`` writes: the status (``start``), result lines, the end."""
+
+    async def start(self) -> None: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end(self) -> None: ...
+
+
+class _HttpOut:
+    """A streamed NDJSON response."""
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+
+    async def start(self) -> None:
+        headers = [(b"content-type", NDJSON.encode())]
+        await self._send({"type": "http.response.start", "status": 200, "headers": headers})
+
+    async def write(self, data: bytes) -> None:
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end(self) -> None:
+        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _SocketOut:
+    """Text messages on an accepted WebSocket, each holding whole NDJSON result lines."""
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+
+    async def start(self) -> None:
+        pass
+
+    async def write(self, data: bytes) -> None:
+        await self._send({"type": "websocket.send", "text": data.decode()})
+
+    async def end(self) -> None:
+        pass
+
+
+def close_code(exc: BaseException) -> int:
+    """The WebSocket close code of a failure: 4000 + its HTTP status (4400 bad input, 4404 no
+    such pipeline, 4429 overloaded, 4503 draining, ...); 1011 for a fault of the server."""
+    return 4000 + exc.http_status if isinstance(exc, AispError) else 1011
+
+
+class EventsSocket:
+    """``/v1/pipelines/{pipeline}/ws``: the WebSocket form of ``Events`` (results mode).
+
+    Each message from the client (text or binary) holds whole NDJSON events; an empty message
+    ends the input. Results go back as text messages of whole NDJSON result lines, in the order
+    of the events, as the pipeline finishes them; after the last one the server closes with
+    1000. The handshake's headers carry the tier, the deadline and the token, as over HTTP.
+    What fails closes the socket with ``close_code`` and the reason: before any event was taken
+    (an unknown pipeline, a full admission queue after ``admission_wait_s``), or in the stream
+    after an error line. A full queue later in the stream stops reading the socket.
+    """
+
+    def __init__(self, events: Events) -> None:
+        self.events = events
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if (await receive())["type"] != "websocket.connect":
+            return
+        await send({"type": "websocket.accept"})
+        try:
+            await self._serve(scope, receive, send)
+        except ConnectionResetError:
+            return
+        except Exception as exc:  # noqa: BLE001 - this socket closes with the reason, the others go on
+            if not isinstance(exc, AispError):
+                log.exception("pipeline socket failed")
+            reason = str(exc) if isinstance(exc, AispError) else "internal error"
+            await _close(send, close_code(exc), reason)
+            return
+        await _close(send, 1000, "")
+
+    async def _serve(self, scope: Any, receive: Any, send: Any) -> None:
+        events = self.events
+        name = scope["path_params"]["pipeline"]
+        service = events.pipelines.get(name)
+        if service is None:
+            raise NotFound(f"no pipeline {name!r}; serving {sorted(events.pipelines)}")
+        headers = Headers.of(scope)
+        timeout_s, tier = parse_deadline_s(headers), parse_tier_header(headers)
+        deadline_ns = None if timeout_s is None else time.monotonic_ns() + int(timeout_s * 1e9)
+        client = scope.get("client")
+        peer = client[0] if client else "unknown"
+        key = api_key(headers.get("authorization"), peer) if events.limiter is not None else ""
+        parent = service.trace_parent(headers.get("traceparent"), headers.get("tracestate"))
+        opts = {"deadline_ns": deadline_ns, "tier": tier, "trace_parent": parent}
+        stream = _socket_lines(receive, service.chunk_rows, events.max_line_bytes)
+        await events._results(service, stream, key, opts, _SocketOut(send))
+
+
+async def _socket_lines(receive: Any, chunk_rows: int, max_bytes: int) -> AsyncIterator[list[bytes]]:
+    """The non-empty lines of each message, at most ``chunk_rows`` at a time, until an empty
+    message (the end of the input) or a disconnect."""
+    while True:
+        message = await receive()
+        if message["type"] == "websocket.disconnect":
+            raise ConnectionResetError("client disconnected")
+        data = message.get("bytes") or (message.get("text") or "").encode()
+        if not data:
+            return
+        if len(data) > max_bytes and max(map(len, data.split(b"\n"))) > max_bytes:
+            raise PayloadTooLarge(f"a line is longer than {max_bytes} bytes")
+        lines = [p for p in data.split(b"\n") if p]
+        for i in range(0, len(lines), chunk_rows):
+            yield lines[i : i + chunk_rows]
+
+
+async def _close(send: Any, code: int, reason: str) -> None:
+    reason_bytes = reason.encode()[:123]  # the protocol's limit for a close reason
+    try:
+        await send(
+            {"type": "websocket.close", "code": code, "reason": reason_bytes.decode("utf-8", "ignore")}
+        )
+    except Exception:  # noqa: BLE001, S110 - the client is gone already
+        pass
 
 
 def _failed_chunk(reason: str) -> Chunk:

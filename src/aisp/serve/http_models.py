@@ -28,6 +28,7 @@ from aisp.infer.repository import check_model_name
 from aisp.schedule.ratelimit import Limiter
 from aisp.serve.admission import admit_infer
 from aisp.serve.auth import api_key
+from aisp.serve.headers import Headers
 from aisp.serve.http_errors import error_response, guarded, parse_deadline_s, parse_tier_header
 from aisp.serve.metrics import ServerMetrics
 from aisp.serve.models import ModelServer
@@ -116,13 +117,6 @@ class InferFastPath:
                 await self.routes.infer_asgi(scope, receive, send, m.group(1), version and str(int(version)))
                 return
         await self.app(scope, receive, send)
-
-
-class _Headers(dict[str, str]):
-    """Request headers by lower-case name, looked up in any case."""
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return dict.get(self, key.lower(), default)
 
 
 async def _receive_body(receive: Any, headers: Mapping[str, str], limit: int) -> bytes:
@@ -215,7 +209,7 @@ class ModelRoutes:
     async def infer_asgi(self, scope: Any, receive: Any, send: Any, name: str, version: str | None) -> None:
         """The infer route as a plain ASGI call: no router, request or response objects."""
         started = time.perf_counter()
-        headers = _Headers((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"])
+        headers = Headers.of(scope)
         client = scope.get("client")
         try:
             body, extra = await self._infer(
