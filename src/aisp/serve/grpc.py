@@ -159,8 +159,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             try:
                 async for request in request_iterator:
                     await answers.put(asyncio.ensure_future(self._stream_answer(request, context)))
-            finally:
-                await answers.put(None)
+            except Exception:  # noqa: BLE001, S110 - the client's side broke: answer what was read
+                pass
+            await answers.put(None)  # (not when cancelled: nobody reads the answers any more)
 
         reader = asyncio.ensure_future(read())
         try:
