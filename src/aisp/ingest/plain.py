@@ -27,7 +27,7 @@ from typing import Annotated, Any, BinaryIO
 
 import msgspec
 
-__all__ = ["DecodeError", "LineReader", "PlainSchema", "decode_rows", "short"]
+__all__ = ["DecodeError", "LineReader", "PlainSchema", "decode_chunk", "decode_rows", "short"]
 
 DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 BOM = b"\xef\xbb\xbf"
@@ -196,7 +196,21 @@ class LineReader:
         return marker
 
 
-def dead_letter_records(
+def decode_chunk(
+    decode: Callable[[list[bytes]], tuple[Any, Any, list[DecodeError]]],
+    chunk: tuple[int, list[bytes], dict[int, int]],
+    step: str,
+    limit: int,
+) -> tuple[Any, Any, list[dict[str, Any]]]:
+    """A ``LineReader.take`` chunk through ``decode`` (lines -> columns, kept, errors): its
+    columns, the indices kept and the dead letters (an over-long line's says so)."""
+    first, lines, too_long = chunk
+    todo = [b"" if i in too_long else x for i, x in enumerate(lines)] if too_long else lines
+    columns, kept, errors = decode(todo)
+    return columns, kept, _dead_letters(step, first, lines, too_long, errors, limit) if errors else []
+
+
+def _dead_letters(
     step: str, first: int, lines: list[bytes], too_long: dict[int, int], errors: list[DecodeError], limit: int
 ) -> list[dict[str, Any]]:
     """The dead letters of a chunk's ``errors`` (line numbers from ``first``)."""
@@ -357,22 +371,20 @@ def child_main(argv: list[str]) -> None:
 
     schema = PlainSchema(cfg["schema"])
     decoder = msgspec.json.Decoder(schema.struct())
+
+    def decode(lines: list[bytes]) -> tuple[list[bytes], list[int] | None, list[DecodeError]]:
+        return decode_rows(decoder, lines, schema.pack, schema.row_error, (struct.error,))
+
     limit = cfg["max_line_bytes"]
     try:
         with open(cfg["path"], "rb") as fh:
             reader = LineReader(fh, cfg["position"], cfg["block_bytes"], limit)
             while (chunk := reader.take(cfg["batch_rows"])) is not None:
-                first, lines, too_long = chunk
+                first, lines = chunk[0], chunk[1]
                 now = time.monotonic_ns()
-                todo = [b"" if i in too_long else x for i, x in enumerate(lines)] if too_long else lines
-                columns, kept, errors = decode_rows(
-                    decoder, todo, schema.pack, schema.row_error, (struct.error,)
-                )
-                if errors:
-                    send(
-                        b"D",
-                        enc.encode(dead_letter_records(cfg["step"], first, lines, too_long, errors, limit)),
-                    )
+                columns, kept, records = decode_chunk(decode, chunk, cfg["step"], limit)
+                if records:
+                    send(b"D", enc.encode(records))
                 ids = b"" if kept is None else struct.pack(f"<{len(kept)}q", *(first + i for i in kept))
                 parts = [ids, *columns]
                 rows = len(lines) if kept is None else len(kept)

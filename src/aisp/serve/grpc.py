@@ -419,10 +419,9 @@ class GrpcServer:
     """A gRPC server for a ``ModelServer`` on ``host:port`` (port 0 picks a free one).
 
     It runs on ``grpc.aio`` in an event loop of its own thread: ModelInfer and ModelStreamInfer
-    are coroutines that gather into the models' batchers like the HTTP server's requests (a
-    thread per request, woken through a ``threading.Event``, made each call wait for the GIL
-    behind the others); the other methods, and the pipeline ingest stream, run in a pool of
-    ``workers`` threads."""
+    are coroutines that gather into the models' batchers like the HTTP server's requests, with
+    no thread per call waiting for the GIL behind the others; the other methods, and the
+    pipeline ingest stream, run in a pool of ``workers`` threads."""
 
     def __init__(
         self,

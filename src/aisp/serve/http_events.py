@@ -340,9 +340,10 @@ async def _socket_lines(receive: Any, chunk_rows: int, max_bytes: int) -> AsyncI
         data = message.get("bytes") or (message.get("text") or "").encode()
         if not data:
             return
-        if len(data) > max_bytes and max(map(len, data.split(b"\n"))) > max_bytes:
+        parts = data.split(b"\n")
+        if len(data) > max_bytes and max(map(len, parts)) > max_bytes:
             raise PayloadTooLarge(f"a line is longer than {max_bytes} bytes")
-        lines = [p for p in data.split(b"\n") if p]
+        lines = [p for p in parts if p]
         for i in range(0, len(lines), chunk_rows):
             yield lines[i : i + chunk_rows]
 

@@ -19,7 +19,7 @@ import msgspec
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -83,19 +83,7 @@ def _numbers(descriptor: Any, d: dict[str, Any]) -> None:
 
 async def _read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 as soon as it passes ``limit`` bytes (chunked bodies too)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise BadRequest("the client disconnected before sending the whole body") from None
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return await _receive_body(request.receive, request.headers, limit)
 
 
 _INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([0-9]+))?/infer")
@@ -120,7 +108,8 @@ class InferFastPath:
 
 
 async def _receive_body(receive: Any, headers: Mapping[str, str], limit: int) -> bytes:
-    """``_read_body`` from the ASGI ``receive`` channel."""
+    """The body from the ASGI ``receive`` channel, refused with 413 as soon as it passes
+    ``limit`` bytes (chunked bodies too)."""
     declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
@@ -164,7 +153,9 @@ class ModelRoutes:
         routes = [Route("/v2/models/stats", guarded(self.statistics))]
         for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version:int}"):
             routes += [
-                Route(f"{prefix}/infer", self.infer, methods=["POST"]),  # first: matched on every request
+                Route(
+                    f"{prefix}/infer", _RoutedInfer(self), methods=["POST"]
+                ),  # first: matched on every request
                 Route(prefix, guarded(self.metadata)),
                 Route(f"{prefix}/ready", guarded(self.ready)),
                 Route(f"{prefix}/config", guarded(self.config)),
@@ -190,21 +181,6 @@ class ModelRoutes:
     async def config(self, request: Request) -> Response:
         cfg = self.models.served(request.path_params["model"], _version(request)).config
         return JSONResponse(config_json(cfg.message))
-
-    async def infer(self, request: Request) -> Response:
-        """The infer route through Starlette (``InferFastPath`` answers POSTs before it)."""
-        started = time.perf_counter()
-        name = request.path_params["model"]
-        try:
-            body, headers = await self._infer(
-                name, _version(request), request.headers, lambda: _read_body(request, self.max_body_bytes),
-                _peer(request),
-            )  # fmt: skip
-            response = Response(body, headers=headers)
-        except Exception as exc:  # noqa: BLE001 - every failure is answered, typed or not
-            response = error_response(exc)
-        self._observe(name, response.status_code, started)
-        return response
 
     async def infer_asgi(self, scope: Any, receive: Any, send: Any, name: str, version: str | None) -> None:
         """The infer route as a plain ASGI call: no router, request or response objects."""
@@ -294,8 +270,17 @@ class ModelRoutes:
         return Response(status_code=200)
 
 
-def _peer(request: Request) -> str:
-    return request.client.host if request.client else "unknown"
+class _RoutedInfer:
+    """The infer route's ASGI endpoint in the router: what ``InferFastPath`` did not answer
+    first (an app built without it)."""
+
+    def __init__(self, routes: ModelRoutes) -> None:
+        self.routes = routes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        version = scope["path_params"].get("version")
+        name = scope["path_params"]["model"]
+        await self.routes.infer_asgi(scope, receive, send, name, None if version is None else str(version))
 
 
 def _decode(body: bytes, type_: Any, what: str) -> Any:

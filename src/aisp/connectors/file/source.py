@@ -14,7 +14,7 @@ from aisp.batch import Batch
 from aisp.errors import SourceError
 from aisp.ingest.base import Source, SourceContext, SourcePartition, SplitReader, Splits
 from aisp.ingest.decode import ColumnarDecoder
-from aisp.ingest.plain import LineReader, PlainSchema, dead_letter_records
+from aisp.ingest.plain import DecodeError, LineReader, PlainSchema, decode_chunk
 
 __all__ = ["JsonlFileSource"]
 
@@ -105,19 +105,20 @@ class _JsonlPartition(SourcePartition):
         chunk = self._reader.take(max_rows)
         if chunk is None:
             return None
-        first, lines, too_long = chunk
         now = time.monotonic_ns()
-        decoded = self._decoder.decode(
-            [b"" if i in too_long else x for i, x in enumerate(lines)] if too_long else lines
+        columns, kept, records = decode_chunk(
+            self._decode, chunk, self._ctx.step_id, self._cfg.max_line_bytes
         )
-        if decoded.errors:
-            limit = self._cfg.max_line_bytes
-            self._ctx.dead_letter(
-                dead_letter_records(self._ctx.step_id, first, lines, too_long, decoded.errors, limit)
-            )
-        line_idx = np.arange(len(lines), dtype=np.int64) if decoded.kept is None else decoded.kept
+        if records:
+            self._ctx.dead_letter(records)
+        first, lines = chunk[0], chunk[1]
+        line_idx = np.arange(len(lines), dtype=np.int64) if kept is None else kept
         ids = first + line_idx  # the line number is the event's engine id
-        return Batch.from_columns(decoded.columns, ids=ids, ingest_ns=now)
+        return Batch.from_columns(columns, ids=ids, ingest_ns=now)
+
+    def _decode(self, lines: list[bytes]) -> tuple[dict[str, Any], Any, list[DecodeError]]:
+        decoded = self._decoder.decode(lines)
+        return decoded.columns, decoded.kept, decoded.errors
 
     def snapshot(self) -> Any:
         return self._reader.position
