@@ -182,29 +182,34 @@ def test_metrics_and_the_dashboard_sum_the_workers(tmp_path: Path) -> None:
     write_events(data, 60_000, seed=2)
     cmd = aisp_run(data, out, "--workers", "2", "--rate", "20000", "--metrics-port", "0", "--dashboard")
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
-    url = ""
-    for line in proc.stderr:
-        if line.startswith("metrics http://"):
-            url = line.split()[1].removesuffix("/metrics")
-            break
-    assert url, "no metrics address announced"
-    by_worker: dict[str, float] = {}
-    deadline = time.monotonic() + 30
-    while len(by_worker) < 2 and time.monotonic() < deadline:
-        time.sleep(0.5)
-        text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
-        by_worker = {
-            m.group(1): float(m.group(2))
-            for m in re.finditer(r'aisp_worker_events_total\{direction="out",worker="(\d)"\} (\S+)', text)
-            if float(m.group(2)) > 0
-        }
-    assert set(by_worker) == {"0", "1"}, "each worker's events are shown"
-    total = re.search(r'aisp_events_total\{direction="out"\} (\S+)', text)
-    assert total is not None and float(total.group(1)) >= sum(by_worker.values()) > 0
-    state = json.loads(urllib.request.urlopen(f"{url}/dashboard/state?history=1", timeout=5).read())
-    assert state["events_out"] > 0 and [s["id"] for s in state["stages"]][0] == "events"
-    proc.communicate(timeout=60)
+    try:
+        assert proc.stderr is not None
+        url = ""
+        for line in proc.stderr:
+            if line.startswith("metrics http://"):
+                url = line.split()[1].removesuffix("/metrics")
+                break
+        assert url, "no metrics address announced"
+        by_worker: dict[str, float] = {}
+        deadline = time.monotonic() + 30
+        while len(by_worker) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
+            by_worker = {
+                m.group(1): float(m.group(2))
+                for m in re.finditer(r'aisp_worker_events_total\{direction="out",worker="(\d)"\} (\S+)', text)
+                if float(m.group(2)) > 0
+            }
+        assert set(by_worker) == {"0", "1"}, "each worker's events are shown"
+        total = re.search(r'aisp_events_total\{direction="out"\} (\S+)', text)
+        assert total is not None and float(total.group(1)) >= sum(by_worker.values()) > 0
+        state = json.loads(urllib.request.urlopen(f"{url}/dashboard/state?history=1", timeout=5).read())
+        assert state["events_out"] > 0 and [s["id"] for s in state["stages"]][0] == "events"
+        proc.communicate(timeout=60)
+    finally:  # a failed assertion must not leave the run behind
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 0
     assert len(out.read_text().splitlines()) == 60_000
 

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import msgspec
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 
 from aisp.graph import Graph
@@ -36,7 +37,7 @@ from aisp.observe.stats import LatencyTrail, RunStats, StageStats
 from aisp.observe.view import PipelineView
 from aisp.retry import RETRIES
 
-__all__ = ["MergedTrail", "RemoteObserver", "SnapshotView", "merge", "snapshot"]
+__all__ = ["ConsistentRegistry", "MergedTrail", "RemoteObserver", "SnapshotView", "merge", "snapshot"]
 
 
 def snapshot(view: PipelineView) -> dict[str, Any]:
@@ -243,12 +244,18 @@ class SnapshotView:
         self.drift_monitors: Sequence[_Drift] = []
         self.retries = _Retries()
         self.gc = _Gc()
+        self.lock = threading.Lock()
 
     def thread_of(self) -> dict[str, str]:
         return self._threads
 
     def load(self, data: dict[str, Any]) -> None:
-        """Take a ``snapshot``; each part is replaced whole, so a reader sees one or the other."""
+        """Take a ``snapshot``; each part is replaced whole, under ``lock`` (a reader that needs
+        several parts of one snapshot, a scrape, holds it: ``ConsistentRegistry``)."""
+        with self.lock:
+            self._load(data)
+
+    def _load(self, data: dict[str, Any]) -> None:
         self.stats = RunStats.from_state(data["stats"])
         self.dead_letter = _DeadLetters(**data["dead_letters"])
         self.stopping = bool(data["stopping"])
@@ -262,6 +269,20 @@ class SnapshotView:
         self.gc.pauses.pauses = LatencyHistogram.from_dict(data["gc"]["pauses"])
         self._threads = data["threads"]
         self.workers = data.get("workers")
+
+
+class ConsistentRegistry(CollectorRegistry):
+    """A view's metrics (``registry``), all read from one snapshot: the total of events out and
+    each worker's share come from the same one."""
+
+    def __init__(self, registry: CollectorRegistry, view: SnapshotView) -> None:
+        super().__init__(auto_describe=False)
+        self._registry, self._view = registry, view
+
+    def collect(self) -> Iterator[Any]:
+        with self._view.lock:
+            metrics = list(self._registry.collect())
+        yield from metrics
 
 
 def _yield_cpu() -> None:
@@ -289,7 +310,9 @@ def _observer_main(
     _yield_cpu()
     view = SnapshotView(graph)
     try:
-        registry = metrics_registry(view, pid=os.getppid(), gc_collector=view.gc, retries=view.retries)
+        registry = ConsistentRegistry(
+            metrics_registry(view, pid=os.getppid(), gc_collector=view.gc, retries=view.retries), view
+        )
         server = ObserveServer(view, port, dashboard=dashboard, registry=registry)
     except OSError as exc:
         ready.send_bytes(msgspec.json.encode({"error": f"cannot serve on port {port}: {exc.strerror}"}))

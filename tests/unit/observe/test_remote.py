@@ -15,7 +15,7 @@ from aisp import Batch, CollectSink, DeadLetterSink, Pipeline, PythonRuntime, Wo
 from aisp.observe.dashboard import DashboardState
 from aisp.observe.drift import DriftConfig
 from aisp.observe.metrics import PipelineCollector, TextExposition, metrics_registry
-from aisp.observe.remote import RemoteObserver, SnapshotView, snapshot
+from aisp.observe.remote import ConsistentRegistry, RemoteObserver, SnapshotView, snapshot
 from aisp.retry import RETRIES
 from aisp.schedule.executor import LocalExecutor
 
@@ -68,6 +68,27 @@ def test_the_dashboard_of_a_view_keeps_its_state_until_a_newer_snapshot() -> Non
     assert first["e2e_ms"]["count"] > 0 and first["events_in_per_s"] > 0
     view.load(data)  # the same snapshot again, as when an update comes before the next one
     assert state.update() == first
+
+
+def test_a_scrape_reads_one_snapshot_whole() -> None:
+    """A snapshot is loaded under the view's lock, which a scrape of ``ConsistentRegistry``
+    holds: a load waits for the scrape, so the totals and the workers' shares agree."""
+    import threading
+
+    ex = finished_executor()
+    view = SnapshotView(ex.graph)
+    data = msgspec.json.decode(msgspec.json.encode(snapshot(ex)))
+    view.load(data)
+    registry = ConsistentRegistry(metrics_registry(view, gc_collector=view.gc, retries=view.retries), view)
+    inner = metrics_registry(view, gc_collector=view.gc, retries=view.retries)
+    assert [m.name for m in registry.collect()] == [m.name for m in inner.collect()]
+    with view.lock:  # as during a scrape
+        loader = threading.Thread(target=view.load, args=(data,))
+        loader.start()
+        loader.join(0.2)
+        assert loader.is_alive()
+    loader.join(5)
+    assert not loader.is_alive()
 
 
 def test_the_observer_serves_the_pipeline_process_metrics() -> None:
