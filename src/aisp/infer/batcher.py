@@ -48,8 +48,11 @@ Finish = Callable[[Batch, Mapping[str, npt.NDArray[Any]], Runtime], Batch]
 """``finish(batch, outputs, runtime)``: ``runtime`` is the version that computed ``outputs``."""
 Emit = Callable[[Batch], None]
 DeadLetter = Callable[[Batch, str], None]
-OnBatch = Callable[[int, int, int], None]
-"""``on_batch(rows, queue_wait_ns, compute_ns)``: called after each successful model call."""
+OnBatch = Callable[[int, int, int, int], None]
+"""``on_batch(rows, queue_wait_ns, compute_ns, work_ns)``: called after each successful model
+call; ``work_ns`` is the thread's whole time on it (the batch formed, inputs prepared, the
+model, outputs attached: from when a dispatcher stopped waiting for work, or an inline call
+began, until the result goes to ``emit``), ``compute_ns`` the model's part of it."""
 
 
 class QueueFull(Overloaded):
@@ -91,7 +94,7 @@ class DynamicBatcher:
         emit: receives each result batch (called from a dispatcher thread).
         dead_letter: receives rows that timed out or whose call failed, with the reason.
         clock: monotonic nanoseconds, the same clock as ``_deadline_ns``; injectable for tests.
-        on_batch: optional ``on_batch(rows, queue_wait_ns, compute_ns)`` metrics hook.
+        on_batch: optional ``on_batch(rows, queue_wait_ns, compute_ns, work_ns)`` metrics hook.
 
     ``submit`` blocks while the queue holds ``capacity_rows`` (backpressure). ``close`` stops
     intake, dispatches what is queued and joins the threads, so no row is lost. An exception
@@ -125,6 +128,7 @@ class DynamicBatcher:
         self._count: Counter[str] = Counter()
         self._in_flight = 0  # model calls running now
         self._after = CostModel()  # what ``emit`` (the steps after the model) takes per call
+        self._caller = threading.local()  # per thread: ns not spent on its own work (not_work_ns)
         self._failure: BaseException | None = None
         self._tuner: AdaptiveTuner | None = None
         if config.adaptive is not None:
@@ -200,7 +204,9 @@ class DynamicBatcher:
                         f"batcher queue full ({queued} of {self.config.capacity_rows} rows)"
                         f" for {timeout_ms:g} ms"
                     )
+                waited = time.perf_counter_ns()
                 self._not_full.wait(wait_s)
+                self._not_work(time.perf_counter_ns() - waited)
             if admitted is not None:
                 self._queue.push(admitted, self._clock())
                 if self._tuner is not None:
@@ -267,10 +273,11 @@ class DynamicBatcher:
                 batch = batch.slice(start)
         self.submit(batch)
 
-    def _run_claimed(self, batch: Batch, wait_ns: int) -> None:
-        """Call the model on ``batch`` (its ``_in_flight`` slot taken), then give the slot back."""
+    def _run_claimed(self, batch: Batch, wait_ns: int, began: int | None = None) -> None:
+        """Call the model on ``batch`` (its ``_in_flight`` slot taken), then give the slot back.
+        ``began``: when the call's work began (``perf_counter_ns``), if before this call."""
         try:
-            self._call(batch, wait_ns)
+            self._call(batch, wait_ns, began)
         finally:
             with self._lock:
                 self._in_flight -= 1
@@ -319,19 +326,22 @@ class DynamicBatcher:
     # -- dispatch ---------------------------------------------------------------------------
     def _dispatch_loop(self) -> None:
         while True:
+            began = time.perf_counter_ns()
             with self._lock:
                 work = self._next_work()
             if work is None:
                 return
-            expired, batch, wait_ns = work
+            expired, batch, wait_ns, idle_ns = work
             for rows, reason in expired:
                 self._guard(self._dead, rows, reason)
-            if batch is not None:
-                self._run_claimed(batch, wait_ns)
+            if batch is not None:  # the call's work began when this thread stopped idling
+                self._run_claimed(batch, wait_ns, began + idle_ns)
 
-    def _next_work(self) -> tuple[list[tuple[Batch, str]], Batch | None, int] | None:
-        """Under the lock: wait until rows expire or a batch is ready; None once closed and empty."""
+    def _next_work(self) -> tuple[list[tuple[Batch, str]], Batch | None, int, int] | None:
+        """Under the lock: wait until rows expire or a batch is ready; None once closed and
+        empty. Also returns the nanoseconds this thread spent waiting for work."""
         queue = self._queue
+        idle_ns = 0
         while True:
             now = self._clock()
             expired = queue.expire(now)
@@ -342,14 +352,17 @@ class DynamicBatcher:
                 self._not_full.notify_all()
                 if queue.queued_rows:
                     self._not_empty.notify()
-                return expired, batch, queue.last_wait_ns
+                return expired, batch, queue.last_wait_ns, idle_ns
             if self._closing:
                 return None
             wake = queue.next_wakeup_ns(now)
+            waited = time.perf_counter_ns()
             self._not_empty.wait(None if wake is None else max(wake - now, 10_000) / 1e9)
+            idle_ns += time.perf_counter_ns() - waited
 
-    def _call(self, batch: Batch, wait_ns: int) -> None:
+    def _call(self, batch: Batch, wait_ns: int, began: int | None = None) -> None:
         rows = batch.num_rows
+        began = time.perf_counter_ns() if began is None else began
         try:
             inputs = self._prepare(batch)
             start = time.perf_counter_ns()
@@ -369,11 +382,23 @@ class DynamicBatcher:
                 setting = self._tuner.observe(self._clock(), rows, wait_ns + compute_ns)
                 if setting is not None:
                     self._apply(setting)
-        if self._on_batch is not None:
-            self._guard(self._on_batch, rows, wait_ns, compute_ns)
         started = time.perf_counter_ns()
+        if self._on_batch is not None:
+            self._guard(self._on_batch, rows, wait_ns, compute_ns, started - began)
+            self._not_work(started - began)  # counted once, by on_batch
+            started = time.perf_counter_ns()
         self._guard(self._emit, result)
         self._after.observe(rows, time.perf_counter_ns() - started)
+
+    def not_work_ns(self) -> int:
+        """Nanoseconds the calling thread has spent inside this batcher on what is not the
+        caller's own work: waiting for room in a full queue (backpressure) and model calls whose
+        ``work_ns`` ``on_batch`` already reported. A step's busy time is the time it spent in ``feed`` less
+        the growth of this figure."""
+        return getattr(self._caller, "ns", 0)
+
+    def _not_work(self, ns: int) -> None:
+        self._caller.ns = getattr(self._caller, "ns", 0) + ns
 
     def _guard(self, fn: Callable[..., None], *args: Any) -> None:
         """Call a user callback; keep the first exception for ``close`` instead of dying."""

@@ -191,10 +191,10 @@ class LocalExecutor:
                 self._errors.append(exc)
                 self._stop.set()
 
-        def on_batch(rows: int, queue_wait_ns: int, compute_ns: int) -> None:
+        def on_batch(rows: int, queue_wait_ns: int, compute_ns: int, work_ns: int) -> None:
             call.wait_ns, call.compute_ns = queue_wait_ns, compute_ns
             st.batches += 1
-            st.busy_ns += compute_ns
+            st.busy_ns += work_ns
             st.phase("batch", queue_wait_ns)
             st.phase("compute", compute_ns)
             st.batch_rows.record_one(rows)
@@ -223,13 +223,17 @@ class LocalExecutor:
     def _push_timed(self, sid: str, batch: Batch) -> None:
         st = self.stats.stages[sid]
         st.rows_in += batch.num_rows
+        kind = self._nodes[sid].kind
         traced = batch.traced  # sampled events (set at ingest when tracing)
         if traced is not None and self.tracer is not None:
-            self.tracer.entered(sid, self._nodes[sid].kind, traced, batch)
+            self.tracer.entered(sid, kind, traced, batch)
             traced_from = time.monotonic_ns()
+        op = self._ops[sid]
+        model = op.batcher if isinstance(op, InferOp) else None
+        not_work = model.not_work_ns() if model is not None else 0
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         try:
-            outs = self._ops[sid].process(batch)
+            outs = op.process(batch)
         except (SinkError, StateError):
             raise  # a sink that gave up (its broker stayed away), state that cannot be kept: fatal
         except Exception as exc:  # noqa: BLE001 - rows go to the dead-letter sink, the pipeline goes on
@@ -238,8 +242,9 @@ class LocalExecutor:
             return
         finally:
             took = time.perf_counter_ns() - t0 - self._nested.ns
+            if model is not None:  # its calls are counted by on_batch; a full queue is not work
+                took -= model.not_work_ns() - not_work
             st.busy_ns += took
-        kind = self._nodes[sid].kind
         if kind != "infer":  # a model's phases come from its batcher
             st.cpu_ns += time.thread_time_ns() - c0
             st.batches += 1

@@ -107,7 +107,7 @@ class Served:
             s = self.stats.setdefault(version, ModelStats(self.model.name, version))
         return s
 
-    def _batched(self, rows: int, wait_ns: int, compute_ns: int) -> None:
+    def _batched(self, rows: int, wait_ns: int, compute_ns: int, _work_ns: int) -> None:
         t = self._phase_ns
         self.stats_of(t.version).batch(rows, wait_ns, t.input_ns, compute_ns, t.output_ns)
         self._on_batch(self.model.name, rows)

@@ -355,7 +355,7 @@ def test_batcher_resolves_every_row_once() -> None:
     sizes: list[int] = []
     sink = Collector(expect=1000)
     cfg = BatcherConfig(max_batch_size=64, capacity_rows=256, instances=2)
-    batcher = make_batcher(doubler(), cfg, sink, on_batch=lambda n, _w, _c: sizes.append(n))
+    batcher = make_batcher(doubler(), cfg, sink, on_batch=lambda n, _w, _c, _t: sizes.append(n))
     with batcher:
         for start in range(0, 1000, 10):
             batcher.submit(rows(range(start, start + 10)))
@@ -366,6 +366,44 @@ def test_batcher_resolves_every_row_once() -> None:
     assert sum(sizes) == 1000 and max(sizes) <= 64
     stats = batcher.stats
     assert stats == BatcherStats(batches=len(sizes), rows=1000, timeouts=0, errors=0, queued_rows=0)
+
+
+def test_work_accounting_leaves_out_backpressure_and_counts_each_call_once() -> None:
+    """A caller blocked on a full queue is not working: ``not_work_ns`` grows by that wait, and
+    by the work of calls it ran inline, which ``on_batch`` reports (``work_ns`` >= the model's
+    ``compute_ns``); a dispatcher's idle time is in no call's ``work_ns``."""
+    calls: list[tuple[int, int, int]] = []
+
+    def on_batch(n: int, _wait: int, compute: int, work: int) -> None:
+        calls.append((n, compute, work))
+
+    gate = threading.Event()
+    sink = Collector(expect=40)
+    cfg = BatcherConfig(max_batch_size=10, max_queue_delay_ms=0.0, capacity_rows=10)
+    batcher = make_batcher(doubler(lambda _xs: gate.wait(WAIT_S)), cfg, sink, on_batch=on_batch)
+    with batcher:
+        batcher.submit(rows(range(10)))  # taken at once, its call held by the gate
+        batcher.submit(rows(range(10, 20)))  # queued: the queue is now full
+        before = batcher.not_work_ns()
+        threading.Timer(0.1, gate.set).start()
+        batcher.submit(rows(range(20, 30)))  # blocks until the gate opens and the queue drains
+        assert batcher.not_work_ns() - before >= 50 * MS
+        time.sleep(0.2)  # the dispatcher idles: not work
+        batcher.submit(rows(range(30, 40)))
+        assert sink.done.wait(WAIT_S)
+    assert [n for n, _, _ in calls] == [10, 10, 10, 10]
+    assert all(t >= c > 0 for _, c, t in calls)
+    assert calls[-1][2] < 100 * MS  # the idle 200 ms before it are in no call's work
+
+    calls.clear()
+    inline = make_batcher(doubler(), BatcherConfig(max_batch_size=10), Collector(), on_batch=on_batch)
+    with inline:
+        inline.submit(rows(range(10)))  # the cost model learns what a call takes
+        time.sleep(0.05)
+        before = inline.not_work_ns()
+        inline.feed(rows(range(10, 20)))  # idle model, a whole batch: runs in this thread
+        assert len(calls) == 2
+        assert inline.not_work_ns() - before == calls[1][2]
 
 
 def test_start_warms_up_before_taking_rows() -> None:
