@@ -13,6 +13,7 @@ the most urgent row's deadline minus the expected compute time is within ``safet
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import Counter
@@ -128,6 +129,8 @@ class DynamicBatcher:
         self._count: Counter[str] = Counter()
         self._in_flight = 0  # model calls running now
         self._after = CostModel()  # what ``emit`` (the steps after the model) takes per call
+        self._inline_cost = CostModel()  # calls made in the callers' threads (claim_inline)
+        self._probe_ns = 0  # when a call too slow for inline last time may be tried there again
         self._caller = threading.local()  # per thread: ns not spent on its own work (not_work_ns)
         self._failure: BaseException | None = None
         self._tuner: AdaptiveTuner | None = None
@@ -223,23 +226,78 @@ class DynamicBatcher:
         loop serving a small model). Returns False, having done nothing, otherwise; the results
         go to ``emit`` (or ``dead_letter``) before it returns True.
         """
-        rows = batch.num_rows
+        if not self.claim_inline(batch.num_rows, max_cost_ns=max_cost_ns):
+            return False
+        self._run_claimed(batch, 0, inline=True)
+        return True
+
+    def claim_inline(self, rows: int, *, max_cost_ns: int) -> bool:
+        """Take the model for a call on ``rows`` rows in the caller's thread, if it is idle
+        (nothing queued, no call in flight) and such a call is expected to take at most
+        ``max_cost_ns``; the caller then makes it with ``run_arrays``. False: nothing taken."""
         with self._lock:
-            expected = self._queue.cost.expected_ns(rows)
             if (
                 self._closing
                 or self._in_flight
                 or self._queue.queued_rows
-                or not 0 < expected <= max_cost_ns
                 or rows > self._queue.config.max_batch_size
+                or not self._cheap_inline(rows, max_cost_ns)
             ):
                 return False
             self._in_flight += 1
             self._count["inline_batches"] += 1
             if self._tuner is not None:  # offered load, as if submitted
                 self._tuner.arrived(rows)
-        self._run_claimed(batch, 0)
         return True
+
+    def release_claim(self) -> None:
+        """Give back what ``claim_inline`` took, without a call."""
+        with self._lock:
+            self._in_flight -= 1
+
+    def _cheap_inline(self, rows: int, max_cost_ns: int) -> bool:
+        """(Under the lock) Whether a call on ``rows`` is expected to take at most ``max_cost_ns``
+        in the caller's thread, as the calls made there (``_inline_cost``) say. The dispatchers'
+        figures are only a bound: a dispatcher's call is timed by the wall clock, which includes
+        waiting for the GIL while the caller (an event loop, say) holds it, up to the switch
+        interval per call. Within that bound, a call is tried inline when none has been, and
+        once a second when the last ones were too slow (their cost may have been a start-up's
+        or a busy moment's). Nothing known at all: not inline (a first call may take anything)."""
+        if max_cost_ns <= 0:
+            return False
+        expected = self._inline_cost.expected_ns(rows)
+        if 0 < expected <= max_cost_ns:
+            return True
+        bound = self._queue.cost.expected_ns(rows)
+        if not 0 < bound <= max_cost_ns + sys.getswitchinterval() * 1e9:
+            return False
+        now = self._clock()
+        if expected > 0 and now < self._probe_ns:
+            return False
+        self._probe_ns = now + 1_000_000_000
+        return True
+
+    def run_arrays(
+        self, inputs: Mapping[str, npt.NDArray[Any]], rows: int
+    ) -> tuple[Mapping[str, npt.NDArray[Any]], Runtime, int]:
+        """The call that ``claim_inline`` took the model for, on inputs the caller prepared
+        (no batch, ``prepare`` or ``finish``): (outputs, the version that computed them, the
+        model's nanoseconds). Counted, learnt from and tuned on like any call; the caller
+        reports it (no ``on_batch``). A failing model raises, its rows counted as errors."""
+        try:
+            start = time.perf_counter_ns()
+            runtime = resolve(self.runtime)
+            outputs = runtime.run(inputs)
+            compute_ns = time.perf_counter_ns() - start
+        except Exception:
+            with self._lock:
+                self._in_flight -= 1
+                self._count.update(batches=1, errors=rows)
+            raise
+        with self._lock:
+            self._in_flight -= 1
+            self._called(rows, 0, compute_ns, inline=True)
+        return outputs, runtime, compute_ns
 
     def feed(self, batch: Batch, *, max_cost_ns: int = 5_000_000) -> None:
         """``submit``, except that what the queue would dispatch at once runs in the caller's
@@ -273,11 +331,13 @@ class DynamicBatcher:
                 batch = batch.slice(start)
         self.submit(batch)
 
-    def _run_claimed(self, batch: Batch, wait_ns: int, began: int | None = None) -> None:
+    def _run_claimed(
+        self, batch: Batch, wait_ns: int, began: int | None = None, *, inline: bool = False
+    ) -> None:
         """Call the model on ``batch`` (its ``_in_flight`` slot taken), then give the slot back.
         ``began``: when the call's work began (``perf_counter_ns``), if before this call."""
         try:
-            self._call(batch, wait_ns, began)
+            self._call(batch, wait_ns, began, inline=inline)
         finally:
             with self._lock:
                 self._in_flight -= 1
@@ -360,7 +420,7 @@ class DynamicBatcher:
             self._not_empty.wait(None if wake is None else max(wake - now, 10_000) / 1e9)
             idle_ns += time.perf_counter_ns() - waited
 
-    def _call(self, batch: Batch, wait_ns: int, began: int | None = None) -> None:
+    def _call(self, batch: Batch, wait_ns: int, began: int | None = None, *, inline: bool = False) -> None:
         rows = batch.num_rows
         began = time.perf_counter_ns() if began is None else began
         try:
@@ -376,12 +436,7 @@ class DynamicBatcher:
             self._guard(self._dead, batch, f"{type(exc).__name__}: {exc}")
             return
         with self._lock:
-            self._queue.cost.observe(rows, compute_ns)
-            self._count.update(batches=1, rows=rows)
-            if self._tuner is not None:
-                setting = self._tuner.observe(self._clock(), rows, wait_ns + compute_ns)
-                if setting is not None:
-                    self._apply(setting)
+            self._called(rows, wait_ns, compute_ns, inline=inline)
         started = time.perf_counter_ns()
         if self._on_batch is not None:
             self._guard(self._on_batch, rows, wait_ns, compute_ns, started - began)
@@ -389,6 +444,17 @@ class DynamicBatcher:
             started = time.perf_counter_ns()
         self._guard(self._emit, result)
         self._after.observe(rows, time.perf_counter_ns() - started)
+
+    def _called(self, rows: int, wait_ns: int, compute_ns: int, *, inline: bool) -> None:
+        """(Under the lock) A call that succeeded: learn its cost, count it, tune on it."""
+        self._queue.cost.observe(rows, compute_ns)
+        if inline:
+            self._inline_cost.observe(rows, compute_ns)
+        self._count.update(batches=1, rows=rows)
+        if self._tuner is not None:
+            setting = self._tuner.observe(self._clock(), rows, wait_ns + compute_ns)
+            if setting is not None:
+                self._apply(setting)
 
     def not_work_ns(self) -> int:
         """Nanoseconds the calling thread has spent inside this batcher on what is not the

@@ -66,7 +66,7 @@ class Headers(dict[str, str]):
 
     @classmethod
     def of(cls, scope: Any) -> Headers:
-        return cls((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope["headers"])
+        return cls({k.lower().decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]})
 
     def get(self, key: str, default: Any = None) -> Any:
         return dict.get(self, key.lower(), default)

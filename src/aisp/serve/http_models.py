@@ -42,6 +42,7 @@ MODEL_CONTROL_OFF = (
 )
 _INT64 = {FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64}
 _SMALL_BODY = 4 << 20  # repository requests carry a few parameters
+_JSON = (b"content-type", b"application/json")
 
 
 class _IndexRequest(msgspec.Struct):
@@ -197,8 +198,11 @@ class ModelRoutes:
             self._observe(name, response.status_code, started)
             await response(scope, receive, send)
             return
-        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
-        raw.append((b"content-length", str(len(body)).encode()))
+        if len(extra) == 1 and extra.get("content-type") == "application/json":
+            raw = [_JSON, (b"content-length", b"%d" % len(body))]
+        else:
+            raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
+            raw.append((b"content-length", b"%d" % len(body)))
         await send({"type": "http.response.start", "status": 200, "headers": raw})
         await send({"type": "http.response.body", "body": body})
         self._observe(name, 200, started)

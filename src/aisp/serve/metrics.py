@@ -64,9 +64,18 @@ class ServerMetrics:
             )
             models.on_batch = lambda model, rows: batch_rows.labels(model).observe(rows)
 
+        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+
     def observe(self, protocol: str, model: str, code: str, seconds: float) -> None:
-        self.requests.labels(protocol, model, code).inc()
-        self.latency.labels(protocol, model).observe(seconds)
+        key = (protocol, model, code)
+        child = self._children.get(key)
+        if child is None:  # labels are bounded (see the module docstring): one lookup each
+            child = self._children[key] = (
+                self.requests.labels(protocol, model, code),
+                self.latency.labels(protocol, model),
+            )
+        child[0].inc()
+        child[1].observe(seconds)
 
     def render(self) -> bytes:
         return self._text.render()

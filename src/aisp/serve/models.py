@@ -35,8 +35,10 @@ from aisp.serve.tensors import (
     Gathered,
     empty_output,
     has_empty,
+    request_batch,
     request_batches,
     row_shapes,
+    shape_groups,
 )
 
 __all__ = ["InferResult", "ModelServer", "ModelStats", "RequestFailed"]
@@ -55,8 +57,10 @@ class ModelServer:
             is refused as overloaded (HTTP 429 / gRPC RESOURCE_EXHAUSTED); the queue is the
             model's bounded admission queue (``capacity_rows``).
         inline_max_us: asyncio requests gathered in one event-loop turn run in the loop itself
-            when their model is idle and the call is expected to take at most this long (a
-            small model costs less than the hand-off to its dispatcher thread); 0: never.
+            when their model is idle and the call is expected to take at most this long (as
+            the calls made there measure it): a call that short costs the loop less than the
+            hand-off to a dispatcher thread, whose result waits for the GIL while the loop
+            holds it (up to the interpreter's 5 ms switch interval); 0: never.
     """
 
     def __init__(
@@ -66,7 +70,7 @@ class ModelServer:
         models: Sequence[str] | None = None,
         batching: Mapping[str, BatcherConfig] | None = None,
         admission_wait_ms: float = 0.0,
-        inline_max_us: float = 200.0,
+        inline_max_us: float = 1000.0,
     ) -> None:
         self._batching = dict(batching or {})
         self.admission_wait_ms = admission_wait_ms
@@ -137,8 +141,7 @@ class ModelServer:
         return out
 
     def _get(self, name: str, version: str | None = None) -> Served:
-        with self._lock:
-            s = self._served.get(name)
+        s = self._served.get(name)  # one dict read: atomic; writers hold the lock
         if s is None:
             check_model_name(name)  # a name that could never be a model is a bad request
             raise NotFound(f"Request for unknown model: {name!r} is not found")
@@ -272,26 +275,25 @@ class ModelServer:
             return await asyncio.to_thread(self._run_empty, served, inputs)
         loop = asyncio.get_running_loop()
         req = next(self._ids)
-        pending = Pending(n, future=loop.create_future(), loop=loop)
+        future = loop.create_future()
+        pending = Pending(n, future=future, loop=loop)
         now = time.monotonic_ns()
-        with self._lock:
-            self._pending[req] = pending
         gather = served.gathers.setdefault(loop, [])
-        gather.append(Gathered(req, inputs, n, tier, deadline, now + int(self.admission_wait_ms * 1e6)))
+        gather.append(
+            Gathered(req, inputs, n, tier, deadline, now + int(self.admission_wait_ms * 1e6), pending)
+        )
         if len(gather) == 1:
             loop.call_soon(self._flush, served, loop)
         started = time.perf_counter_ns()
         try:
-            assert pending.future is not None
             if timeout_s is None:
-                await pending.future
+                await future
             else:
-                await asyncio.wait_for(asyncio.shield(pending.future), timeout_s + 1.0)
+                await asyncio.wait_for(asyncio.shield(future), timeout_s + 1.0)
         except TimeoutError:
             pending.error = "timeout"
         finally:
-            with self._lock:
-                self._pending.pop(req, None)
+            self._pending.pop(req, None)  # where the queue's path registered it (one atomic dict op)
             ok = pending.error is None
             served.stats_of(pending.version or served.model.version).request(
                 ok, time.perf_counter_ns() - started
@@ -323,7 +325,7 @@ class ModelServer:
             self._submit_gathered(served, items, loop)
         except Exception as exc:  # noqa: BLE001 - a fault here must fail its requests, never the loop
             log.exception("model %s: submitting %d requests failed", served.model.name, len(items))
-            self._settle([it.req for it in items], f"internal error: {type(exc).__name__}: {exc}")
+            self._settle_items(items, f"internal error: {type(exc).__name__}: {exc}")
 
     def _submit_gathered(
         self, served: Served, items: list[Gathered], loop: asyncio.AbstractEventLoop
@@ -339,21 +341,58 @@ class ModelServer:
         now = time.monotonic_ns()
         refused = items[take:]
         cost_ns = int(self.inline_max_us * 1e3)
-        for batch in request_batches(served.model, items[:take]):
+        for group in shape_groups(served.model, items[:take]):
+            if cost_ns > 0 and self._run_now(served, group, cost_ns):
+                continue
+            with self._lock:  # the batcher's results find their requests by id
+                self._pending.update((it.req, it.pending) for it in group)
+            batch = request_batch(served.model, group)
             try:
-                if not (cost_ns > 0 and batcher.run_inline(batch, max_cost_ns=cost_ns)):
-                    batcher.submit(batch, timeout_ms=0)
+                batcher.submit(batch, timeout_ms=0)
             except QueueFull:
-                self._settle(np.unique(batch.numpy(REQ)).tolist(), "overloaded")
+                self._settle_items(group, "overloaded")
             except BatcherClosed:  # the model was unloaded or the server is stopping
-                self._settle(np.unique(batch.numpy(REQ)).tolist(), "unavailable")
+                self._settle_items(group, "unavailable")
         waiting = [it for it in refused if it.admit_until_ns > now]
-        self._settle([it.req for it in refused if it.admit_until_ns <= now], "overloaded")
+        self._settle_items([it for it in refused if it.admit_until_ns <= now], "overloaded")
         if waiting:
             gather = served.gathers.setdefault(loop, [])
             if not gather:
                 loop.call_later(0.001, self._flush, served, loop)
             gather[:0] = waiting
+
+    def _run_now(self, served: Served, group: list[Gathered], cost_ns: int) -> bool:
+        """(Event loop) Answer ``group`` with one model call made here, when the model is idle
+        and the call is cheap (``Served.run_now``); False, having done nothing, otherwise."""
+        now = time.monotonic_ns()
+        if any(it.deadline_ns is not None and it.deadline_ns <= now for it in group):
+            return False  # the queue fails what is past its deadline
+        try:
+            done = served.run_now(group, sum(it.rows for it in group), cost_ns)
+        except Exception as exc:  # noqa: BLE001 - the model failed: so do its requests
+            self._settle_items(group, f"{type(exc).__name__}: {exc}")
+            return True
+        if done is None:
+            return False
+        each, version = done
+        finished = []
+        for it, outputs in zip(group, each, strict=True):
+            p = it.pending
+            if p.error is None:  # else the caller gave up
+                p.outputs, p.version, p.done_rows = outputs, version, p.rows
+                finished.append(p)
+        wake(finished)
+        return True
+
+    def _settle_items(self, items: Sequence[Gathered], error: str) -> None:
+        """Fail the requests ``items`` (that have not finished) with ``error``."""
+        done = []
+        for it in items:
+            p = it.pending
+            if p is not None and p.error is None:
+                p.error = error
+                done.append(p)
+        wake(done)
 
     def _settle(self, reqs: Sequence[int], error: str | None) -> None:
         """Finish requests ``reqs`` (with ``error``, or done)."""

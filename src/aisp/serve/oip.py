@@ -82,7 +82,11 @@ DATATYPES: dict[str, np.dtype[Any]] = {name: dtype for name, (dtype, _) in _ITEM
 """OIP datatype names and the numpy dtype of their arrays (``object`` of ``str`` for BYTES)."""
 _NAMES = {dtype: name for name, dtype in DATATYPES.items()}
 _DECODERS = {name: msgspec.json.Decoder(items) for name, (_, items) in _ITEMS.items()}
-_NARROW_FLOATS = ("FP16", "FP32")  # JSON numbers may overflow them
+_NARROW_FLOATS = {  # JSON numbers may overflow them: the magnitude from which one rounds to inf
+    "FP16": 2.0**16 * (1 - 2.0**-12),
+    "FP32": 2.0**128 * (1 - 2.0**-25),
+}
+_SMALL = 1024  # elements: checked in Python (cheaper than numpy's set-up for a few values)
 
 
 def datatype_of(dtype: np.dtype[Any]) -> str:
@@ -209,6 +213,11 @@ def array_from_json(name: str, datatype: str, shape: Sequence[int], data: bytes)
     if len(values) < count:
         raise BadRequest(f"input {name!r}: failed to parse 'data' field: shape does not match true shape")
     if datatype in _NARROW_FLOATS:
+        top = _NARROW_FLOATS[datatype]
+        if count <= _SMALL:  # JSON numbers are finite: only a magnitude past the type's can overflow
+            if values and (max(values) >= top or min(values) <= -top):
+                raise BadRequest(f"input {name!r}: a value of 'data' is out of range for {datatype}")
+            return np.array(values, dtype=dtype).reshape(shape)
         with np.errstate(over="ignore"):
             arr = np.array(values, dtype=dtype)
         if not np.isfinite(arr).all():

@@ -112,6 +112,40 @@ class Served:
         self.stats_of(t.version).batch(rows, wait_ns, t.input_ns, compute_ns, t.output_ns)
         self._on_batch(self.model.name, rows)
 
+    def run_now(
+        self, items: Sequence[Gathered], rows: int, max_cost_ns: int
+    ) -> tuple[list[dict[str, npt.NDArray[Any]]], str] | None:
+        """The ``rows`` rows of ``items`` (one per-row shape, at most a batch) in one model call
+        in the caller's thread, when the model is idle and the call is expected to take at most
+        ``max_cost_ns``: (each item's outputs, version); None, having done nothing, otherwise.
+        Arrays in, arrays out: no batch is built. A failing model raises."""
+        if not self.batcher.claim_inline(rows, max_cost_ns=max_cost_ns):
+            return None
+        start = time.perf_counter_ns()
+        try:
+            inputs = {}
+            for name in self.model.input_names:
+                parts = [it.inputs[name] for it in items]
+                inputs[name] = np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts))
+        except BaseException:
+            self.batcher.release_claim()
+            raise
+        input_ns = time.perf_counter_ns() - start
+        outputs, runtime, compute_ns = self.batcher.run_arrays(inputs, rows)
+        start = time.perf_counter_ns()
+        if len(items) == 1:
+            each = [dict(outputs)]
+        else:
+            ends = np.cumsum([it.rows for it in items]).tolist()
+            each = [
+                {name: arr[end - it.rows : end] for name, arr in outputs.items()}
+                for it, end in zip(items, ends, strict=True)
+            ]
+        version = str(runtime.version)
+        self.stats_of(version).batch(rows, 0, input_ns, compute_ns, time.perf_counter_ns() - start)
+        self._on_batch(self.model.name, rows)
+        return each, version
+
     def _prepare(self, batch: Batch) -> dict[str, npt.NDArray[Any]]:
         start = time.perf_counter_ns()
         out = {}

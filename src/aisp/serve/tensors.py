@@ -28,9 +28,11 @@ __all__ = [
     "Gathered",
     "empty_output",
     "has_empty",
+    "request_batch",
     "request_batches",
     "reshaped",
     "row_shapes",
+    "shape_groups",
     "tensor_batch",
 ]
 
@@ -41,8 +43,8 @@ _SHAPES = b"aisp.row_shapes"
 
 @dataclass(slots=True)
 class Gathered:
-    """One request waiting to be batched: its id, arrays, rows, tier, deadline and how long it
-    may wait for room in a full queue (monotonic ns)."""
+    """One request waiting to be batched: its id, arrays, rows, tier, deadline, how long it
+    may wait for room in a full queue (monotonic ns) and what its caller waits on."""
 
     req: int
     inputs: Mapping[str, npt.NDArray[Any]]
@@ -50,6 +52,7 @@ class Gathered:
     tier: int
     deadline_ns: int | None
     admit_until_ns: int
+    pending: Any = None  # the server's Pending
 
 
 def has_empty(inputs: Mapping[str, npt.NDArray[Any]]) -> bool:
@@ -66,14 +69,22 @@ def request_batches(model: ServedModel, gathered: Sequence[Gathered]) -> list[Ba
     """Batches of the rows of requests ``gathered``, tagged with request id and row number: one
     batch per per-row input shape (requests with other shapes of a variable dim never share a
     model call)."""
+    return [request_batch(model, items) for items in shape_groups(model, gathered)]
+
+
+def shape_groups(model: ServedModel, gathered: Sequence[Gathered]) -> list[list[Gathered]]:
+    """``gathered`` by per-row input shape, in order of arrival within each group."""
+    if len(gathered) == 1:
+        return [list(gathered)]
     groups: dict[tuple[tuple[int, ...], ...], list[Gathered]] = {}
     for it in gathered:
         key = tuple(tuple(it.inputs[k].shape[1:]) for k in model.input_names)
         groups.setdefault(key, []).append(it)
-    return [_request_batch(model, items) for items in groups.values()]
+    return list(groups.values())
 
 
-def _request_batch(model: ServedModel, gathered: Sequence[Gathered]) -> Batch:
+def request_batch(model: ServedModel, gathered: Sequence[Gathered]) -> Batch:
+    """One batch of the rows of ``gathered`` (requests of one per-row shape)."""
     ns = np.fromiter((it.rows for it in gathered), dtype=np.int64, count=len(gathered))
     named: list[tuple[str, Any]] = []
     for k in model.input_names:

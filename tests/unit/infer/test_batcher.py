@@ -641,6 +641,38 @@ def test_run_inline_only_when_idle_and_cheap() -> None:
         b.close()
 
 
+def test_a_model_too_slow_inline_is_tried_there_again_once_a_second() -> None:
+    """Inline costs come from inline calls; one too slow (a start-up's, a busy moment's) is
+    retried once a second while the dispatchers' figures allow it, and the retry relearns."""
+    now = [T0]
+    delay = {"s": 0.008}
+    rt = doubler(lambda _xs: time.sleep(delay["s"]))
+    b = make_batcher(
+        rt, BatcherConfig(max_batch_size=8, max_queue_delay_ms=0.0), Collector(), clock=lambda: now[0]
+    )
+    b.start()
+    try:
+        b.submit(rows([1]))  # the dispatchers learn ~8 ms
+        for _ in range(1000):
+            if b.stats.batches == 1:
+                break
+            time.sleep(0.01)
+        budget = 5 * MS  # under 8 ms, but within one switch interval of slack
+        assert b.run_inline(rows([2]), max_cost_ns=budget)  # never tried inline: tried
+        delay["s"] = 0.0
+        assert not b.run_inline(rows([3]), max_cost_ns=budget)  # 8 ms inline: too slow
+        now[0] += 1_000 * MS
+        assert b.run_inline(rows([4]), max_cost_ns=budget)  # a second later: tried again
+        for _ in range(20):  # fast now: the inline figure comes down, and stays inline
+            now[0] += 1_000 * MS
+            b.run_inline(rows([5]), max_cost_ns=budget)
+        assert b.run_inline(rows([6]), max_cost_ns=budget)
+        assert b.run_inline(rows([7]), max_cost_ns=budget)
+        assert not b.run_inline(rows([8]), max_cost_ns=0)  # 0: never
+    finally:
+        b.close()
+
+
 @pytest.mark.parametrize("eager", [False, True])
 def test_feed_runs_in_the_callers_thread_what_the_queue_would_dispatch_at_once(eager: bool) -> None:
     calls: list[tuple[str, list[float]]] = []
