@@ -450,7 +450,9 @@ class DynamicBatcher:
         self._queue.cost.observe(rows, compute_ns)
         if inline:
             self._inline_cost.observe(rows, compute_ns)
-        self._count.update(batches=1, rows=rows)
+        count = self._count
+        count["batches"] += 1
+        count["rows"] += rows
         if self._tuner is not None:
             setting = self._tuner.observe(self._clock(), rows, wait_ns + compute_ns)
             if setting is not None:

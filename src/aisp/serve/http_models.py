@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -108,15 +108,15 @@ class InferFastPath:
         await self.app(scope, receive, send)
 
 
-async def _receive_body(receive: Any, headers: Mapping[str, str], limit: int) -> bytes:
-    """The body from the ASGI ``receive`` channel, refused with 413 as soon as it passes
-    ``limit`` bytes (chunked bodies too)."""
-    declared = headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
+async def _receive_body(
+    receive: Any, headers: Mapping[str, str], limit: int, *, first: Mapping[str, Any] | None = None
+) -> bytes:
+    """The body from the ASGI ``receive`` channel (``first``: its first message, if already
+    received), refused with 413 as soon as it passes ``limit`` bytes (chunked bodies too)."""
+    _check_declared(headers, limit)
     chunks, size = [], 0
     while True:
-        message = await receive()
+        message, first = (first, None) if first is not None else (await receive(), None)
         if message["type"] == "http.disconnect":
             raise BadRequest("the client disconnected before sending the whole body")
         chunk = message.get("body", b"")
@@ -127,6 +127,13 @@ async def _receive_body(receive: Any, headers: Mapping[str, str], limit: int) ->
             chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _check_declared(headers: Mapping[str, str], limit: int) -> None:
+    """A body declared longer than ``limit`` is refused (413) before it is read."""
+    declared = headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
 
 
 def _version(request: Request) -> str | None:
@@ -184,15 +191,33 @@ class ModelRoutes:
         return JSONResponse(config_json(cfg.message))
 
     async def infer_asgi(self, scope: Any, receive: Any, send: Any, name: str, version: str | None) -> None:
-        """The infer route as a plain ASGI call: no router, request or response objects."""
+        """The infer route as one plain ASGI call: no router, request or response objects."""
         started = time.perf_counter()
-        headers = Headers.of(scope)
-        client = scope.get("client")
+        models, limiter = self.models, self.limiter
         try:
-            body, extra = await self._infer(
-                name, version, headers, lambda: _receive_body(receive, headers, self.max_body_bytes),
-                client[0] if client else "unknown",
-            )  # fmt: skip
+            sig = models.signature(name, version)  # an unknown model is a 404 before the body is read
+            headers = Headers.of(scope)
+            _check_declared(headers, self.max_body_bytes)
+            message = await receive()  # a small body comes whole in the first message
+            body = message.get("body", b"")
+            if (
+                message.get("more_body", False)
+                or message["type"] != "http.request"
+                or len(body) > self.max_body_bytes
+            ):
+                body = await _receive_body(receive, headers, self.max_body_bytes, first=message)
+            req = parse_request(body, headers.get(HEADER_LENGTH), sig)
+            if limiter is not None:
+                client = scope.get("client")
+                key = api_key(headers.get("authorization"), client[0] if client else "unknown")
+            else:
+                key = ""
+            tier, timeout_s = parse_tier_header(headers), parse_deadline_s(headers)
+            admitted = admit_infer(
+                models, limiter, req, sig, version=version, tier=tier, timeout_s=timeout_s, api_key=key
+            )
+            result = await models.infer_async(name, admitted.arrays, **admitted.options)
+            body, extra = encode_response(req, sig, result.version, result.outputs)
         except Exception as exc:  # noqa: BLE001 - every failure is answered, typed or not
             response = error_response(exc)
             self._observe(name, response.status_code, started)
@@ -205,36 +230,11 @@ class ModelRoutes:
             raw.append((b"content-length", b"%d" % len(body)))
         await send({"type": "http.response.start", "status": 200, "headers": raw})
         await send({"type": "http.response.body", "body": body})
-        self._observe(name, 200, started)
+        self.metrics.observe("http", name, "200", time.perf_counter() - started)
 
     def _observe(self, name: str, status: int, started: float) -> None:
         label = name if self.models.is_loaded(name) else "unknown"
         self.metrics.observe("http", label, str(status), time.perf_counter() - started)
-
-    async def _infer(
-        self,
-        name: str,
-        version: str | None,
-        headers: Mapping[str, str],
-        read_body: Callable[[], Awaitable[bytes]],
-        peer: str,
-    ) -> tuple[bytes, dict[str, str]]:
-        models, limiter = self.models, self.limiter
-        sig = models.signature(name, version)  # an unknown model is a 404 before the body is read
-        req = parse_request(await read_body(), headers.get(HEADER_LENGTH), sig)
-        key = api_key(headers.get("authorization"), peer) if limiter is not None else ""
-        admitted = admit_infer(
-            models,
-            limiter,
-            req,
-            sig,
-            version=version,
-            tier=parse_tier_header(headers),
-            timeout_s=parse_deadline_s(headers),
-            api_key=key,
-        )
-        result = await models.infer_async(name, admitted.arrays, **admitted.options)
-        return encode_response(req, sig, result.version, result.outputs)
 
     async def statistics(self, request: Request) -> Response:
         stats = self.models.statistics(request.path_params.get("model"), _version(request))

@@ -334,8 +334,12 @@ class ModelServer:
             return
         batcher = served.batcher
         queued = batcher.queued_rows
-        fits = np.cumsum([it.rows for it in items]) <= batcher.config.capacity_rows - queued
-        take = int(np.argmin(fits)) if not fits.all() else len(items)
+        room, take = batcher.config.capacity_rows - queued, 0
+        for it in items:  # the requests that fit in the queue's room, in order of arrival
+            room -= it.rows
+            if room < 0:
+                break
+            take += 1
         if take == 0 and queued == 0:
             take = 1  # a request larger than the whole queue is taken when it is empty
         now = time.monotonic_ns()

@@ -41,6 +41,8 @@ __all__ = [
     "TensorSignature",
     "array_from_bytes",
     "array_from_json",
+    "array_of_values",
+    "item_types",
     "check_arrays",
     "check_request",
     "datatype_of",
@@ -81,6 +83,13 @@ _ITEMS: dict[str, tuple[np.dtype[Any], Any]] = {
 DATATYPES: dict[str, np.dtype[Any]] = {name: dtype for name, (dtype, _) in _ITEMS.items()}
 """OIP datatype names and the numpy dtype of their arrays (``object`` of ``str`` for BYTES)."""
 _NAMES = {dtype: name for name, dtype in DATATYPES.items()}
+
+
+def item_types() -> dict[str, Any]:
+    """Each datatype's type of its flat JSON ``data`` (``list[float]``, bounded ``list[int]``...)."""
+    return {name: items for name, (_, items) in _ITEMS.items()}
+
+
 _DECODERS = {name: msgspec.json.Decoder(items) for name, (_, items) in _ITEMS.items()}
 _NARROW_FLOATS = {  # JSON numbers may overflow them: the magnitude from which one rounds to inf
     "FP16": 2.0**16 * (1 - 2.0**-12),
@@ -208,6 +217,15 @@ def array_from_json(name: str, datatype: str, shape: Sequence[int], data: bytes)
         values = _nested(name, data, items, exc)
     except (msgspec.DecodeError, RecursionError) as exc:
         raise BadRequest(f"input {name!r}: 'data' is not valid JSON: {_reason(exc)}") from None
+    return array_of_values(name, datatype, shape, values, count)
+
+
+def array_of_values(
+    name: str, datatype: str, shape: Sequence[int], values: list[Any], count: int
+) -> npt.NDArray[Any]:
+    """The array of a flat list of ``values`` already typed for ``datatype`` (JSON decoded to
+    its item type), for a tensor of ``shape`` and ``count`` elements."""
+    dtype = _ITEMS[datatype][0]
     if len(values) > count:
         raise BadRequest(f"input {name!r}: unable to parse 'data': shape does not match true shape of 'data'")
     if len(values) < count:

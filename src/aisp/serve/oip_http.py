@@ -11,7 +11,7 @@ listed), in JSON otherwise. Every malformed request is a ``BadRequest`` naming t
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Union
 
 import msgspec
 import numpy as np
@@ -25,9 +25,12 @@ from aisp.serve.oip import (
     Signature,
     array_from_bytes,
     array_from_json,
+    array_of_values,
     datatype_of,
+    element_count,
     empty_array,
     encode_bytes,
+    item_types,
 )
 
 __all__ = ["HEADER_LENGTH", "MAX_TIMEOUT_US", "encode_response", "parse_request"]
@@ -64,8 +67,43 @@ _decoder = msgspec.json.Decoder(_Request)
 _encode = msgspec.json.Encoder().encode
 
 
+def _typed_tensor(datatype: str, items: Any) -> Any:
+    """An input whose flat ``data`` decodes straight to ``datatype``'s item type."""
+    fields: list[Any] = [
+        ("name", str),
+        ("shape", list[Dim]),
+        ("data", items),
+        ("parameters", dict[str, Any] | None, None),
+    ]
+    return msgspec.defstruct(f"_Typed{datatype}", fields, tag_field="datatype", tag=datatype)
+
+
+# UINT64 is left to the general path (its values past int64 need numpy's overflow check)
+_TYPED = {_typed_tensor(dt, items): dt for dt, items in item_types().items() if dt != "UINT64"}
+
+
+class _TypedRequest(msgspec.Struct):
+    inputs: list[Union[tuple(_TYPED)]]  # type: ignore[valid-type]  # noqa: UP007
+    outputs: list[_Output] | None = None
+    id: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+_typed_decoder = msgspec.json.Decoder(_TypedRequest)
+
+
 def parse_request(body: bytes, header_length: str | None, sig: Signature) -> InferRequest:
     """The request in ``body`` (for the model of ``sig``), its tensors converted and checked."""
+    if header_length is None:
+        typed = _typed_request(body)
+        if typed is not None:
+            return typed
+    return _general_request(body, header_length, sig)
+
+
+def _general_request(body: bytes, header_length: str | None, sig: Signature) -> InferRequest:
+    """``parse_request`` for every form of request: JSON (``data`` flat or nested), the binary
+    extension and the raw form; each mistake named."""
     blob = memoryview(b"")
     if header_length is not None:
         n = _header_length(header_length, len(body))
@@ -99,6 +137,30 @@ def parse_request(body: bytes, header_length: str | None, sig: Signature) -> Inf
         inputs.append(InferInput(t.name, t.datatype, tuple(t.shape), arr))
     if used != len(blob):
         raise BadRequest(f"unexpected additional input data for model {sig.model!r}")
+    return _request(msg, inputs)
+
+
+def _typed_request(body: bytes) -> InferRequest | None:
+    """A JSON request whose inputs all carry flat ``data`` of a known datatype, decoded in one
+    pass; None for anything else (nested data, the binary extension, any error), which the
+    general path decodes and, if it is wrong, names what is wrong."""
+    try:
+        msg = _typed_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+    inputs = []
+    for t in msg.inputs:
+        if t.parameters and "binary_data_size" in t.parameters:
+            return None  # data and binary data both: the general path's error
+        datatype = _TYPED[type(t)]
+        _params(t.parameters, f"input {t.name!r}")
+        arr = array_of_values(t.name, datatype, t.shape, t.data, element_count(t.name, t.shape))
+        inputs.append(InferInput(t.name, datatype, tuple(t.shape), arr))
+    return _request(msg, inputs)
+
+
+def _request(msg: Any, inputs: list[InferInput]) -> InferRequest:
+    """The request of a decoded body (``_Request`` or ``_TypedRequest``) and its inputs."""
     params = _params(msg.parameters, "request")
     timeout = params.get("timeout")
     return InferRequest(

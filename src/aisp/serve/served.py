@@ -136,11 +136,11 @@ class Served:
         if len(items) == 1:
             each = [dict(outputs)]
         else:
-            ends = np.cumsum([it.rows for it in items]).tolist()
-            each = [
-                {name: arr[end - it.rows : end] for name, arr in outputs.items()}
-                for it, end in zip(items, ends, strict=True)
-            ]
+            each, end = [], 0
+            named = list(outputs.items())
+            for it in items:
+                start, end = end, end + it.rows
+                each.append({name: arr[start:end] for name, arr in named})
         version = str(runtime.version)
         self.stats_of(version).batch(rows, 0, input_ns, compute_ns, time.perf_counter_ns() - start)
         self._on_batch(self.model.name, rows)

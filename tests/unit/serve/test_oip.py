@@ -5,6 +5,7 @@ raises ``BadRequest``."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -253,3 +254,77 @@ def test_every_datatype_has_an_array_dtype() -> None:
         "FP64",
         "BYTES",
     }
+
+
+_TYPES = [
+    *("BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "UINT16", "UINT32", "UINT64"),
+    *("FP16", "FP32", "FP64", "BYTES"),
+]
+_VALUES = st.one_of(
+    st.booleans(),
+    st.integers(min_value=-(2**65), max_value=2**65),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=3),
+    st.lists(st.integers(min_value=-3, max_value=3), max_size=2),
+)
+TYPED_ANSWERS: list[bool] = []
+_DATA = st.one_of(  # mostly of one kind, as a client sends them; sometimes mixed or nested
+    st.lists(st.booleans(), max_size=8),
+    st.lists(st.integers(min_value=-(2**65), max_value=2**65), max_size=8),
+    st.lists(st.integers(min_value=0, max_value=300), max_size=8),
+    st.lists(st.floats(allow_nan=False, allow_infinity=False), max_size=8),
+    st.lists(st.floats(min_value=-1e6, max_value=1e6), max_size=8),
+    st.lists(st.text(max_size=3), max_size=8),
+    st.lists(_VALUES, max_size=8),
+)
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    datatype=st.sampled_from([*_TYPES, "FP8", "fp32"]),
+    data=_DATA,
+    shape_of=st.sampled_from(["flat", "row", "other"]),
+    other=st.lists(st.integers(min_value=0, max_value=3), max_size=3),
+    extra=st.sampled_from([{}, {"id": "r1"}, {"parameters": {"priority": 3}}, {"parameters": {"x": [1]}}]),
+    params=st.sampled_from([None, {}, {"binary_data_size": 4}, {"a": 1.5}, {"a": None}]),
+)
+def test_the_one_pass_decode_agrees_with_the_general_one(
+    datatype: str,
+    data: list[Any],
+    shape_of: str,
+    other: list[int],
+    extra: dict[str, Any],
+    params: Any,
+) -> None:
+    """``parse_request`` decodes plain JSON requests in one pass (typed ``data``) and falls back
+    to the general path for anything else: both give the same request, or the same error."""
+    from aisp.serve import oip_http
+
+    shape = {"flat": [len(data)], "row": [1, len(data)], "other": other}[shape_of]
+    tensor: dict[str, Any] = {"name": "x", "datatype": datatype, "shape": shape, "data": data}
+    if params is not None:
+        tensor["parameters"] = params
+    body = json.dumps({"inputs": [tensor], **extra}).encode()
+
+    def outcome(parse: Any) -> Any:
+        try:
+            req = parse()
+        except BadRequest as exc:
+            return ("error", str(exc))
+        if req is None:
+            return None
+        arrays = [(t.name, t.datatype, t.shape, t.array.dtype, t.array.tolist()) for t in req.inputs]
+        return (arrays, req.outputs, req.id, req.priority, req.timeout_us, req.binary_output)
+
+    typed = outcome(lambda: oip_http._typed_request(body))
+    TYPED_ANSWERS.append(typed is not None)
+    general = outcome(lambda: oip_http._general_request(body, None, SIMPLE))
+    if typed is not None:  # the one-pass path answered: exactly as the general one would
+        assert typed == general
+
+
+def test_the_one_pass_decode_answered_many_of_them() -> None:
+    """(After the property above, in this module's order.) It was not vacuous."""
+    if not TYPED_ANSWERS:
+        pytest.skip("the property did not run first")
+    assert sum(TYPED_ANSWERS) >= 50
