@@ -17,6 +17,7 @@ bytes (``encode_bytes`` / ``decode_bytes``).
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Mapping, Sequence
@@ -130,11 +131,11 @@ class Signature:
     inputs: tuple[TensorSignature, ...]
     outputs: tuple[TensorSignature, ...]
 
-    @property
+    @functools.cached_property
     def input_names(self) -> list[str]:
         return [t.name for t in self.inputs]
 
-    @property
+    @functools.cached_property
     def output_names(self) -> list[str]:
         return [t.name for t in self.outputs]
 
@@ -357,6 +358,16 @@ def encode_bytes(arr: npt.NDArray[Any]) -> bytes:
 # -- the checks ----------------------------------------------------------------------------------
 def check_request(req: InferRequest, sig: Signature) -> dict[str, npt.NDArray[Any]]:
     """The request's arrays by input name (in the model's order), once everything holds."""
+    if req.outputs is None and len(req.inputs) == len(sig.inputs):  # the usual request: fast
+        arrays = {}
+        for t, spec in zip(req.inputs, sig.inputs, strict=True):
+            if t.name != spec.name or t.datatype != spec.datatype or t.shape[1:] != spec.dims or not t.shape:
+                break  # not exactly the model's: the checks below say what differs
+            arrays[t.name] = t.array
+        else:
+            batch = req.inputs[0].shape[0] if req.inputs else 0
+            if batch <= sig.max_batch_size and all(t.shape[0] == batch for t in req.inputs):
+                return arrays
     model = sig.model
     if req.outputs is not None:
         seen: set[str] = set()
