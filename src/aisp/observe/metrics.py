@@ -61,7 +61,14 @@ from aisp.observe.stats import AdmissionStats, StageStats
 from aisp.observe.view import PipelineView
 from aisp.retry import RETRIES
 
-__all__ = ["GcPauses", "PipelineCollector", "TextExposition", "gc_pauses", "metrics_registry"]
+__all__ = [
+    "GcPauses",
+    "PipelineCollector",
+    "TextExposition",
+    "gc_pauses",
+    "histogram_buckets",
+    "metrics_registry",
+]
 
 LATENCY_BUCKETS_S = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -69,7 +76,9 @@ LATENCY_BUCKETS_S = (
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
-def _buckets(hist: LatencyHistogram, bounds: tuple[float, ...], scale: float) -> tuple[list[Any], float]:
+def histogram_buckets(
+    hist: LatencyHistogram, bounds: tuple[float, ...], scale: float
+) -> tuple[list[Any], float]:
     """Prometheus (bound, cumulative count) pairs and the sum, from a histogram of raw units."""
     counts = hist.cumulative([b * scale for b in bounds])
     pairs: list[Any] = [(repr(float(b)), c) for b, c in zip(bounds, counts, strict=True)]
@@ -106,11 +115,11 @@ class PipelineCollector:
         empty = LatencyHistogram()
         for st in stages:
             for phase in StageStats.PHASES:
-                pairs, total = _buckets(st.phases.get(phase, empty), LATENCY_BUCKETS_S, 1e9)
+                pairs, total = histogram_buckets(st.phases.get(phase, empty), LATENCY_BUCKETS_S, 1e9)
                 latency.add_metric([st.step_id, phase], pairs, total)
         yield latency
         e2e = HistogramMetricFamily("aisp_e2e_latency_seconds", "Per-event latency, ingest to sink write")
-        pairs, total = _buckets(stats.e2e, LATENCY_BUCKETS_S, 1e9)
+        pairs, total = histogram_buckets(stats.e2e, LATENCY_BUCKETS_S, 1e9)
         e2e.add_metric([], pairs, total)
         yield e2e
 
@@ -140,7 +149,7 @@ class PipelineCollector:
             rows.add_metric([st.step_id, "in"], st.rows_in)
             rows.add_metric([st.step_id, "out"], st.rows_out)
             queue.add_metric([st.step_id], st.queue_rows())
-            pairs, total = _buckets(st.batch_rows, BATCH_BUCKETS, 1.0)
+            pairs, total = histogram_buckets(st.batch_rows, BATCH_BUCKETS, 1.0)
             sizes.add_metric([st.step_id], pairs, st.batch_rows.sum_ns)
             errors.add_metric([st.step_id], st.errors)
             busy.add_metric([st.step_id], st.busy_ns / 1e9)
@@ -283,7 +292,7 @@ class GcPauses:
 
     def collect(self) -> Iterator[Any]:
         family = HistogramMetricFamily("aisp_gc_pause_seconds", "Garbage collection pauses")
-        pairs, total = _buckets(self.pauses, LATENCY_BUCKETS_S, 1e9)
+        pairs, total = histogram_buckets(self.pauses, LATENCY_BUCKETS_S, 1e9)
         family.add_metric([], pairs, total)
         yield family
 

@@ -7,13 +7,15 @@ repository, codes from the protocol.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from aisp.observe.metrics import BATCH_BUCKETS, LATENCY_BUCKETS_S, TextExposition
+from aisp.observe.latency import LatencyHistogram
+from aisp.observe.metrics import BATCH_BUCKETS, LATENCY_BUCKETS_S, TextExposition, histogram_buckets
 from aisp.serve.models import ModelServer
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
@@ -38,44 +40,73 @@ class _QueueCollector:
 
 class ServerMetrics:
     """The server's metrics. ``batch_metric`` names the served models' batch-size histogram
-    (default ``aisp_batch_size_rows``; a served pipeline exports that name per stage)."""
+    (default ``aisp_batch_size_rows``; a served pipeline exports that name per stage).
+
+    Requests are counted in plain counters and their latencies in ``LatencyHistogram``s (a
+    buffered array write per value, bucketed in bulk), turned into Prometheus families when
+    scraped: per request, the cost is one lock and two writes."""
 
     def __init__(self, models: ModelServer | None, *, batch_metric: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self._text = TextExposition(self.registry)
-        self.requests = Counter(
-            "aisp_requests", "Inference requests", ["protocol", "model", "code"], registry=self.registry
-        )
-        self.latency = Histogram(
-            "aisp_request_latency_seconds",
-            "Inference request latency, receipt to answer",
-            ["protocol", "model"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=self.registry,
-        )
+        self._lock = threading.Lock()
+        self._requests: dict[tuple[str, str, str], int] = {}
+        self._latency: dict[tuple[str, str], LatencyHistogram] = {}
+        self._batches: dict[str, LatencyHistogram] = {}
+        self._batch_metric = batch_metric or "aisp_batch_size_rows"
         self.registry.register(_QueueCollector(models))
+        self.registry.register(_RequestCollector(self))
         if models is not None:
-            batch_rows = Histogram(
-                batch_metric or "aisp_batch_size_rows",
-                "Rows per model call",
-                ["model"],
-                buckets=BATCH_BUCKETS,
-                registry=self.registry,
-            )
-            models.on_batch = lambda model, rows: batch_rows.labels(model).observe(rows)
-
-        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+            models.on_batch = self._batched
 
     def observe(self, protocol: str, model: str, code: str, seconds: float) -> None:
         key = (protocol, model, code)
-        child = self._children.get(key)
-        if child is None:  # labels are bounded (see the module docstring): one lookup each
-            child = self._children[key] = (
-                self.requests.labels(protocol, model, code),
-                self.latency.labels(protocol, model),
-            )
-        child[0].inc()
-        child[1].observe(seconds)
+        with self._lock:
+            self._requests[key] = self._requests.get(key, 0) + 1
+            hist = self._latency.get((protocol, model))
+            if hist is None:
+                hist = self._latency[(protocol, model)] = LatencyHistogram()
+        hist.record_one(int(seconds * 1e9))
+
+    def _batched(self, model: str, rows: int) -> None:
+        hist = self._batches.get(model)
+        if hist is None:
+            with self._lock:
+                hist = self._batches.setdefault(model, LatencyHistogram())
+        hist.record_one(rows)
 
     def render(self) -> bytes:
         return self._text.render()
+
+
+class _RequestCollector:
+    """``aisp_requests_total{protocol,model,code}``, ``aisp_request_latency_seconds{protocol,model}``
+    and the batch-size histogram ``{model}``, from ``ServerMetrics``' counters at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Any]:
+        m = self._m
+        with m._lock:
+            requests, latency, batches = dict(m._requests), dict(m._latency), dict(m._batches)
+        counts = CounterMetricFamily(
+            "aisp_requests", "Inference requests", labels=["protocol", "model", "code"]
+        )
+        for key, n in sorted(requests.items()):
+            counts.add_metric(list(key), n)
+        yield counts
+        hist = HistogramMetricFamily(
+            "aisp_request_latency_seconds",
+            "Inference request latency, receipt to answer",
+            labels=["protocol", "model"],
+        )
+        for (protocol, model), h in sorted(latency.items()):
+            pairs, total = histogram_buckets(h, LATENCY_BUCKETS_S, 1e9)
+            hist.add_metric([protocol, model], pairs, total)
+        yield hist
+        sizes = HistogramMetricFamily(m._batch_metric, "Rows per model call", labels=["model"])
+        for model, h in sorted(batches.items()):
+            pairs, total = histogram_buckets(h, BATCH_BUCKETS, 1.0)
+            sizes.add_metric([model], pairs, total)
+        yield sizes
