@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from aisp.observe.trace_config import TraceConfig
     from aisp.pipeline import Pipeline
 
-__all__ = ["CheckpointOptions", "ObserveOptions", "RunOptions", "RunSummary", "run"]
+__all__ = ["CheckpointOptions", "ObserveOptions", "RunOptions", "RunSummary", "run", "tune_gc"]
 
 log = logging.getLogger("aisp.runner")
 
@@ -196,7 +196,7 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
         if opts.handle_signals:
             resources.callback(_install_signals(ex.request_stop) or (lambda: None))
         if opts.tune_gc:
-            resources.callback(_tune_gc())
+            resources.callback(tune_gc())
         _observe(ex, opts.observe, resources)  # starts the executor
         _drive(ex, opts, store)
         stopped_early = ex.stopping  # before the resources close (which stop the executor)
@@ -439,11 +439,13 @@ class _Checkpointer:
         self._last = time.monotonic()
 
 
-def _tune_gc() -> Callable[[], None]:
-    """Freeze what exists and collect young objects less often while the pipeline runs.
+def tune_gc() -> Callable[[], None]:
+    """Freeze what exists and collect young objects less often while the pipeline (or the
+    server) runs; returns what undoes it.
 
     Decoding creates and frees many short-lived objects; the default threshold (700) runs a
-    collection every few hundred rows. Measured on workload F: 10.5 -> 7.1 us per event.
+    collection every few hundred rows. Measured on workload F: 10.5 -> 7.1 us per event; on
+    ``aisp serve`` at 256 connections, p99 66-79 -> 40 ms and 7.6-8.8k -> 9.0-9.2k infer/s.
     """
     old = gc.get_threshold()
     gc.collect()

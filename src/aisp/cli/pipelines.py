@@ -279,6 +279,9 @@ def serve(
         "admission_wait_ms": admission_wait_ms,
         "model_control": allow_model_control or tokens.enabled,  # with tokens, only admin ones may
     }
+    from aisp.runner import tune_gc
+
+    restore_gc = tune_gc()  # models and pipelines are loaded: what is left is per request
     grpc_server = None
     if grpc_port >= 0:
         grpc_server = GrpcServer(
@@ -295,6 +298,7 @@ def serve(
         if grpc_server is not None:
             grpc_server.stop(grace_s=10)  # finish accepted requests, refuse new ones
         served.close()
+        restore_gc()
     err.print("stopped")
 
 
