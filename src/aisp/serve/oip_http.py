@@ -64,6 +64,7 @@ class _Request(msgspec.Struct):
 
 
 _decoder = msgspec.json.Decoder(_Request)
+_JSON_HEADERS = {"content-type": "application/json"}  # shared: callers only read it
 _encode = msgspec.json.Encoder().encode
 
 
@@ -253,10 +254,11 @@ def encode_response(
         wanted = [(o.name, o.binary) for o in req.outputs]
     entries, blobs = [], []
     for name, binary in wanted:
-        arr = np.ascontiguousarray(outputs[name])
+        arr = outputs[name]
         datatype = datatype_of(arr.dtype)
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
         if binary:
+            arr = np.ascontiguousarray(arr)
             raw = encode_bytes(arr) if datatype == "BYTES" else arr.tobytes()
             entry["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
@@ -268,7 +270,7 @@ def encode_response(
         body["id"] = req.id
     header = _encode(body)
     if not any(blobs):
-        return header, {"content-type": "application/json"}
+        return header, _JSON_HEADERS
     return b"".join([header, *blobs]), {
         "content-type": "application/octet-stream",
         HEADER_LENGTH: str(len(header)),
