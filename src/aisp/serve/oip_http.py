@@ -10,6 +10,7 @@ listed), in JSON otherwise. Every malformed request is a ``BadRequest`` naming t
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, Union
 
@@ -19,6 +20,7 @@ import numpy as np
 from aisp.errors import BadRequest
 from aisp.serve.oip import (
     DATATYPES,
+    MAX_ELEMENTS,
     InferInput,
     InferRequest,
     RequestedOutput,
@@ -155,7 +157,10 @@ def _typed_request(body: bytes) -> InferRequest | None:
             return None  # data and binary data both: the general path's error
         datatype = _TYPED[type(t)]
         _params(t.parameters, f"input {t.name!r}")
-        arr = array_of_values(t.name, datatype, t.shape, t.data, element_count(t.name, t.shape))
+        count = math.prod(t.shape)  # msgspec checked the dims: integers from 0
+        if count > MAX_ELEMENTS:
+            element_count(t.name, t.shape)  # raises, naming the shape
+        arr = array_of_values(t.name, datatype, t.shape, t.data, count)
         inputs.append(InferInput(t.name, datatype, tuple(t.shape), arr))
     return _request(msg, inputs)
 

@@ -76,9 +76,15 @@ def shape_groups(model: ServedModel, gathered: Sequence[Gathered]) -> list[list[
     """``gathered`` by per-row input shape, in order of arrival within each group."""
     if len(gathered) == 1:
         return [list(gathered)]
+    names = model.input_names
+    if len(names) == 1:  # the usual model: one input, keyed by its row shape alone
+        [name] = names
+        first = gathered[0].inputs[name].shape[1:]
+        if all(it.inputs[name].shape[1:] == first for it in gathered):
+            return [list(gathered)]
     groups: dict[tuple[tuple[int, ...], ...], list[Gathered]] = {}
     for it in gathered:
-        key = tuple(tuple(it.inputs[k].shape[1:]) for k in model.input_names)
+        key = tuple(tuple(it.inputs[k].shape[1:]) for k in names)
         groups.setdefault(key, []).append(it)
     return list(groups.values())
 
