@@ -74,8 +74,8 @@ def request_batches(model: ServedModel, gathered: Sequence[Gathered]) -> list[Ba
 
 def shape_groups(model: ServedModel, gathered: Sequence[Gathered]) -> list[list[Gathered]]:
     """``gathered`` by per-row input shape, in order of arrival within each group."""
-    if len(gathered) == 1:
-        return [list(gathered)]
+    if len(gathered) <= 1:
+        return [list(gathered)] if gathered else []
     names = model.input_names
     if len(names) == 1:  # the usual model: one input, keyed by its row shape alone
         [name] = names
