@@ -18,7 +18,15 @@ Part 2, pipeline ingest: ``aisp serve examples/fraud/pipeline.py`` and a separat
 the moment its chunk was written to the moment its result line was read. Runs at full speed,
 then paced at 80% of that.
 
-    python benchmarks/bench_serve.py [--seconds 8] [--events 400000]
+Part 3, with ``--perf-analyzer PATH``: Triton's perf_analyzer (tritonclient[all]==2.41.0),
+unmodified, over HTTP and gRPC, against ``aisp serve`` and a grpc.aio server answering a
+constant (the Python gRPC stack's ceiling). It needs Debian's libb64-0d and ``libcudart.so.12``
+(PyPI's nvidia-cuda-runtime-cu12: put its ``lib`` directory on ``LD_LIBRARY_PATH``).
+
+Every point runs its contenders in turn, ``--rounds`` times (alternating); the median round is
+reported.
+
+    python benchmarks/bench_serve.py [--seconds 8] [--events 400000] [--rounds 3] [--perf-analyzer PATH]
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -54,20 +62,21 @@ CONCURRENCY = (1, 16, 64, 256)
 
 
 @contextmanager
-def server(cmd: list[str]) -> Iterator[str]:
-    """Start a server that prints ``http HOST:PORT``; yield the address; SIGTERM it after."""
+def server(cmd: list[str], expect: tuple[str, ...] = ("http",)) -> Iterator[Any]:
+    """Start a server that prints ``PROTOCOL HOST:PORT`` for each protocol of ``expect``; yield
+    the address (several: their tuple, in that order); SIGTERM it after."""
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
     try:
-        address = ""
-        while not address:
+        found: dict[str, str] = {}
+        while not set(expect) <= set(found):
             line = proc.stdout.readline()
             if not line:
                 raise RuntimeError(f"server exited: {cmd}")
-            if line.startswith("http "):
-                address = line.split()[1]
+            if line.startswith(("http ", "grpc ")):
+                found[line.split()[0]] = line.split()[1]
         time.sleep(1.5)  # bound before it serves; let it warm up
-        yield address
+        yield found[expect[0]] if len(expect) == 1 else tuple(found[p] for p in expect)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -111,7 +120,9 @@ dynamic_batching {{ max_queue_delay_microseconds: 500 }}
     return root
 
 
-def infer_part(seconds: float, tmp: Path) -> dict[str, Any]:
+def infer_part(seconds: float, tmp: Path, rounds: int) -> dict[str, Any]:
+    """Every contender of a model serves at once (idle until its turn); each concurrency level
+    runs them in turn, ``rounds`` times, alternating; the median round is reported."""
     heavy = mlp_model(tmp / "heavy.onnx")
     models = {"fraud": ROOT / "examples" / "fraud" / "model.onnx", "heavy": heavy}
     apps = ROOT / "benchmarks" / "serve_apps.py"
@@ -127,10 +138,16 @@ def infer_part(seconds: float, tmp: Path) -> dict[str, Any]:
         }
         if model_name == "heavy":  # the stack's ceiling does not depend on the model
             del contenders["hello"], contenders["asgi_hello"]
-        for name, cmd in contenders.items():
-            with server(cmd) as address:
-                for c in CONCURRENCY:
-                    r = wrk(address, c, seconds)
+        with ExitStack() as stack:
+            addresses = {name: stack.enter_context(server(cmd)) for name, cmd in contenders.items()}
+            for c in CONCURRENCY:
+                runs: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
+                for _ in range(rounds):
+                    for name, address in addresses.items():
+                        runs[name].append(wrk(address, c, seconds))
+                for name, rs in runs.items():
+                    r = sorted(rs, key=lambda x: x["rps"])[len(rs) // 2]  # the median round
+                    r["rps_rounds"] = [x["rps"] for x in rs]  # type: ignore[assignment]
                     results[f"{model_name}/{name}/c{c}"] = r
                     print(f"{model_name:6} {name:14} c={c:3}  {r}", flush=True)
     if importlib.util.find_spec("granian") is None:
@@ -142,6 +159,50 @@ def infer_part(seconds: float, tmp: Path) -> dict[str, Any]:
             results[f"granian/hello/c{c}"] = r
             print(f"granian hello     c={c:3}  {r}", flush=True)
     return results
+
+
+def perf_analyzer_part(binary: str, tmp: Path, rounds: int) -> dict[str, Any]:
+    """Triton's perf_analyzer, unmodified, against ``aisp serve`` over HTTP and gRPC (batch 1 at
+    concurrency 16, batch 64 at concurrency 4) and against a grpc.aio server whose ModelInfer
+    returns a constant (the Python gRPC stack's own ceiling); alternating, median of ``rounds``."""
+    repo = repository(tmp / "repo-pa", ROOT / "examples" / "fraud" / "model.onnx", 512)
+    aisp = [PY, "-m", "aisp.cli", "serve", str(repo), "--http-port", "0", "--grpc-port", "0"]
+    apps = ROOT / "benchmarks" / "serve_apps.py"
+    results: dict[str, Any] = {}
+    with ExitStack() as stack:
+        http, grpc_address = stack.enter_context(server(aisp, ("http", "grpc")))
+        ceiling = stack.enter_context(server([PY, str(apps), "grpc_hello", "0"], ("grpc",)))
+        points = [
+            ("aisp/http", http, "http", 1, 16),
+            ("aisp/grpc", grpc_address, "grpc", 1, 16),
+            ("grpc_hello/grpc", ceiling, "grpc", 1, 16),
+            ("aisp/http", http, "http", 64, 4),
+            ("aisp/grpc", grpc_address, "grpc", 64, 4),
+        ]
+        runs: dict[str, list[dict[str, float]]] = {}
+        for _ in range(rounds):
+            for name, address, protocol, batch, c in points:
+                key = f"{name}/b{batch}/c{c}"
+                runs.setdefault(key, []).append(perf_analyzer(binary, address, protocol, batch, c))
+        for key, rs in runs.items():
+            r = sorted(rs, key=lambda x: x["infer_per_s"])[len(rs) // 2]
+            results[key] = r  # perf_analyzer counts inferences as rows: batch 64 is 64 of them
+            print(f"perf_analyzer {key:24} {results[key]}", flush=True)
+    return results
+
+
+def perf_analyzer(binary: str, address: str, protocol: str, batch: int, c: int) -> dict[str, float]:
+    out = subprocess.run(
+        [
+            binary, "-m", "fraud", "-u", address, "-i", protocol, "-b", str(batch),
+            "--concurrency-range", str(c), "-s", "40", "--max-trials", "6", "--shape", "features:18",
+        ],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    res = {"infer_per_s": float(re.search(r"Throughput: ([\d.]+) infer/sec", out).group(1))}  # type: ignore[union-attr]
+    p99 = re.search(r"p99 latency: (\d+) usec", out)
+    res["p99_ms"] = int(p99.group(1)) / 1000 if p99 else float("nan")
+    return res
 
 
 # -- pipeline ingest ---------------------------------------------------------------------------
@@ -262,6 +323,8 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=1000)
     ap.add_argument("--skip-infer", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per point (median)")
+    ap.add_argument("--perf-analyzer", help="Triton's perf_analyzer binary (tritonclient[all]==2.41.0)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if shutil.which("wrk") is None and not args.skip_infer:
@@ -269,7 +332,9 @@ def main() -> int:
         return 2
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        results = {"infer": {} if args.skip_infer else infer_part(args.seconds, tmp)}
+        results = {"infer": {} if args.skip_infer else infer_part(args.seconds, tmp, args.rounds)}
+        if args.perf_analyzer:
+            results["perf_analyzer"] = perf_analyzer_part(args.perf_analyzer, tmp, args.rounds)
         results["ingest"] = ingest_part(args.events, args.streams, args.chunk, tmp)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

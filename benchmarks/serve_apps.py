@@ -6,13 +6,16 @@
   ONNX Runtime call per request, in the request's own handler (no batcher).
 * ``asgi_hello`` and ``asgi_unbatched``: the same two as plain ASGI apps (no framework): the
   ceiling of the HTTP server itself, and the cheapest unbatched server on it.
+* ``grpc_hello``: a grpc.aio server whose ModelInfer answers a constant: the ceiling of the
+  Python gRPC stack, for perf_analyzer (it prints ``grpc 127.0.0.1:PORT``).
 
 Run one: ``python benchmarks/serve_apps.py APP PORT [uvicorn|granian] [MODEL]`` (APP: one of
-the four above); it prints ``http 127.0.0.1:PORT`` once it listens.
+the five above); it prints ``http 127.0.0.1:PORT`` once it listens.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 from pathlib import Path
@@ -124,8 +127,69 @@ def asgi_unbatched(model: Path = MODEL) -> Any:
 APPS = {"hello": hello, "unbatched": unbatched, "asgi_hello": asgi_hello, "asgi_unbatched": asgi_unbatched}
 
 
+def grpc_hello(port: int) -> None:
+    """A grpc.aio server whose ModelInfer answers a constant (the fraud model's output shape):
+    the Python gRPC stack's own ceiling, for perf_analyzer. Prints ``grpc 127.0.0.1:PORT``."""
+    import grpc
+    import numpy as np
+    from tritonclient.grpc import model_config_pb2 as mc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    answer = pb.ModelInferResponse(model_name="fraud", model_version="1")
+    answer.outputs.add(name="score", datatype="FP32", shape=[1, 1])
+    answer.raw_output_contents.append(np.zeros(1, np.float32).tobytes())
+    config = mc.ModelConfig(name="fraud", platform="onnxruntime_onnx", max_batch_size=512)
+    config.input.add(name="features", data_type=mc.TYPE_FP32, dims=[18])
+    config.output.add(name="score", data_type=mc.TYPE_FP32, dims=[1])
+    meta = pb.ModelMetadataResponse(name="fraud", versions=["1"], platform="onnxruntime_onnx")
+    meta.inputs.add(name="features", datatype="FP32", shape=[-1, 18])
+    meta.outputs.add(name="score", datatype="FP32", shape=[-1, 1])
+
+    class Servicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+        async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
+            rows = request.inputs[0].shape[0] if request.inputs and request.inputs[0].shape else 1
+            if rows == 1:
+                return answer
+            many = pb.ModelInferResponse(model_name="fraud", model_version="1")
+            many.outputs.add(name="score", datatype="FP32", shape=[rows, 1])
+            many.raw_output_contents.append(np.zeros(rows, np.float32).tobytes())
+            return many
+
+        async def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
+            return meta
+
+        async def ModelConfig(self, request: Any, context: Any) -> Any:  # noqa: N802
+            return pb.ModelConfigResponse(config=config)
+
+        async def ServerMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
+            return pb.ServerMetadataResponse(name="grpc_hello", version="1")
+
+        async def ServerLive(self, request: Any, context: Any) -> Any:  # noqa: N802
+            return pb.ServerLiveResponse(live=True)
+
+        async def ServerReady(self, request: Any, context: Any) -> Any:  # noqa: N802
+            return pb.ServerReadyResponse(ready=True)
+
+        async def ModelReady(self, request: Any, context: Any) -> Any:  # noqa: N802
+            return pb.ModelReadyResponse(ready=True)
+
+    async def serve() -> None:
+        srv = grpc.aio.server()
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(), srv)
+        bound = srv.add_insecure_port(f"127.0.0.1:{port}")
+        await srv.start()
+        print(f"grpc 127.0.0.1:{bound}", flush=True)
+        await srv.wait_for_termination()
+
+    asyncio.run(serve())
+
+
 def main() -> None:
     kind, port = sys.argv[1], int(sys.argv[2])
+    if kind == "grpc_hello":
+        grpc_hello(port)
+        return
     server = sys.argv[3] if len(sys.argv) > 3 else "uvicorn"
     if server == "granian":
         from granian import Granian

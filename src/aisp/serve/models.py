@@ -268,8 +268,10 @@ class ModelServer:
         checked: bool = False,
     ) -> InferResult:
         """``infer`` for asyncio: the requests that arrive in one turn of the event loop are
-        handed to the batcher together (one Arrow batch per input shape, one queue operation),
-        and their answers come back to the loop in one call per model batch."""
+        answered together. When their model is idle and cheap (``inline_max_us``) one model call
+        made in the loop answers them (numpy arrays in and out); otherwise they go to the batcher
+        as one Arrow batch per input shape, and their answers come back to the loop in one call
+        per model batch."""
         served, n, tier, deadline = self._admit(name, inputs, version, priority, tier, timeout_s, checked)
         if has_empty(inputs):
             return await asyncio.to_thread(self._run_empty, served, inputs)
