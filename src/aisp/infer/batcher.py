@@ -285,10 +285,7 @@ class DynamicBatcher:
         model's nanoseconds). Counted, learnt from and tuned on like any call; the caller
         reports it (no ``on_batch``). A failing model raises, its rows counted as errors."""
         try:
-            start = time.perf_counter_ns()
-            runtime = resolve(self.runtime)
-            outputs = runtime.run(inputs)
-            compute_ns = time.perf_counter_ns() - start
+            outputs, runtime, compute_ns = self._compute(inputs)
         except Exception:
             with self._lock:
                 self._in_flight -= 1
@@ -424,11 +421,7 @@ class DynamicBatcher:
         rows = batch.num_rows
         began = time.perf_counter_ns() if began is None else began
         try:
-            inputs = self._prepare(batch)
-            start = time.perf_counter_ns()
-            runtime = resolve(self.runtime)  # one version per batch, even across a hot swap
-            outputs = runtime.run(inputs)
-            compute_ns = time.perf_counter_ns() - start
+            outputs, runtime, compute_ns = self._compute(self._prepare(batch))
             result = self._finish(batch, outputs, runtime)
         except Exception as exc:  # noqa: BLE001 - a failed call dead-letters its rows, never the thread
             with self._lock:
@@ -444,6 +437,15 @@ class DynamicBatcher:
             started = time.perf_counter_ns()
         self._guard(self._emit, result)
         self._after.observe(rows, time.perf_counter_ns() - started)
+
+    def _compute(
+        self, inputs: Mapping[str, npt.NDArray[Any]]
+    ) -> tuple[Mapping[str, npt.NDArray[Any]], Runtime, int]:
+        """One model call: (outputs, the version that computed them, its nanoseconds)."""
+        start = time.perf_counter_ns()
+        runtime = resolve(self.runtime)  # one version per batch, even across a hot swap
+        outputs = runtime.run(inputs)
+        return outputs, runtime, time.perf_counter_ns() - start
 
     def _called(self, rows: int, wait_ns: int, compute_ns: int, *, inline: bool) -> None:
         """(Under the lock) A call that succeeded: learn its cost, count it, tune on it."""

@@ -69,12 +69,4 @@ class Headers(dict[str, str]):
         return cls({k.lower().decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]})
 
     def get(self, key: str, default: Any = None) -> Any:
-        low = _LOWER.get(key)
-        if low is None:
-            low = key.lower()
-            if len(_LOWER) < 256:  # the names code asks for: a handful
-                _LOWER[key] = low
-        return dict.get(self, low, default)
-
-
-_LOWER: dict[str, str] = {}
+        return dict.get(self, key.lower(), default)

@@ -391,26 +391,8 @@ class ModelServer:
         return True
 
     def _settle_items(self, items: Sequence[Gathered], error: str) -> None:
-        """Fail the requests ``items`` (that have not finished) with ``error``."""
-        done = []
-        for it in items:
-            p = it.pending
-            if p is not None and p.error is None:
-                p.error = error
-                done.append(p)
-        wake(done)
-
-    def _settle(self, reqs: Sequence[int], error: str | None) -> None:
-        """Finish requests ``reqs`` (with ``error``, or done)."""
-        done: list[Pending] = []
-        with self._lock:
-            for req in reqs:
-                p = self._pending.get(req)
-                if p is not None and p.error is None:
-                    if error is not None:
-                        p.error = error
-                    done.append(p)
-        wake(done)
+        """Fail the requests ``items`` (those not finished yet) with ``error``."""
+        _fail_all([it.pending for it in items], error)
 
     def _result(self, name: str, pending: Pending, timeout_s: float | None) -> InferResult:
         if pending.error == "overloaded":
@@ -488,4 +470,16 @@ class ModelServer:
         wake(done)
 
     def _fail(self, batch: Batch, reason: str) -> None:
-        self._settle(np.unique(batch.numpy(REQ)).tolist(), reason)
+        with self._lock:
+            found = [self._pending.get(req) for req in np.unique(batch.numpy(REQ)).tolist()]
+        _fail_all(found, reason)
+
+
+def _fail_all(pendings: Sequence[Pending | None], error: str) -> None:
+    """Fail the requests ``pendings`` that are not finished yet with ``error``, and wake them."""
+    done = []
+    for p in pendings:
+        if p is not None and p.error is None:
+            p.error = error
+            done.append(p)
+    wake(done)

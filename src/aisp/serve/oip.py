@@ -91,7 +91,7 @@ def item_types() -> dict[str, Any]:
     return {name: items for name, (_, items) in _ITEMS.items()}
 
 
-_DECODERS = {name: msgspec.json.Decoder(items) for name, (_, items) in _ITEMS.items()}
+_DECODERS = {name: msgspec.json.Decoder(items) for name, items in item_types().items()}
 _NARROW_FLOATS = {  # JSON numbers may overflow them: the magnitude from which one rounds to inf
     "FP16": 2.0**16 * (1 - 2.0**-12),
     "FP32": 2.0**128 * (1 - 2.0**-25),

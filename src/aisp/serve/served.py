@@ -139,8 +139,8 @@ class Served:
             each, end = [], 0
             named = list(outputs.items())
             for it in items:
-                start, end = end, end + it.rows
-                each.append({name: arr[start:end] for name, arr in named})
+                first, end = end, end + it.rows
+                each.append({name: arr[first:end] for name, arr in named})
         version = str(runtime.version)
         self.stats_of(version).batch(rows, 0, input_ns, compute_ns, time.perf_counter_ns() - start)
         self._on_batch(self.model.name, rows)
