@@ -20,7 +20,8 @@ then paced at 80% of that.
 
 Part 3, with ``--perf-analyzer PATH``: Triton's perf_analyzer (tritonclient[all]==2.41.0),
 unmodified, over HTTP and gRPC, against ``aisp serve`` and a grpc.aio server answering a
-constant (the Python gRPC stack's ceiling). It needs Debian's libb64-0d and ``libcudart.so.12``
+constant (the Python gRPC stack's ceiling), and with its tensors in system shared memory
+(``--shared-memory system``). It needs Debian's libb64-0d and ``libcudart.so.12``
 (PyPI's nvidia-cuda-runtime-cu12: put its ``lib`` directory on ``LD_LIBRARY_PATH``).
 
 Every point runs its contenders in turn, ``--rounds`` times (alternating); the median round is
@@ -167,6 +168,7 @@ def perf_analyzer_part(binary: str, tmp: Path, rounds: int) -> dict[str, Any]:
     returns a constant (the Python gRPC stack's own ceiling); alternating, median of ``rounds``."""
     repo = repository(tmp / "repo-pa", ROOT / "examples" / "fraud" / "model.onnx", 512)
     aisp = [PY, "-m", "aisp.cli", "serve", str(repo), "--http-port", "0", "--grpc-port", "0"]
+    aisp.append("--allow-shared-memory")  # perf_analyzer --shared-memory system registers regions
     apps = ROOT / "benchmarks" / "serve_apps.py"
     results: dict[str, Any] = {}
     with ExitStack() as stack:
@@ -176,14 +178,18 @@ def perf_analyzer_part(binary: str, tmp: Path, rounds: int) -> dict[str, Any]:
             ("aisp/http", http, "http", 1, 16),
             ("aisp/grpc", grpc_address, "grpc", 1, 16),
             ("grpc_hello/grpc", ceiling, "grpc", 1, 16),
+            ("aisp/grpc+shm", grpc_address, "grpc", 1, 16),
             ("aisp/http", http, "http", 64, 4),
             ("aisp/grpc", grpc_address, "grpc", 64, 4),
+            ("aisp/http+shm", http, "http", 64, 4),
+            ("aisp/grpc+shm", grpc_address, "grpc", 64, 4),
         ]
         runs: dict[str, list[dict[str, float]]] = {}
         for _ in range(rounds):
             for name, address, protocol, batch, c in points:
                 key = f"{name}/b{batch}/c{c}"
-                runs.setdefault(key, []).append(perf_analyzer(binary, address, protocol, batch, c))
+                extra = ["--shared-memory", "system"] if name.endswith("+shm") else []
+                runs.setdefault(key, []).append(perf_analyzer(binary, address, protocol, batch, c, extra))
         for key, rs in runs.items():
             r = sorted(rs, key=lambda x: x["infer_per_s"])[len(rs) // 2]
             results[key] = r  # perf_analyzer counts inferences as rows: batch 64 is 64 of them
@@ -191,11 +197,13 @@ def perf_analyzer_part(binary: str, tmp: Path, rounds: int) -> dict[str, Any]:
     return results
 
 
-def perf_analyzer(binary: str, address: str, protocol: str, batch: int, c: int) -> dict[str, float]:
+def perf_analyzer(
+    binary: str, address: str, protocol: str, batch: int, c: int, extra: list[str]
+) -> dict[str, float]:
     out = subprocess.run(
         [
             binary, "-m", "fraud", "-u", address, "-i", protocol, "-b", str(batch),
-            "--concurrency-range", str(c), "-s", "40", "--max-trials", "6", "--shape", "features:18",
+            "--concurrency-range", str(c), "-s", "40", "--max-trials", "6", "--shape", "features:18", *extra,
         ],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip

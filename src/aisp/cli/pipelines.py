@@ -242,6 +242,13 @@ def serve(
             help="Let clients load and unload models (Triton's model control); on with admin tokens.",
         ),
     ] = False,
+    allow_shared_memory: Annotated[
+        bool,
+        typer.Option(
+            "--allow-shared-memory",
+            help="Let local clients pass tensors through system shared memory (Triton's extension).",
+        ),
+    ] = False,
     trace_sample: TraceSample = 0.0,
     trace_endpoint: TraceEndpoint = None,
     trace_max_per_s: TraceMaxPerS = 100.0,
@@ -255,6 +262,7 @@ def serve(
     from aisp.schedule.ratelimit import Limiter
     from aisp.serve.auth import Tokens
     from aisp.serve.grpc import GrpcServer
+    from aisp.serve.shm import SharedMemoryRegions
 
     if (tls_cert is None) != (tls_key is None):
         err.print("[red]error:[/red] --tls-cert and --tls-key go together")
@@ -278,6 +286,7 @@ def serve(
         "pipelines": served.pipelines,
         "admission_wait_ms": admission_wait_ms,
         "model_control": allow_model_control or tokens.enabled,  # with tokens, only admin ones may
+        "shared_memory": SharedMemoryRegions(allowed=allow_shared_memory),  # one set for HTTP and gRPC
     }
     from aisp.runner import tune_gc
 
@@ -298,6 +307,7 @@ def serve(
         if grpc_server is not None:
             grpc_server.stop(grace_s=10)  # finish accepted requests, refuse new ones
         served.close()
+        common["shared_memory"].close()
         restore_gc()
     err.print("stopped")
 

@@ -9,7 +9,8 @@ The others answer UNIMPLEMENTED. Requests are parsed and checked by ``oip_grpc``
 is answered with the status its error carries (``status_of``: INVALID_ARGUMENT, NOT_FOUND,
 RESOURCE_EXHAUSTED, ...; INTERNAL, logged, for a fault of the server), never UNKNOWN, and a
 stream answers a request that fails with its ``error_message`` and goes on.
-``/aisp.v1.Pipelines/Events`` is a served pipeline's ingest stream (``PipelineStreams``).
+``/aisp.v1.Pipelines/Events`` is a served pipeline's ingest stream (``grpc_events``). The
+system shared-memory extension's RPCs manage the regions of ``shm``.
 Binds 127.0.0.1 unless told otherwise.
 """
 
@@ -18,49 +19,34 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import queue
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent import futures
 from typing import Any
 
 import grpc
-import msgspec
 from google.protobuf.json_format import ParseDict
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from aisp.aio import LoopThread
-from aisp.errors import AispError, BadRequest, Forbidden, ModelError, NotFound, Overloaded
+from aisp.errors import BadRequest, Forbidden, ModelError, NotFound
 from aisp.infer.repository import check_model_name
 from aisp.schedule.ratelimit import Limiter
-from aisp.serve.admission import PipelineAdmission, admit_infer
+from aisp.serve.admission import admit_infer
 from aisp.serve.auth import Scope, Tokens, api_key
+from aisp.serve.grpc_events import EVENTS_METHOD, PipelineStreams, status_of
 from aisp.serve.headers import TIER_KEY, parse_tier
 from aisp.serve.http_models import MODEL_CONTROL_OFF
 from aisp.serve.metrics import ServerMetrics
 from aisp.serve.models import ModelServer
 from aisp.serve.oip_grpc import encode_response, parse_request
-from aisp.serve.pipelines import Chunk, InboxClosed, PipelineService
+from aisp.serve.pipelines import PipelineService
+from aisp.serve.shm import CUDA_SHM_UNSUPPORTED, NO_REGIONS, SharedMemoryRegions
 
 __all__ = ["EVENTS_METHOD", "GrpcServer", "InferenceServicer", "PipelineStreams", "status_of"]
 
-EVENTS_METHOD = "/aisp.v1.Pipelines/Events"
-"""The pipeline ingest stream: bidirectional, raw bytes messages (NDJSON lines each way)."""
-
 log = logging.getLogger("aisp.serve")
-
-
-def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status and details a failure is answered with; a server fault is logged."""
-    if isinstance(exc, AispError):
-        code = getattr(grpc.StatusCode, exc.grpc_code, grpc.StatusCode.INTERNAL)
-        if code is grpc.StatusCode.INTERNAL:
-            log.error("gRPC request failed: %s", exc, exc_info=exc)
-        return code, str(exc)
-    log.error("gRPC request failed: %s", exc, exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal server error: {type(exc).__name__}"
 
 
 Handler = Callable[[Any, Any, Any], Any]
@@ -94,8 +80,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         limiter: Limiter | None = None,
         model_control: bool = False,
         stream_window: int = 256,
+        shared_memory: SharedMemoryRegions = NO_REGIONS,
     ) -> None:
         self.models = server
+        self.shm = shared_memory
         self.name, self.version = name, version
         self.metrics = metrics
         self.limiter = limiter
@@ -114,6 +102,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     def ServerMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
         extensions = ["model_repository", "schedule_policy", "model_configuration", "statistics"]
+        if self.shm.allowed:
+            extensions.append("system_shared_memory")
         return pb.ServerMetadataResponse(name=self.name, version=self.version, extensions=extensions)
 
     @_answered
@@ -217,6 +207,36 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         self.models.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
+    @_answered
+    def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:  # noqa: N802
+        regions = self.shm.status(request.name or None)
+        return pb.SystemSharedMemoryStatusResponse(
+            regions={r["name"]: pb.SystemSharedMemoryStatusResponse.RegionStatus(**r) for r in regions}
+        )
+
+    @_answered
+    def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:  # noqa: N802
+        self.shm.register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_answered
+    def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:  # noqa: N802
+        self.shm.unregister(request.name or None)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if request.name:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND, f"unable to find CUDA shared memory region: {request.name!r}"
+            )
+        return pb.CudaSharedMemoryStatusResponse()
+
+    def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:  # noqa: N802
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, CUDA_SHM_UNSUPPORTED)
+
+    def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return pb.CudaSharedMemoryUnregisterResponse()
+
     # -- helpers ------------------------------------------------------------------------------
     def _control(self, request: Any) -> None:
         check_model_name(request.model_name)
@@ -226,7 +246,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     async def _infer(self, request: Any, context: Any) -> Any:
         name, version = request.model_name, request.model_version or None
         sig = self.models.signature(name, version)
-        req = parse_request(request, sig)
+        req = parse_request(request, sig, self.shm)
         remaining = context.time_remaining() if context is not None else None
         metadata = dict(context.invocation_metadata() or ()) if context is not None else {}
         key = api_key(metadata.get("authorization"), context.peer()) if self.limiter is not None else ""
@@ -241,155 +261,26 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             api_key=key,
         )
         result = await self.models.infer_async(name, admitted.arrays, **admitted.options)
-        return encode_response(pb, req, sig, result.version, result.outputs)
-
-
-class PipelineStreams:
-    """``/aisp.v1.Pipelines/Events``: the gRPC form of ``POST /v1/pipelines/{p}/events``.
-
-    A bidirectional stream of raw bytes messages: each request message holds NDJSON events, and
-    each response message the NDJSON results of one request message's events, in order (or, with
-    metadata ``mode: fire``, an ack ``{"accepted", "rejected", "errors"}``). Metadata
-    ``pipeline`` names the pipeline (optional when one is served), ``x-tier`` the tier; the
-    call's deadline becomes the events' deadline. When the admission queue is full the first
-    message waits ``admission_wait_s``, then the call ends with RESOURCE_EXHAUSTED; later
-    messages wait for room (the stream stops reading). At most ``window_messages`` answers are
-    pending per stream.
-    """
-
-    def __init__(
-        self,
-        pipelines: Mapping[str, PipelineService],
-        *,
-        admission_wait_s: float = 0.0,
-        limiter: Limiter | None = None,
-        window_messages: int = 64,
-    ) -> None:
-        self.pipelines = pipelines
-        self.admissions = {
-            name: PipelineAdmission(service, limiter=limiter, wait_s=admission_wait_s)
-            for name, service in pipelines.items()
-        }
-        self.window_messages = window_messages
-
-    def handler(self) -> grpc.GenericRpcHandler:
-        method = grpc.stream_stream_rpc_method_handler(self.events)  # bytes in, bytes out
-        return grpc.method_handlers_generic_handler("aisp.v1.Pipelines", {"Events": method})
-
-    def _service(self, metadata: dict[str, Any]) -> PipelineService:
-        name = metadata.get("pipeline")
-        if name is None and len(self.pipelines) == 1:
-            return next(iter(self.pipelines.values()))
-        service = self.pipelines.get(name) if name is not None else None
-        if service is None:
-            raise NotFound(f"no pipeline {name!r}; serving {sorted(self.pipelines)}")
-        return service
-
-    def events(self, request_iterator: Iterator[bytes], context: Any) -> Iterator[bytes]:
-        """The stream (see the class docstring); whatever fails is answered with its status."""
-        try:
-            yield from self._events(request_iterator, context)
-        except grpc.RpcError:
-            return  # the client went away
-        except Exception as exc:  # noqa: BLE001 - every failure is answered, typed or not
-            code, details = status_of(exc)
-            context.abort(code, details)
-
-    def _events(self, request_iterator: Iterator[bytes], context: Any) -> Iterator[bytes]:
-        metadata = dict(context.invocation_metadata() or ())
-        service = self._service(metadata)
-        mode = metadata.get("mode", "results")
-        if mode not in ("results", "fire"):
-            raise BadRequest(f"mode must be 'results' or 'fire', got {str(mode)[:40]!r}")
-        tier = parse_tier(metadata.get(TIER_KEY))
-        remaining = context.time_remaining()
-        deadline_ns = (
-            time.monotonic_ns() + int(remaining * 1e9) if remaining is not None and remaining < 1e6 else None
-        )
-        key = api_key(metadata.get("authorization"), context.peer())
-        parent = service.trace_parent(metadata.get("traceparent"), metadata.get("tracestate"))
-        answers: queue.Queue[Any] = queue.Queue(self.window_messages)
-        stop = threading.Event()
-        admission = self.admissions[service.name]
-
-        def read() -> None:
-            line = 1
-            try:
-                for message in request_iterator:
-                    lines = [x for x in bytes(message).split(b"\n") if x]  # as over HTTP
-                    if not lines:
-                        continue
-                    first = line == 1
-                    try:
-                        batch, chunk, errors = service.prepare(
-                            lines,
-                            deadline_ns=deadline_ns,
-                            tier=tier,
-                            track=mode == "results",
-                            first_line=line,
-                            trace_parent=parent,
-                        )
-                        admitted = admission.admit(batch, chunk, key=key, tier=tier, first=first, stop=stop)
-                    except (InboxClosed, Overloaded):
-                        raise  # shutting down, or a refused first message: the call ends with it
-                    except AispError as exc:  # this message fails; the stream goes on
-                        answers.put(_failed_message(len(lines), line, exc, fire=mode == "fire"))
-                        line += len(lines)
-                        continue
-                    if not admitted:
-                        return  # the call ended while this message waited for room
-                    line += len(lines)
-                    if chunk is not None:
-                        answers.put(chunk)
-                    else:
-                        ack = {
-                            "accepted": len(lines) - len(errors),
-                            "rejected": len(errors),
-                            "errors": errors,
-                        }
-                        answers.put(msgspec.json.encode(ack) + b"\n")
-            except Exception as exc:  # noqa: BLE001 - handed to the stream, which answers it
-                answers.put(exc)
-            finally:
-                answers.put(None)
-
-        reader = threading.Thread(target=read, name="aisp-grpc-events", daemon=True)
-        reader.start()
-        try:
-            while (item := answers.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                if isinstance(item, Chunk):
-                    item.done.wait()
-                    yield item.lines(0, item.n)
-                elif isinstance(item, bytes):
-                    yield item
-        finally:
-            stop.set()
-            while reader.is_alive():  # unblock a reader waiting for room in the answer queue
-                try:
-                    item = answers.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                if isinstance(item, Chunk):
-                    service.tracker.discard(item)
-
-
-def _failed_message(n: int, first_line: int, exc: AispError, *, fire: bool) -> bytes:
-    """The answer to a message none of whose ``n`` events could be taken."""
-    encode = msgspec.json.encode
-    if fire:
-        errors = [{"line": first_line + i, "reason": str(exc)} for i in range(n)]
-        return encode({"accepted": 0, "rejected": n, "errors": errors}) + b"\n"
-    return b"".join(encode({"error": str(exc), "line": first_line + i}) + b"\n" for i in range(n))
+        return encode_response(pb, req, sig, result.version, result.outputs, self.shm)
 
 
 OPEN_METHODS = ("/inference.GRPCInferenceService/ServerLive", "/inference.GRPCInferenceService/ServerReady")
-ADMIN_METHODS = ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")
+ADMIN_METHODS = (
+    "RepositoryIndex",
+    "RepositoryModelLoad",
+    "RepositoryModelUnload",
+    "SystemSharedMemoryStatus",
+    "SystemSharedMemoryRegister",
+    "SystemSharedMemoryUnregister",
+    "CudaSharedMemoryStatus",
+    "CudaSharedMemoryRegister",
+    "CudaSharedMemoryUnregister",
+)
 
 
 class _AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Bearer tokens in the ``authorization`` metadata; health is open, the repository is admin."""
+    """Bearer tokens in the ``authorization`` metadata; health is open; the repository
+    and shared-memory extensions are admin."""
 
     def __init__(self, tokens: Tokens) -> None:
         self.tokens = tokens
@@ -437,10 +328,12 @@ class GrpcServer:
         pipelines: Mapping[str, PipelineService] | None = None,
         admission_wait_ms: float = 0.0,
         model_control: bool = False,
+        shared_memory: SharedMemoryRegions = NO_REGIONS,
     ) -> None:
         """``tls``: (certificate chain PEM, private key PEM) to serve over TLS. ``models`` may
         be None when only ``pipelines`` are served. ``model_control``: allow repository loads
-        and unloads."""
+        and unloads. ``shared_memory``: the system shared-memory regions (shared with the HTTP
+        server)."""
         self.host = host
         self._aio = LoopThread("aisp-grpc-loop")
         self._pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="aisp-grpc")
@@ -457,7 +350,11 @@ class GrpcServer:
             )
             if models is not None:
                 servicer = InferenceServicer(
-                    models, metrics=metrics, limiter=limiter, model_control=model_control
+                    models,
+                    metrics=metrics,
+                    limiter=limiter,
+                    model_control=model_control,
+                    shared_memory=shared_memory,
                 )
                 pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
             if pipelines:

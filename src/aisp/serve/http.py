@@ -32,12 +32,17 @@ from aisp.serve.metrics import CONTENT_TYPE, ServerMetrics
 from aisp.serve.models import ModelServer
 from aisp.serve.oip_http import HEADER_LENGTH
 from aisp.serve.pipelines import PipelineService
+from aisp.serve.shm import NO_REGIONS, SharedMemoryRegions
 
 __all__ = ["DEADLINE_HEADER", "HEADER_LENGTH", "NDJSON", "TIER_HEADER", "create_app"]
 
 
+_ADMIN_PATHS = ("/v2/repository", "/v2/systemsharedmemory", "/v2/cudasharedmemory")
+
+
 class _Auth:
-    """ASGI middleware: bearer tokens; health is open, the repository extension needs admin."""
+    """ASGI middleware: bearer tokens; health is open, the repository and shared-memory
+    extensions need admin."""
 
     def __init__(self, app: Any, tokens: Tokens) -> None:
         self.app, self.tokens = app, tokens
@@ -50,7 +55,7 @@ class _Auth:
         ):
             await self.app(scope, receive, send)
             return
-        needed: Scope = "admin" if scope["path"].startswith("/v2/repository") else "infer"
+        needed: Scope = "admin" if scope["path"].startswith(_ADMIN_PATHS) else "infer"
         status = self.tokens.check(Headers.of(scope).get("authorization"), needed)
         if status == 200:
             await self.app(scope, receive, send)
@@ -78,6 +83,7 @@ def create_app(
     limits: RateLimits | None = None,
     limiter: Limiter | None = None,
     model_control: bool = False,
+    shared_memory: SharedMemoryRegions = NO_REGIONS,
 ) -> Any:
     """The OIP v2 REST app over ``models`` (an ASGI app: run it with any ASGI server).
 
@@ -89,7 +95,8 @@ def create_app(
     ``pipelines`` are served at ``POST /v1/pipelines/{name}/events`` (see ``Events``) and
     listed at ``GET /v1/pipelines``; ``models`` may then be None (no model routes).
     ``model_control``: allow loading and unloading models (Triton's explicit model control);
-    without it those routes answer 403.
+    without it those routes answer 403. ``shared_memory``: the system shared-memory regions
+    (Triton's extension) clients may register and name in requests.
     """
     metrics = metrics or ServerMetrics(models)
     if limiter is None and limits is not None and limits.enabled:
@@ -109,6 +116,8 @@ def create_app(
             "model_configuration",
             "statistics",
         ]
+        if shared_memory.allowed:
+            extensions.append("system_shared_memory")
         return JSONResponse({"name": name, "version": version, "extensions": extensions})
 
     async def metrics_endpoint(request: Request) -> Response:
@@ -122,7 +131,9 @@ def create_app(
     ]
     model_api = None
     if models is not None:
-        model_api = ModelRoutes(models, metrics, limiter, max_body_bytes, model_control=model_control)
+        model_api = ModelRoutes(
+            models, metrics, limiter, max_body_bytes, model_control=model_control, shared_memory=shared_memory
+        )
         routes += model_api.routes()
     served_pipelines = dict(pipelines or {})
     if served_pipelines:

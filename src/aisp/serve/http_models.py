@@ -33,6 +33,7 @@ from aisp.serve.http_errors import error_response, guarded, parse_deadline_s, pa
 from aisp.serve.metrics import ServerMetrics
 from aisp.serve.models import ModelServer
 from aisp.serve.oip_http import HEADER_LENGTH, encode_response, parse_request
+from aisp.serve.shm import CUDA_SHM_UNSUPPORTED, NO_REGIONS, SharedMemoryRegions
 
 __all__ = ["MODEL_CONTROL_OFF", "InferFastPath", "ModelRoutes", "config_json"]
 
@@ -51,6 +52,12 @@ class _IndexRequest(msgspec.Struct):
 
 class _LoadRequest(msgspec.Struct):
     parameters: dict[str, Any] | None = None
+
+
+class _RegisterRequest(msgspec.Struct, forbid_unknown_fields=True):
+    key: str
+    byte_size: int
+    offset: int = 0
 
 
 def config_json(message: Any) -> dict[str, Any]:
@@ -153,9 +160,11 @@ class ModelRoutes:
         max_body_bytes: int,
         *,
         model_control: bool,
+        shared_memory: SharedMemoryRegions = NO_REGIONS,
     ) -> None:
         self.models, self.metrics, self.limiter = models, metrics, limiter
         self.max_body_bytes, self.model_control = max_body_bytes, model_control
+        self.shm = shared_memory
 
     def routes(self) -> list[Route]:
         routes = [Route("/v2/models/stats", guarded(self.statistics))]
@@ -169,8 +178,27 @@ class ModelRoutes:
                 Route(f"{prefix}/config", guarded(self.config)),
                 Route(f"{prefix}/stats", guarded(self.statistics)),
             ]
+        shm = "/v2/systemsharedmemory"
         return [
             *routes,
+            Route(f"{shm}/status", guarded(self.shm_status)),
+            Route(f"{shm}/region/{{region:path}}/status", guarded(self.shm_status)),
+            Route(f"{shm}/region/{{region:path}}/register", guarded(self.shm_register), methods=["POST"]),
+            Route(f"{shm}/unregister", guarded(self.shm_unregister), methods=["POST"]),
+            Route(f"{shm}/region/{{region:path}}/unregister", guarded(self.shm_unregister), methods=["POST"]),
+            Route("/v2/cudasharedmemory/status", guarded(_cuda_status)),
+            Route("/v2/cudasharedmemory/region/{region:path}/status", guarded(_cuda_status)),
+            Route(
+                "/v2/cudasharedmemory/region/{region:path}/register",
+                guarded(_cuda_register),
+                methods=["POST"],
+            ),
+            Route("/v2/cudasharedmemory/unregister", guarded(_cuda_unregister), methods=["POST"]),
+            Route(
+                "/v2/cudasharedmemory/region/{region:path}/unregister",
+                guarded(_cuda_unregister),
+                methods=["POST"],
+            ),
             Route("/v2/repository/index", guarded(self.repository_index), methods=["POST"]),
             # {model:path}: a name with separators must reach the name check (400), not miss the route
             Route("/v2/repository/models/{model:path}/load", guarded(self.load), methods=["POST"]),
@@ -206,7 +234,7 @@ class ModelRoutes:
                 or len(body) > self.max_body_bytes
             ):
                 body = await _receive_body(receive, headers, self.max_body_bytes, first=message)
-            req = parse_request(body, headers.get(HEADER_LENGTH), sig)
+            req = parse_request(body, headers.get(HEADER_LENGTH), sig, self.shm)
             if limiter is not None:
                 client = scope.get("client")
                 key = api_key(headers.get("authorization"), client[0] if client else "unknown")
@@ -217,7 +245,7 @@ class ModelRoutes:
                 models, limiter, req, sig, version=version, tier=tier, timeout_s=timeout_s, api_key=key
             )
             result = await models.infer_async(name, admitted.arrays, **admitted.options)
-            body, extra = encode_response(req, sig, result.version, result.outputs)
+            body, extra = encode_response(req, sig, result.version, result.outputs, self.shm)
         except Exception as exc:  # noqa: BLE001 - every failure is answered, typed or not
             response = error_response(exc)
             self._observe(name, response.status_code, started)
@@ -239,6 +267,19 @@ class ModelRoutes:
     async def statistics(self, request: Request) -> Response:
         stats = self.models.statistics(request.path_params.get("model"), _version(request))
         return JSONResponse({"model_stats": stats})
+
+    async def shm_status(self, request: Request) -> Response:
+        return JSONResponse(self.shm.status(request.path_params.get("region")))
+
+    async def shm_register(self, request: Request) -> Response:
+        body = await _read_body(request, _SMALL_BODY)
+        r = _decode(body, _RegisterRequest, "shared memory register request")
+        self.shm.register(request.path_params["region"], r.key, r.offset, r.byte_size)
+        return Response(status_code=200)
+
+    async def shm_unregister(self, request: Request) -> Response:
+        self.shm.unregister(request.path_params.get("region"))
+        return Response(status_code=200)
 
     async def repository_index(self, request: Request) -> Response:
         body = await _read_body(request, _SMALL_BODY)
@@ -285,6 +326,21 @@ class _RoutedInfer:
         version = scope["path_params"].get("version")
         name = scope["path_params"]["model"]
         await self.routes.infer_asgi(scope, receive, send, name, None if version is None else str(version))
+
+
+async def _cuda_status(request: Request) -> Response:
+    region = request.path_params.get("region")
+    if region is not None:
+        raise NotFound(f"unable to find CUDA shared memory region: {region!r}")
+    return JSONResponse([])
+
+
+async def _cuda_register(request: Request) -> Response:
+    raise BadRequest(CUDA_SHM_UNSUPPORTED)
+
+
+async def _cuda_unregister(request: Request) -> Response:
+    return Response(status_code=200)
 
 
 def _decode(body: bytes, type_: Any, what: str) -> Any:

@@ -30,6 +30,7 @@ import numpy.typing as npt
 
 from aisp.errors import BadRequest, ModelError
 from aisp.infer.versions import ServedModel
+from aisp.serve.shm import ShmRef
 
 __all__ = [
     "DATATYPES",
@@ -152,10 +153,12 @@ class InferInput:
 
 @dataclass(frozen=True, slots=True)
 class RequestedOutput:
-    """An output the request names; ``binary``: answer it in binary (HTTP only)."""
+    """An output the request names; ``binary``: answer it in binary (HTTP only); ``shm``: write
+    it into that shared-memory region instead of the response."""
 
     name: str
     binary: bool = False
+    shm: ShmRef | None = None
 
 
 @dataclass

@@ -27,6 +27,7 @@ from aisp.serve.oip import (
     encode_bytes,
 )
 from aisp.serve.oip_http import MAX_TIMEOUT_US
+from aisp.serve.shm import NO_REGIONS, SharedMemoryRegions, shm_ref
 
 __all__ = ["CONTENTS_FIELD", "encode_response", "parse_request"]
 
@@ -58,33 +59,42 @@ _FIELD_TYPE = {
 }
 
 
-def parse_request(request: Any, sig: Signature) -> InferRequest:
-    """The tensors of a ``ModelInferRequest``, converted and range-checked, and its parameters."""
+def parse_request(request: Any, sig: Signature, shm: SharedMemoryRegions = NO_REGIONS) -> InferRequest:
+    """The tensors of a ``ModelInferRequest``, converted and range-checked, and its parameters.
+    Inputs in shared memory are read from ``shm`` (``raw_input_contents`` then holds the other
+    inputs' data, in order); outputs to it are checked to fit there."""
     raw = request.raw_input_contents
-    inputs = []
-    for i, t in enumerate(request.inputs):
+    inputs, next_raw = [], 0
+    for t in request.inputs:
         shape = tuple(int(d) for d in t.shape)
         if t.datatype not in DATATYPES:
             raise BadRequest(
                 f"invalid datatype {t.datatype!r} for input {t.name!r}; one of {sorted(DATATYPES)}"
             )
         filled = [f for f in _FIELDS if len(getattr(t.contents, f))]
-        if raw:
+        where = f"input {t.name!r}"
+        ref = shm_ref(_plain(t.parameters, where), where) if t.parameters else None
+        if ref is not None:
+            if filled:
+                raise BadRequest(f"contents field must not be specified for {where} in shared memory")
+            arr = array_from_bytes(t.name, t.datatype, shape, shm.read(ref, where), sig.model)
+        elif raw:
             if filled:
                 raise BadRequest(
                     f"contents field must not be specified when using raw_input_contents for {t.name!r}"
                     f" for model {sig.model!r}"
                 )
-            if i >= len(raw):
+            if next_raw >= len(raw):
                 raise BadRequest(f"unable to find data for input tensor {t.name!r} for model {sig.model!r}")
-            arr = array_from_bytes(t.name, t.datatype, shape, raw[i], sig.model)
+            arr = array_from_bytes(t.name, t.datatype, shape, raw[next_raw], sig.model)
+            next_raw += 1
         else:
             arr = _typed(t, shape, filled, sig.model)
         inputs.append(InferInput(t.name, t.datatype, shape, arr))
     params = request.parameters
     return InferRequest(
         inputs,
-        outputs=[_output(o) for o in request.outputs] or None,
+        outputs=[_output(o, shm) for o in request.outputs] or None,
         id=request.id or None,
         priority=_uint_param(params, "priority", 2**64 - 1) or 0,
         timeout_us=_uint_param(params, "timeout", MAX_TIMEOUT_US),
@@ -137,21 +147,52 @@ def _uint_param(params: Any, key: str, limit: int) -> int | None:
     return value
 
 
-def _output(o: Any) -> RequestedOutput:
+def _plain(params: Any, where: str) -> dict[str, Any]:
+    """A parameters map as plain values (strings, integers, booleans, floats)."""
+    out = {}
+    for key, p in params.items():
+        which = p.WhichOneof("parameter_choice")
+        if which is None:
+            raise BadRequest(f"{where}: parameter {key!r} has no value")
+        out[key] = getattr(p, which)
+    return out
+
+
+def _output(o: Any, shm: SharedMemoryRegions) -> RequestedOutput:
+    where = f"output {o.name!r}"
     if "classification" in o.parameters:
-        raise BadRequest(f"output {o.name!r}: the classification extension is not supported")
-    return RequestedOutput(o.name)
+        raise BadRequest(f"{where}: the classification extension is not supported")
+    ref = shm_ref(_plain(o.parameters, where), where) if o.parameters else None
+    if ref is not None:
+        shm.check(ref, where)  # refused before the model runs
+    return RequestedOutput(o.name, shm=ref)
 
 
 def encode_response(
-    pb: Any, req: InferRequest, sig: Signature, version: str, outputs: dict[str, npt.NDArray[Any]]
+    pb: Any,
+    req: InferRequest,
+    sig: Signature,
+    version: str,
+    outputs: dict[str, npt.NDArray[Any]],
+    shm: SharedMemoryRegions = NO_REGIONS,
 ) -> Any:
-    """A ``ModelInferResponse`` with the requested outputs (all when none is named)."""
-    names = [o.name for o in req.outputs] if req.outputs else [n for n in sig.output_names if n in outputs]
+    """A ``ModelInferResponse`` with the requested outputs (all when none is named); an output
+    asked for in shared memory is written there, its ``raw_output_contents`` entry left empty
+    (one entry per output, as Triton keeps them)."""
+    wanted = req.outputs or [RequestedOutput(n) for n in sig.output_names if n in outputs]
     response = pb.ModelInferResponse(model_name=sig.model, model_version=version, id=req.id or "")
-    for name in names:
-        arr = np.ascontiguousarray(outputs[name])
+    for o in wanted:
+        arr = np.ascontiguousarray(outputs[o.name])
         datatype = datatype_of(arr.dtype)
-        response.outputs.add(name=name, datatype=datatype, shape=list(arr.shape))
-        response.raw_output_contents.append(encode_bytes(arr) if datatype == "BYTES" else arr.tobytes())
+        tensor = response.outputs.add(name=o.name, datatype=datatype, shape=list(arr.shape))
+        raw = encode_bytes(arr) if datatype == "BYTES" else arr.tobytes()
+        if o.shm is None:
+            response.raw_output_contents.append(raw)
+            continue
+        shm.write(o.shm, raw, f"output {o.name!r}")
+        response.raw_output_contents.append(b"")
+        tensor.parameters["shared_memory_region"].string_param = o.shm.region
+        tensor.parameters["shared_memory_byte_size"].int64_param = len(raw)
+        if o.shm.offset:
+            tensor.parameters["shared_memory_offset"].int64_param = o.shm.offset
     return response

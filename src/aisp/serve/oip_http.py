@@ -34,12 +34,17 @@ from aisp.serve.oip import (
     encode_bytes,
     item_types,
 )
+from aisp.serve.shm import NO_REGIONS, SharedMemoryRegions, shm_ref
 
 __all__ = ["HEADER_LENGTH", "MAX_TIMEOUT_US", "encode_response", "parse_request"]
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_TIMEOUT_US = 3_600_000_000
 """The longest ``timeout`` parameter a request may give: one hour, in microseconds."""
+_ELSEWHERE = frozenset(
+    ("binary_data_size", "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
+)
+"""Input parameters that say the data is not in ``data``."""
 _DIGITS = re.compile(r"[0-9]{1,10}")
 
 Dim = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -95,18 +100,23 @@ class _TypedRequest(msgspec.Struct):
 _typed_decoder = msgspec.json.Decoder(_TypedRequest)
 
 
-def parse_request(body: bytes, header_length: str | None, sig: Signature) -> InferRequest:
-    """The request in ``body`` (for the model of ``sig``), its tensors converted and checked."""
+def parse_request(
+    body: bytes, header_length: str | None, sig: Signature, shm: SharedMemoryRegions = NO_REGIONS
+) -> InferRequest:
+    """The request in ``body`` (for the model of ``sig``), its tensors converted and checked;
+    inputs named in shared memory are read from ``shm``, outputs to it checked to fit there."""
     if header_length is None:
-        typed = _typed_request(body)
+        typed = _typed_request(body, shm)
         if typed is not None:
             return typed
-    return _general_request(body, header_length, sig)
+    return _general_request(body, header_length, sig, shm)
 
 
-def _general_request(body: bytes, header_length: str | None, sig: Signature) -> InferRequest:
+def _general_request(
+    body: bytes, header_length: str | None, sig: Signature, shm: SharedMemoryRegions
+) -> InferRequest:
     """``parse_request`` for every form of request: JSON (``data`` flat or nested), the binary
-    extension and the raw form; each mistake named."""
+    extension, shared memory and the raw form; each mistake named."""
     blob = memoryview(b"")
     if header_length is not None:
         n = _header_length(header_length, len(body))
@@ -121,8 +131,14 @@ def _general_request(body: bytes, header_length: str | None, sig: Signature) -> 
         raise BadRequest("invalid inference request: JSON nested too deeply") from None
     inputs, used = [], 0
     for t in msg.inputs:
-        size = _params(t.parameters, f"input {t.name!r}").get("binary_data_size")
-        if size is not None:
+        where = f"input {t.name!r}"
+        params = _params(t.parameters, where)
+        size, ref = params.get("binary_data_size"), shm_ref(params, where) if params else None
+        if ref is not None:
+            if size is not None or len(t.data):
+                raise BadRequest(f"{where} in shared memory must set neither 'data' nor 'binary_data_size'")
+            arr = array_from_bytes(t.name, t.datatype, t.shape, shm.read(ref, where), sig.model)
+        elif size is not None:
             _check_uint(size, f"input {t.name!r}: 'binary_data_size'")
             if len(t.data):
                 raise BadRequest(f"input {t.name!r} must set only one of 'data' and 'binary_data_size'")
@@ -140,10 +156,10 @@ def _general_request(body: bytes, header_length: str | None, sig: Signature) -> 
         inputs.append(InferInput(t.name, t.datatype, tuple(t.shape), arr))
     if used != len(blob):
         raise BadRequest(f"unexpected additional input data for model {sig.model!r}")
-    return _request(msg, inputs)
+    return _request(msg, inputs, shm)
 
 
-def _typed_request(body: bytes) -> InferRequest | None:
+def _typed_request(body: bytes, shm: SharedMemoryRegions) -> InferRequest | None:
     """A JSON request whose inputs all carry flat ``data`` of a known datatype, decoded in one
     pass; None for anything else (nested data, the binary extension, any error), which the
     general path decodes and, if it is wrong, names what is wrong."""
@@ -153,8 +169,8 @@ def _typed_request(body: bytes) -> InferRequest | None:
         return None
     inputs = []
     for t in msg.inputs:
-        if t.parameters and "binary_data_size" in t.parameters:
-            return None  # data and binary data both: the general path's error
+        if t.parameters and not _ELSEWHERE.isdisjoint(t.parameters):
+            return None  # data and data elsewhere both: the general path's error
         datatype = _TYPED[type(t)]
         _params(t.parameters, f"input {t.name!r}")
         count = math.prod(t.shape)  # msgspec checked the dims: integers from 0
@@ -162,16 +178,16 @@ def _typed_request(body: bytes) -> InferRequest | None:
             element_count(t.name, t.shape)  # raises, naming the shape
         arr = array_of_values(t.name, datatype, t.shape, t.data, count)
         inputs.append(InferInput(t.name, datatype, tuple(t.shape), arr))
-    return _request(msg, inputs)
+    return _request(msg, inputs, shm)
 
 
-def _request(msg: Any, inputs: list[InferInput]) -> InferRequest:
+def _request(msg: Any, inputs: list[InferInput], shm: SharedMemoryRegions) -> InferRequest:
     """The request of a decoded body (``_Request`` or ``_TypedRequest``) and its inputs."""
     params = _params(msg.parameters, "request")
     timeout = params.get("timeout")
     return InferRequest(
         inputs,
-        outputs=None if msg.outputs is None else [_output(o) for o in msg.outputs],
+        outputs=None if msg.outputs is None else [_output(o, shm) for o in msg.outputs],
         id=msg.id,
         priority=_check_uint(params.get("priority", 0), "parameter 'priority'"),
         timeout_us=None if timeout is None else _check_uint(timeout, "parameter 'timeout'", MAX_TIMEOUT_US),
@@ -211,12 +227,18 @@ def _flag(params: dict[str, Any], key: str, where: str) -> bool:
     return value
 
 
-def _output(o: _Output) -> RequestedOutput:
+def _output(o: _Output, shm: SharedMemoryRegions) -> RequestedOutput:
     where = f"output {o.name!r}"
     params = _params(o.parameters, where)
     if "classification" in params:
         raise BadRequest(f"{where}: the classification extension is not supported")
-    return RequestedOutput(o.name, binary=_flag(params, "binary_data", where))
+    binary = _flag(params, "binary_data", where)
+    ref = shm_ref(params, where) if params else None
+    if ref is not None:
+        if binary:
+            raise BadRequest(f"{where}: set only one of 'binary_data' and 'shared_memory_region'")
+        shm.check(ref, where)  # refused before the model runs
+    return RequestedOutput(o.name, binary=binary, shm=ref)
 
 
 def _raw_request(body: bytes, sig: Signature) -> InferRequest:
@@ -249,20 +271,30 @@ def _raw_request(body: bytes, sig: Signature) -> InferRequest:
 
 
 def encode_response(
-    req: InferRequest, sig: Signature, version: str, outputs: dict[str, np.ndarray[Any, Any]]
+    req: InferRequest,
+    sig: Signature,
+    version: str,
+    outputs: dict[str, np.ndarray[Any, Any]],
+    shm: SharedMemoryRegions = NO_REGIONS,
 ) -> tuple[bytes, dict[str, str]]:
     """The response body and its headers (``Content-Type``; ``Inference-Header-Content-Length``
-    when binary tensors follow the JSON)."""
+    when binary tensors follow the JSON); outputs asked for in shared memory are written to
+    ``shm`` and answered by their region."""
     if req.outputs is None:
-        wanted = [(n, req.binary_output) for n in sig.output_names if n in outputs]
+        wanted = [RequestedOutput(n, req.binary_output) for n in sig.output_names if n in outputs]
     else:
-        wanted = [(o.name, o.binary) for o in req.outputs]
+        wanted = req.outputs
     entries, blobs = [], []
-    for name, binary in wanted:
-        arr = outputs[name]
+    for o in wanted:
+        name, arr = o.name, outputs[o.name]
         datatype = datatype_of(arr.dtype)
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
-        if binary:
+        if o.shm is not None:
+            arr = np.ascontiguousarray(arr)
+            raw = encode_bytes(arr) if datatype == "BYTES" else arr.tobytes()
+            shm.write(o.shm, raw, f"output {name!r}")  # answered with no data and no parameters (Triton's
+            # clients read any output's parameters as the binary extension's)
+        elif o.binary:
             arr = np.ascontiguousarray(arr)
             raw = encode_bytes(arr) if datatype == "BYTES" else arr.tobytes()
             entry["parameters"] = {"binary_data_size": len(raw)}

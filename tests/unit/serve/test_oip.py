@@ -32,6 +32,7 @@ from aisp.serve.oip import (
 )
 from aisp.serve.oip_grpc import parse_request as parse_grpc
 from aisp.serve.oip_http import encode_response, parse_request
+from aisp.serve.shm import NO_REGIONS
 
 SIMPLE = Signature(
     "simple",
@@ -286,7 +287,16 @@ _DATA = st.one_of(  # mostly of one kind, as a client sends them; sometimes mixe
     shape_of=st.sampled_from(["flat", "row", "other"]),
     other=st.lists(st.integers(min_value=0, max_value=3), max_size=3),
     extra=st.sampled_from([{}, {"id": "r1"}, {"parameters": {"priority": 3}}, {"parameters": {"x": [1]}}]),
-    params=st.sampled_from([None, {}, {"binary_data_size": 4}, {"a": 1.5}, {"a": None}]),
+    params=st.sampled_from(
+        [
+            None,
+            {},
+            {"binary_data_size": 4},
+            {"a": 1.5},
+            {"a": None},
+            {"shared_memory_region": "r", "shared_memory_byte_size": 4},
+        ]
+    ),
 )
 def test_the_one_pass_decode_agrees_with_the_general_one(
     datatype: str,
@@ -316,9 +326,9 @@ def test_the_one_pass_decode_agrees_with_the_general_one(
         arrays = [(t.name, t.datatype, t.shape, t.array.dtype, t.array.tolist()) for t in req.inputs]
         return (arrays, req.outputs, req.id, req.priority, req.timeout_us, req.binary_output)
 
-    typed = outcome(lambda: oip_http._typed_request(body))
+    typed = outcome(lambda: oip_http._typed_request(body, NO_REGIONS))
     TYPED_ANSWERS.append(typed is not None)
-    general = outcome(lambda: oip_http._general_request(body, None, SIMPLE))
+    general = outcome(lambda: oip_http._general_request(body, None, SIMPLE, NO_REGIONS))
     if typed is not None:  # the one-pass path answered: exactly as the general one would
         assert typed == general
 
