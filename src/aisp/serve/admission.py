@@ -12,9 +12,9 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy.typing as npt
 
 from aisp.batch import Batch
@@ -27,12 +27,11 @@ from aisp.serve.pipelines import Chunk, PipelineService
 __all__ = ["Admitted", "PipelineAdmission", "admit_infer"]
 
 
-@dataclass(frozen=True)
-class Admitted:
+class Admitted(msgspec.Struct, frozen=True):
     """A request let in: its checked arrays and the options for ``ModelServer.infer``."""
 
     arrays: dict[str, npt.NDArray[Any]]
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any]
 
 
 def admit_infer(

@@ -28,7 +28,7 @@ from aisp.infer.repository import check_model_name
 from aisp.schedule.ratelimit import Limiter
 from aisp.serve.admission import admit_infer
 from aisp.serve.auth import api_key
-from aisp.serve.headers import Headers
+from aisp.serve.headers import DEADLINE_HEADER, TIER_HEADER, Headers
 from aisp.serve.http_errors import error_response, guarded, parse_deadline_s, parse_tier_header
 from aisp.serve.metrics import ServerMetrics
 from aisp.serve.models import ModelServer
@@ -95,6 +95,11 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 _INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([0-9]+))?/infer")
+_INFER_HEADERS = frozenset(
+    name.lower().encode()
+    for name in ("content-length", HEADER_LENGTH, "authorization", TIER_HEADER, DEADLINE_HEADER)
+)
+"""The headers the infer route reads."""
 
 
 class InferFastPath:
@@ -102,17 +107,29 @@ class InferFastPath:
     before the framework (its router, request and response objects cost more per request than
     a small model's share of a batch); every other request goes on to ``app``."""
 
+    _KNOWN_PATHS = 1024
+
     def __init__(self, app: Any, routes: ModelRoutes) -> None:
         self.app, self.routes = app, routes
+        self._paths: dict[str, tuple[str, str | None] | None] = {}  # path -> (model, version)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            m = _INFER_PATH.fullmatch(scope["path"])
-            if m is not None:
-                version = m.group(2)
-                await self.routes.infer_asgi(scope, receive, send, m.group(1), version and str(int(version)))
+            path = scope["path"]
+            target = self._paths[path] if path in self._paths else self._match(path)
+            if target is not None:
+                await self.routes.infer_asgi(scope, receive, send, *target)
                 return
         await self.app(scope, receive, send)
+
+    def _match(self, path: str) -> tuple[str, str | None] | None:
+        """The (model, version) an infer path names, or None; the first paths seen are kept."""
+        m = _INFER_PATH.fullmatch(path)
+        version = m and m.group(2)
+        target = None if m is None else (m.group(1), version and str(int(version)))
+        if len(self._paths) < self._KNOWN_PATHS:
+            self._paths[path] = target
+        return target
 
 
 async def _receive_body(
@@ -224,7 +241,7 @@ class ModelRoutes:
         models, limiter = self.models, self.limiter
         try:
             sig = models.signature(name, version)  # an unknown model is a 404 before the body is read
-            headers = Headers.of(scope)
+            headers = Headers.only(scope, _INFER_HEADERS)
             _check_declared(headers, self.max_body_bytes)
             message = await receive()  # a small body comes whole in the first message
             body = message.get("body", b"")

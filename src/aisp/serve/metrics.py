@@ -42,16 +42,16 @@ class ServerMetrics:
     """The server's metrics. ``batch_metric`` names the served models' batch-size histogram
     (default ``aisp_batch_size_rows``; a served pipeline exports that name per stage).
 
-    Requests are counted in plain counters and their latencies in ``LatencyHistogram``s (a
-    buffered array write per value, bucketed in bulk), turned into Prometheus families when
-    scraped: per request, the cost is one lock and two writes."""
+    Requests are recorded in one ``LatencyHistogram`` per protocol, model and code (a buffered
+    array write per value, bucketed in bulk): the request counts are their counts, and the
+    latency histogram of a protocol and model sums them, when scraped. Per request, the cost is
+    a dictionary lookup and the histogram's own lock."""
 
     def __init__(self, models: ModelServer | None, *, batch_metric: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self._text = TextExposition(self.registry)
         self._lock = threading.Lock()
-        self._requests: dict[tuple[str, str, str], int] = {}
-        self._latency: dict[tuple[str, str], LatencyHistogram] = {}
+        self._requests: dict[tuple[str, str, str], LatencyHistogram] = {}
         self._batches: dict[str, LatencyHistogram] = {}
         self._batch_metric = batch_metric or "aisp_batch_size_rows"
         self.registry.register(_QueueCollector(models))
@@ -61,11 +61,10 @@ class ServerMetrics:
 
     def observe(self, protocol: str, model: str, code: str, seconds: float) -> None:
         key = (protocol, model, code)
-        with self._lock:
-            self._requests[key] = self._requests.get(key, 0) + 1
-            hist = self._latency.get((protocol, model))
-            if hist is None:
-                hist = self._latency[(protocol, model)] = LatencyHistogram()
+        hist = self._requests.get(key)
+        if hist is None:
+            with self._lock:
+                hist = self._requests.setdefault(key, LatencyHistogram())
         hist.record_one(int(seconds * 1e9))
 
     def _batched(self, model: str, rows: int) -> None:
@@ -89,20 +88,26 @@ class _RequestCollector:
     def collect(self) -> Iterator[Any]:
         m = self._m
         with m._lock:
-            requests, latency, batches = dict(m._requests), dict(m._latency), dict(m._batches)
+            requests, batches = dict(m._requests), dict(m._batches)
         counts = CounterMetricFamily(
             "aisp_requests", "Inference requests", labels=["protocol", "model", "code"]
         )
-        for key, n in sorted(requests.items()):
-            counts.add_metric(list(key), n)
+        latency: dict[tuple[str, str], tuple[list[Any], float]] = {}
+        for (protocol, model, code), h in sorted(requests.items()):
+            pairs, total = histogram_buckets(h, LATENCY_BUCKETS_S, 1e9)
+            counts.add_metric([protocol, model, code], pairs[-1][1])  # the +Inf bucket: every request
+            seen = latency.get((protocol, model))
+            if seen is not None:  # every code's latencies in one histogram
+                pairs = [(b, c + d) for (b, c), (_, d) in zip(pairs, seen[0], strict=True)]
+                total += seen[1]
+            latency[(protocol, model)] = (pairs, total)
         yield counts
         hist = HistogramMetricFamily(
             "aisp_request_latency_seconds",
             "Inference request latency, receipt to answer",
             labels=["protocol", "model"],
         )
-        for (protocol, model), h in sorted(latency.items()):
-            pairs, total = histogram_buckets(h, LATENCY_BUCKETS_S, 1e9)
+        for (protocol, model), (pairs, total) in latency.items():
             hist.add_metric([protocol, model], pairs, total)
         yield hist
         sizes = HistogramMetricFamily(m._batch_metric, "Rows per model call", labels=["model"])

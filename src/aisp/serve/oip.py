@@ -87,16 +87,24 @@ DATATYPES: dict[str, np.dtype[Any]] = {name: dtype for name, (dtype, _) in _ITEM
 _NAMES = {dtype: name for name, dtype in DATATYPES.items()}
 
 
-def item_types() -> dict[str, Any]:
-    """Each datatype's type of its flat JSON ``data`` (``list[float]``, bounded ``list[int]``...)."""
-    return {name: items for name, (_, items) in _ITEMS.items()}
-
-
-_DECODERS = {name: msgspec.json.Decoder(items) for name, items in item_types().items()}
 _NARROW_FLOATS = {  # JSON numbers may overflow them: the magnitude from which one rounds to inf
     "FP16": 2.0**16 * (1 - 2.0**-12),
     "FP32": 2.0**128 * (1 - 2.0**-25),
 }
+
+
+def item_types(*, finite: bool = False) -> dict[str, Any]:
+    """Each datatype's type of its flat JSON ``data`` (``list[float]``, bounded ``list[int]``...).
+    ``finite``: FP16 and FP32 values bounded too (the decoder refuses any that would round to
+    infinity, where otherwise ``array_of_values`` checks them and says so)."""
+    types = {name: items for name, (_, items) in _ITEMS.items()}
+    if finite:
+        for name, top in _NARROW_FLOATS.items():
+            types[name] = list[Annotated[float, msgspec.Meta(gt=-top, lt=top)]]
+    return types
+
+
+_DECODERS = {name: msgspec.json.Decoder(items) for name, items in item_types().items()}
 _SMALL = 1024  # elements: checked in Python (cheaper than numpy's set-up for a few values)
 
 
@@ -141,9 +149,10 @@ class Signature:
         return [t.name for t in self.outputs]
 
 
-@dataclass(frozen=True, slots=True)
-class InferInput:
-    """One request input, its data converted and shaped (``array.shape == shape``)."""
+class InferInput(msgspec.Struct, frozen=True):
+    """One request input, its data converted and shaped (``array.shape == shape``). (The
+    request records are ``msgspec`` structs: built per request, several times cheaper than
+    frozen dataclasses.)"""
 
     name: str
     datatype: str
@@ -151,8 +160,7 @@ class InferInput:
     array: npt.NDArray[Any]
 
 
-@dataclass(frozen=True, slots=True)
-class RequestedOutput:
+class RequestedOutput(msgspec.Struct, frozen=True):
     """An output the request names; ``binary``: answer it in binary (HTTP only); ``shm``: write
     it into that shared-memory region instead of the response."""
 
@@ -161,8 +169,7 @@ class RequestedOutput:
     shm: ShmRef | None = None
 
 
-@dataclass
-class InferRequest:
+class InferRequest(msgspec.Struct):
     """A request, whatever its transport, before it is checked against the model."""
 
     inputs: list[InferInput]
@@ -225,16 +232,17 @@ def array_from_json(name: str, datatype: str, shape: Sequence[int], data: bytes)
 
 
 def array_of_values(
-    name: str, datatype: str, shape: Sequence[int], values: list[Any], count: int
+    name: str, datatype: str, shape: Sequence[int], values: list[Any], count: int, *, finite: bool = False
 ) -> npt.NDArray[Any]:
     """The array of a flat list of ``values`` already typed for ``datatype`` (JSON decoded to
-    its item type), for a tensor of ``shape`` and ``count`` elements."""
+    its item type), for a tensor of ``shape`` and ``count`` elements. ``finite``: the decoder
+    has bounded the values (``item_types(finite=True)``)."""
     dtype = _ITEMS[datatype][0]
     if len(values) > count:
         raise BadRequest(f"input {name!r}: unable to parse 'data': shape does not match true shape of 'data'")
     if len(values) < count:
         raise BadRequest(f"input {name!r}: failed to parse 'data' field: shape does not match true shape")
-    if datatype in _NARROW_FLOATS:
+    if datatype in _NARROW_FLOATS and not finite:
         top = _NARROW_FLOATS[datatype]
         if count <= _SMALL:  # JSON numbers are finite: only a magnitude past the type's can overflow
             if values and (max(values) >= top or min(values) <= -top):
@@ -362,14 +370,18 @@ def encode_bytes(arr: npt.NDArray[Any]) -> bytes:
 def check_request(req: InferRequest, sig: Signature) -> dict[str, npt.NDArray[Any]]:
     """The request's arrays by input name (in the model's order), once everything holds."""
     if req.outputs is None and len(req.inputs) == len(sig.inputs):  # the usual request: fast
-        arrays = {}
-        for t, spec in zip(req.inputs, sig.inputs, strict=True):
-            if t.name != spec.name or t.datatype != spec.datatype or t.shape[1:] != spec.dims or not t.shape:
+        arrays, batch = {}, -1
+        for t, spec in zip(req.inputs, sig.inputs):  # noqa: B905 - same lengths, checked above
+            shape = t.shape
+            if t.name != spec.name or t.datatype != spec.datatype or not shape or shape[1:] != spec.dims:
                 break  # not exactly the model's: the checks below say what differs
+            if batch != shape[0]:
+                if batch >= 0:
+                    break  # inputs of different batch sizes
+                batch = shape[0]
             arrays[t.name] = t.array
         else:
-            batch = req.inputs[0].shape[0] if req.inputs else 0
-            if batch <= sig.max_batch_size and all(t.shape[0] == batch for t in req.inputs):
+            if batch <= sig.max_batch_size:
                 return arrays
     model = sig.model
     if req.outputs is not None:

@@ -7,9 +7,9 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -47,21 +47,19 @@ class RequestFailed(RequestError):
             self.http_status, self.grpc_code = 500, "INTERNAL"
 
 
-@dataclass
-class InferResult:
+class InferResult(msgspec.Struct):
     model: str
     version: str
     outputs: dict[str, npt.NDArray[Any]]
 
 
-@dataclass(slots=True)
-class Pending:
+class Pending(msgspec.Struct):
     """A request the server waits on: rows done so far, outputs, and its waiter."""
 
     rows: int
     future: asyncio.Future[None] | None = None
     loop: asyncio.AbstractEventLoop | None = None
-    outputs: dict[str, npt.NDArray[Any]] = field(default_factory=dict)
+    outputs: dict[str, npt.NDArray[Any]] = {}  # noqa: RUF012 - msgspec copies it per instance
     done_rows: int = 0
     version: str = ""
     error: str | None = None

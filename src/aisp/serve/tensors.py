@@ -10,7 +10,6 @@ their metadata). Requests whose per-row shapes differ (a variable dimension) nev
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -41,8 +40,7 @@ ROW = "_row"
 _SHAPES = b"aisp.row_shapes"
 
 
-@dataclass(slots=True)
-class Gathered:
+class Gathered(msgspec.Struct):
     """One request waiting to be batched: its id, arrays, rows, tier, deadline, how long it
     may wait for room in a full queue (monotonic ns) and what its caller waits on."""
 
