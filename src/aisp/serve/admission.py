@@ -28,10 +28,25 @@ __all__ = ["Admitted", "PipelineAdmission", "admit_infer"]
 
 
 class Admitted(msgspec.Struct, frozen=True):
-    """A request let in: its checked arrays and the options for ``ModelServer.infer``."""
+    """A request let in: its checked arrays and the options for ``ModelServer.infer``
+    (``checked=True`` with them)."""
 
     arrays: dict[str, npt.NDArray[Any]]
-    options: dict[str, Any]
+    version: str | None
+    priority: int
+    tier: int | None
+    timeout_s: float | None
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of ``ModelServer.infer`` / ``infer_async`` for these arrays."""
+        return {
+            "version": self.version,
+            "priority": self.priority,
+            "tier": self.tier,
+            "timeout_s": self.timeout_s,
+            "checked": True,
+        }
 
 
 def admit_infer(
@@ -54,14 +69,7 @@ def admit_infer(
         wait = limiter.admit(api_key, level, rows)
         if wait:
             raise Overloaded(f"rate limit: retry in {wait:.3f} s", retry_after_s=wait)
-    options = {
-        "version": version,
-        "priority": req.priority,
-        "tier": tier,
-        "timeout_s": timeout_s,
-        "checked": True,
-    }
-    return Admitted(check_request(req, sig), options)
+    return Admitted(check_request(req, sig), version, req.priority, tier, timeout_s)
 
 
 def _pauses() -> Iterator[float]:

@@ -68,11 +68,5 @@ class Headers(dict[str, str]):
     def of(cls, scope: Any) -> Headers:
         return cls({k.lower().decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]})
 
-    @classmethod
-    def only(cls, scope: Any, names: frozenset[bytes]) -> Headers:
-        """The headers among ``names`` (lower-case), the rest left undecoded (ASGI servers give
-        lower-case names)."""
-        return cls({k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in names})
-
     def get(self, key: str, default: Any = None) -> Any:
         return dict.get(self, key.lower(), default)

@@ -28,8 +28,8 @@ from aisp.infer.repository import check_model_name
 from aisp.schedule.ratelimit import Limiter
 from aisp.serve.admission import admit_infer
 from aisp.serve.auth import api_key
-from aisp.serve.headers import DEADLINE_HEADER, TIER_HEADER, Headers
-from aisp.serve.http_errors import error_response, guarded, parse_deadline_s, parse_tier_header
+from aisp.serve.headers import DEADLINE_HEADER, TIER_HEADER, parse_deadline_ms, parse_tier
+from aisp.serve.http_errors import error_response, guarded
 from aisp.serve.metrics import ServerMetrics
 from aisp.serve.models import ModelServer
 from aisp.serve.oip_http import HEADER_LENGTH, encode_response, parse_request
@@ -91,15 +91,13 @@ def _numbers(descriptor: Any, d: dict[str, Any]) -> None:
 
 async def _read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 as soon as it passes ``limit`` bytes (chunked bodies too)."""
-    return await _receive_body(request.receive, request.headers, limit)
+    return await _receive_body(request.receive, request.headers.get("content-length"), limit)
 
 
 _INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([0-9]+))?/infer")
-_INFER_HEADERS = frozenset(
-    name.lower().encode()
-    for name in ("content-length", HEADER_LENGTH, "authorization", TIER_HEADER, DEADLINE_HEADER)
-)
-"""The headers the infer route reads."""
+_HEADER_LENGTH, _TIER, _DEADLINE = (h.lower().encode() for h in (HEADER_LENGTH, TIER_HEADER, DEADLINE_HEADER))
+_INFER_HEADERS = frozenset((b"content-length", b"authorization", _HEADER_LENGTH, _TIER, _DEADLINE))
+"""The headers the infer route reads (ASGI servers give lower-case names)."""
 
 
 class InferFastPath:
@@ -133,11 +131,12 @@ class InferFastPath:
 
 
 async def _receive_body(
-    receive: Any, headers: Mapping[str, str], limit: int, *, first: Mapping[str, Any] | None = None
+    receive: Any, declared: str | None, limit: int, *, first: Mapping[str, Any] | None = None
 ) -> bytes:
     """The body from the ASGI ``receive`` channel (``first``: its first message, if already
-    received), refused with 413 as soon as it passes ``limit`` bytes (chunked bodies too)."""
-    _check_declared(headers, limit)
+    received; ``declared``: its Content-Length), refused with 413 as soon as it passes ``limit``
+    bytes (chunked bodies too)."""
+    _check_declared(declared, limit)
     chunks, size = [], 0
     while True:
         message, first = (first, None) if first is not None else (await receive(), None)
@@ -153,9 +152,8 @@ async def _receive_body(
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _check_declared(headers: Mapping[str, str], limit: int) -> None:
-    """A body declared longer than ``limit`` is refused (413) before it is read."""
-    declared = headers.get("content-length")
+def _check_declared(declared: str | None, limit: int) -> None:
+    """A body declared (Content-Length) longer than ``limit`` is refused (413) before it is read."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
 
@@ -241,8 +239,8 @@ class ModelRoutes:
         models, limiter = self.models, self.limiter
         try:
             sig = models.signature(name, version)  # an unknown model is a 404 before the body is read
-            headers = Headers.only(scope, _INFER_HEADERS)
-            _check_declared(headers, self.max_body_bytes)
+            headers = {k: v.decode("latin-1") for k, v in scope["headers"] if k in _INFER_HEADERS}
+            _check_declared(headers.get(b"content-length"), self.max_body_bytes)
             message = await receive()  # a small body comes whole in the first message
             body = message.get("body", b"")
             if (
@@ -250,18 +248,35 @@ class ModelRoutes:
                 or message["type"] != "http.request"
                 or len(body) > self.max_body_bytes
             ):
-                body = await _receive_body(receive, headers, self.max_body_bytes, first=message)
-            req = parse_request(body, headers.get(HEADER_LENGTH), sig, self.shm)
+                declared = headers.get(b"content-length")
+                body = await _receive_body(receive, declared, self.max_body_bytes, first=message)
+            req = parse_request(body, headers.get(_HEADER_LENGTH), sig, self.shm)
             if limiter is not None:
                 client = scope.get("client")
-                key = api_key(headers.get("authorization"), client[0] if client else "unknown")
+                key = api_key(headers.get(b"authorization"), client[0] if client else "unknown")
             else:
                 key = ""
-            tier, timeout_s = parse_tier_header(headers), parse_deadline_s(headers)
-            admitted = admit_infer(
-                models, limiter, req, sig, version=version, tier=tier, timeout_s=timeout_s, api_key=key
+            tier = parse_tier(headers.get(_TIER), TIER_HEADER)
+            ms = parse_deadline_ms(headers.get(_DEADLINE))
+            a = admit_infer(
+                models,
+                limiter,
+                req,
+                sig,
+                version=version,
+                tier=tier,
+                timeout_s=None if ms is None else ms / 1000,
+                api_key=key,
             )
-            result = await models.infer_async(name, admitted.arrays, **admitted.options)
+            result = await models.infer_async(
+                name,
+                a.arrays,
+                version=a.version,
+                priority=a.priority,
+                tier=a.tier,
+                timeout_s=a.timeout_s,
+                checked=True,
+            )
             body, extra = encode_response(req, sig, result.version, result.outputs, self.shm)
         except Exception as exc:  # noqa: BLE001 - every failure is answered, typed or not
             response = error_response(exc)

@@ -280,11 +280,12 @@ class ModelServer:
         future = loop.create_future()
         pending = Pending(n, future=future, loop=loop)
         now = time.monotonic_ns()
-        gather = served.gathers.setdefault(loop, [])
-        gather.append(
-            Gathered(req, inputs, n, tier, deadline, now + int(self.admission_wait_ms * 1e6), pending)
-        )
-        if len(gather) == 1:
+        item = Gathered(req, inputs, n, tier, deadline, now + int(self.admission_wait_ms * 1e6), pending)
+        gather = served.gathers.get(loop)
+        if gather:
+            gather.append(item)
+        else:
+            served.gathers[loop] = [item]
             loop.call_soon(self._flush, served, loop)
         started = time.perf_counter_ns()
         try:
@@ -370,11 +371,13 @@ class ModelServer:
     def _run_now(self, served: Served, group: list[Gathered], cost_ns: int) -> bool:
         """(Event loop) Answer ``group`` with one model call made here, when the model is idle
         and the call is cheap (``Served.run_now``); False, having done nothing, otherwise."""
-        now = time.monotonic_ns()
-        if any(it.deadline_ns is not None and it.deadline_ns <= now for it in group):
-            return False  # the queue fails what is past its deadline
+        now, rows = time.monotonic_ns(), 0
+        for it in group:
+            if it.deadline_ns is not None and it.deadline_ns <= now:
+                return False  # the queue fails what is past its deadline
+            rows += it.rows
         try:
-            done = served.run_now(group, sum(it.rows for it in group), cost_ns)
+            done = served.run_now(group, rows, cost_ns)
         except Exception as exc:  # noqa: BLE001 - the model failed: so do its requests
             self._settle_items(group, f"{type(exc).__name__}: {exc}")
             return True
