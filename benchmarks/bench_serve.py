@@ -24,8 +24,10 @@ constant (the Python gRPC stack's ceiling), and with its tensors in system share
 (``--shared-memory system``). It needs Debian's libb64-0d and ``libcudart.so.12``
 (PyPI's nvidia-cuda-runtime-cu12: put its ``lib`` directory on ``LD_LIBRARY_PATH``).
 
-Every point runs its contenders in turn, ``--rounds`` times (alternating); the median round is
-reported.
+Every point runs its contenders in turn, ``--rounds`` times (alternating, each round in the
+opposite order to the last); the median round is reported, and the median over rounds of each
+contender's ratio to the ceiling (``asgi_hello``; ``asgi_unbatched`` for the heavy model) in the
+same round.
 
     python benchmarks/bench_serve.py [--seconds 8] [--events 400000] [--rounds 3] [--perf-analyzer PATH]
 """
@@ -143,12 +145,17 @@ def infer_part(seconds: float, tmp: Path, rounds: int) -> dict[str, Any]:
             addresses = {name: stack.enter_context(server(cmd)) for name, cmd in contenders.items()}
             for c in CONCURRENCY:
                 runs: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
-                for _ in range(rounds):
-                    for name, address in addresses.items():
+                order = list(addresses.items())
+                for i in range(rounds):  # forward, then backward: the machine's drift hits all alike
+                    for name, address in order if i % 2 == 0 else order[::-1]:
                         runs[name].append(wrk(address, c, seconds))
+                reference = "asgi_unbatched" if model_name == "heavy" else "asgi_hello"
                 for name, rs in runs.items():
                     r = sorted(rs, key=lambda x: x["rps"])[len(rs) // 2]  # the median round
                     r["rps_rounds"] = [x["rps"] for x in rs]  # type: ignore[assignment]
+                    # the ratio to the reference in each round (run back to back), median
+                    ratios = sorted(x["rps"] / y["rps"] for x, y in zip(rs, runs[reference], strict=True))
+                    r[f"ratio_to_{reference}"] = round(ratios[len(ratios) // 2], 3)
                     results[f"{model_name}/{name}/c{c}"] = r
                     print(f"{model_name:6} {name:14} c={c:3}  {r}", flush=True)
     if importlib.util.find_spec("granian") is None:

@@ -33,9 +33,13 @@ class ModelStats:
         self._output_ns = 0
 
     def request(self, ok: bool, ns: int) -> None:
+        self.requests(1, ns, ok=ok)
+
+    def requests(self, count: int, ns: int, *, ok: bool = True) -> None:
+        """``count`` requests, successful (or not) and answered in ``ns`` in all."""
         with self._lock:
             entry = self._phases["success" if ok else "fail"]
-            entry[0] += 1
+            entry[0] += count
             entry[1] += ns
             self.last_inference_ns = time.monotonic_ns()
 

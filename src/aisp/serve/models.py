@@ -278,7 +278,8 @@ class ModelServer:
         loop = asyncio.get_running_loop()
         req = next(self._ids)
         future = loop.create_future()
-        pending = Pending(n, future=future, loop=loop)
+        started = time.perf_counter_ns()
+        pending = Pending(n, future=future, loop=loop, started_ns=started)
         now = time.monotonic_ns()
         item = Gathered(req, inputs, n, tier, deadline, now + int(self.admission_wait_ms * 1e6), pending)
         gather = served.gathers.get(loop)
@@ -287,7 +288,6 @@ class ModelServer:
         else:
             served.gathers[loop] = [item]
             loop.call_soon(self._flush, served, loop)
-        started = time.perf_counter_ns()
         try:
             if timeout_s is None:
                 await future
@@ -297,10 +297,10 @@ class ModelServer:
             pending.error = "timeout"
         finally:
             self._pending.pop(req, None)  # where the queue's path registered it (one atomic dict op)
-            ok = pending.error is None
-            served.stats_of(pending.version or served.model.version).request(
-                ok, time.perf_counter_ns() - started
-            )
+            if not pending.counted:
+                served.stats_of(pending.version or served.model.version).request(
+                    pending.error is None, time.perf_counter_ns() - started
+                )
         return self._result(name, pending, timeout_s)
 
     def _run_empty(self, served: Served, inputs: Mapping[str, npt.NDArray[Any]]) -> InferResult:
@@ -384,13 +384,16 @@ class ModelServer:
         if done is None:
             return False
         each, version = done
-        finished = []
+        end, answered, total_ns = time.perf_counter_ns(), 0, 0
         for it, outputs in zip(group, each, strict=True):
             p = it.pending
             if p.error is None:  # else the caller gave up
-                p.outputs, p.version, p.done_rows = outputs, version, p.rows
-                finished.append(p)
-        wake(finished)
+                p.outputs, p.version, p.done_rows, p.counted = outputs, version, p.rows, True
+                answered += 1
+                total_ns += end - p.started_ns
+                if p.future is not None and not p.future.done():  # gathered by this loop: asyncio waiters
+                    p.future.set_result(None)
+        served.stats_of(version).requests(answered, total_ns)
         return True
 
     def _settle_items(self, items: Sequence[Gathered], error: str) -> None:

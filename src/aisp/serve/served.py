@@ -64,6 +64,8 @@ class Pending(msgspec.Struct):
     version: str = ""
     error: str | None = None
     event: threading.Event | None = None  # thread callers wait on it; asyncio ones on ``future``
+    started_ns: int = 0  # perf_counter_ns when it was gathered
+    counted: bool = False  # in the model's request statistics already (answered inline)
 
 
 class Served:
