@@ -335,7 +335,7 @@ class GrpcServer:
         and unloads. ``shared_memory``: the system shared-memory regions (shared with the HTTP
         server)."""
         self.host = host
-        self._aio = LoopThread("aisp-grpc-loop")
+        self._aio = LoopThread("aisp-grpc-loop", fast=True)
         self._pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="aisp-grpc")
         interceptors = [_AuthInterceptor(tokens)] if tokens is not None and tokens.enabled else []
 
