@@ -132,12 +132,12 @@ def infer_part(seconds: float, tmp: Path, rounds: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for model_name, model in models.items():
         repo = repository(tmp / f"repo-{model_name}", model, 512)
-        contenders = {
+        contenders = {  # aisp between the two it is compared with: each pair runs back to back
             "asgi_hello": [PY, str(apps), "asgi_hello", "0"],
-            "hello": [PY, str(apps), "hello", "0"],
-            "asgi_unbatched": [PY, str(apps), "asgi_unbatched", "0", "uvicorn", str(model)],
-            "unbatched": [PY, str(apps), "unbatched", "0", "uvicorn", str(model)],
             "aisp": [PY, "-m", "aisp.cli", "serve", str(repo), "--http-port", "0", "--grpc-port", "-1"],
+            "asgi_unbatched": [PY, str(apps), "asgi_unbatched", "0", "uvicorn", str(model)],
+            "hello": [PY, str(apps), "hello", "0"],
+            "unbatched": [PY, str(apps), "unbatched", "0", "uvicorn", str(model)],
         }
         if model_name == "heavy":  # the stack's ceiling does not depend on the model
             del contenders["hello"], contenders["asgi_hello"]
@@ -198,7 +198,8 @@ def perf_analyzer_part(binary: str, tmp: Path, rounds: int) -> dict[str, Any]:
                 extra = ["--shared-memory", "system"] if name.endswith("+shm") else []
                 runs.setdefault(key, []).append(perf_analyzer(binary, address, protocol, batch, c, extra))
         for key, rs in runs.items():
-            r = sorted(rs, key=lambda x: x["infer_per_s"])[len(rs) // 2]
+            measured = [x for x in rs if x["infer_per_s"] == x["infer_per_s"]] or rs  # NaN: nothing
+            r = sorted(measured, key=lambda x: x["infer_per_s"])[len(measured) // 2]
             results[key] = r  # perf_analyzer counts inferences as rows: batch 64 is 64 of them
             print(f"perf_analyzer {key:24} {results[key]}", flush=True)
     return results
@@ -207,16 +208,25 @@ def perf_analyzer_part(binary: str, tmp: Path, rounds: int) -> dict[str, Any]:
 def perf_analyzer(
     binary: str, address: str, protocol: str, batch: int, c: int, extra: list[str]
 ) -> dict[str, float]:
-    out = subprocess.run(
+    """One perf_analyzer run: its throughput (the last window's when the measurement never
+    stabilised, ``stable`` then 0) and p99; NaN throughput if it measured nothing."""
+    proc = subprocess.run(
         [
             binary, "-m", "fraud", "-u", address, "-i", protocol, "-b", str(batch),
             "--concurrency-range", str(c), "-s", "40", "--max-trials", "6", "--shape", "features:18", *extra,
         ],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    res = {"infer_per_s": float(re.search(r"Throughput: ([\d.]+) infer/sec", out).group(1))}  # type: ignore[union-attr]
+        capture_output=True, text=True,
+    )  # fmt: skip
+    out = proc.stdout
+    summary = re.search(r"Concurrency: \d+, throughput: ([\d.]+) infer/sec", out)
+    res = {
+        "infer_per_s": float(summary.group(1)) if summary else float("nan"),
+        "stable": int(proc.returncode == 0),
+    }
     p99 = re.search(r"p99 latency: (\d+) usec", out)
     res["p99_ms"] = int(p99.group(1)) / 1000 if p99 else float("nan")
+    if summary is None:
+        print(f"perf_analyzer measured nothing: {(proc.stderr or out).strip()[-300:]}", flush=True)
     return res
 
 

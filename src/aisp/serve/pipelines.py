@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -143,7 +143,7 @@ class Chunk:
     def __init__(self, start: int, n: int, notify: Callable[[], None] | None = None) -> None:
         self.start, self.n = start, n
         self.open = np.ones(n, dtype=np.int32)  # open branches per event; 0 = done
-        self.results: list[bytes | None] = [None] * n
+        self.results: npt.NDArray[np.object_] = np.empty(n, dtype=object)  # bytes, or None: not yet
         self.rank = np.zeros(n, dtype=np.int8)  # what results[i] is: see ResultTracker.RANKS
         self.prefix = 0
         self.notify = notify
@@ -151,8 +151,12 @@ class Chunk:
 
     def lines(self, start: int, stop: int) -> bytes:
         """The result lines of events ``start:stop`` (done ones), newline-terminated."""
-        done = self.results[start:stop]
-        return b"\n".join(r if r is not None else b"{}" for r in done) + b"\n" if done else b""
+        done = self.results[start:stop].tolist()
+        if not done:
+            return b""
+        if None in done:  # (an event done with no outcome recorded: not expected)
+            done = [b"{}" if r is None else r for r in done]
+        return b"\n".join(done) + b"\n"
 
     def _advance(self) -> bool:
         rest = np.flatnonzero(self.open[self.prefix :])
@@ -221,7 +225,9 @@ class ResultTracker:
             return
         minus = np.full(batch.num_rows, -1, dtype=np.int32)
         if step == self.result_step:
-            self._update(batch.ids, minus, lines=self._encoder.encode(batch).split(b"\n"))
+            lines = np.empty(batch.num_rows, dtype=object)
+            lines[:] = self._encoder.encode(batch).split(b"\n")[: batch.num_rows]
+            self._update(batch.ids, minus, lines=lines)
         else:
             self._update(batch.ids, minus, fill=_encode({"sink": step}), rank=self.SIDE_SINK)
 
@@ -258,7 +264,7 @@ class ResultTracker:
         ids: npt.NDArray[np.int64],
         delta: npt.NDArray[Any],
         *,
-        lines: Sequence[bytes] | None = None,
+        lines: npt.NDArray[np.object_] | None = None,
         fill: bytes | None = None,
         rank: int = 0,
         always_fill: bool = False,
@@ -272,16 +278,17 @@ class ResultTracker:
                 idx = ids[rows] - chunk.start
                 res = chunk.results
                 if lines is not None:
-                    for i, r in zip(idx.tolist(), rows.tolist(), strict=True):
-                        prev = res[i]
-                        res[i] = (
-                            _join(prev, lines[r]) if prev is not None and chunk.rank[i] == 4 else lines[r]
-                        )
-                    chunk.rank[idx] = self.OUTPUT
+                    ranks = chunk.rank
+                    if _distinct(idx, chunk.n) and not (ranks[idx] == self.OUTPUT).any():
+                        res[idx] = lines[rows]  # each event's first and only output row here
+                    else:  # several output rows for an event: joined, in order
+                        for i, r in zip(idx.tolist(), rows.tolist(), strict=True):
+                            res[i] = _join(res[i], lines[r]) if ranks[i] == self.OUTPUT else lines[r]
+                            ranks[i] = self.OUTPUT
+                    ranks[idx] = self.OUTPUT
                 elif fill is not None:
                     closing = idx[((delta[rows] < 0) | always_fill) & (chunk.rank[idx] < rank)]
-                    for i in closing.tolist():
-                        res[i] = fill
+                    res[closing] = fill
                     chunk.rank[closing] = rank
                 np.add.at(chunk.open, idx, delta[rows])
                 closed = idx[chunk.open[idx] <= 0]
@@ -295,6 +302,13 @@ class ResultTracker:
         for chunk in wake:
             if chunk.notify is not None:
                 chunk.notify()
+
+
+def _distinct(idx: npt.NDArray[np.int64], n: int) -> bool:
+    """Whether the positions ``idx`` (each below ``n``) are all different."""
+    seen = np.zeros(n, dtype=np.bool_)
+    seen[idx] = True
+    return int(np.count_nonzero(seen)) == idx.size
 
 
 def _join(a: bytes, b: bytes) -> bytes:
