@@ -309,7 +309,7 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 class GrpcServer:
     """A gRPC server for a ``ModelServer`` on ``host:port`` (port 0 picks a free one).
 
-    It runs on ``grpc.aio`` in an event loop of its own thread: ModelInfer and ModelStreamInfer
+    It runs on ``grpc.aio`` in a uvloop event loop of its own thread: ModelInfer and ModelStreamInfer
     are coroutines that gather into the models' batchers like the HTTP server's requests, with
     no thread per call waiting for the GIL behind the others; the other methods, and the
     pipeline ingest stream, run in a pool of ``workers`` threads."""
