@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import msgspec
@@ -23,8 +23,9 @@ from aisp.schedule.ratelimit import Limiter
 from aisp.serve.models import ModelServer
 from aisp.serve.oip import InferRequest, Signature, check_request
 from aisp.serve.pipelines import Chunk, PipelineService
+from aisp.serve.served import InferResult
 
-__all__ = ["Admitted", "PipelineAdmission", "admit_infer"]
+__all__ = ["Admitted", "PipelineAdmission", "admit_infer", "infer_admitted"]
 
 
 class Admitted(msgspec.Struct, frozen=True):
@@ -37,16 +38,19 @@ class Admitted(msgspec.Struct, frozen=True):
     tier: int | None
     timeout_s: float | None
 
-    @property
-    def options(self) -> dict[str, Any]:
-        """The keyword arguments of ``ModelServer.infer`` / ``infer_async`` for these arrays."""
-        return {
-            "version": self.version,
-            "priority": self.priority,
-            "tier": self.tier,
-            "timeout_s": self.timeout_s,
-            "checked": True,
-        }
+
+def infer_admitted(models: ModelServer, name: str, a: Admitted) -> Coroutine[Any, Any, InferResult]:
+    """``models.infer_async`` on an admitted request (the coroutine itself: no frame of its own,
+    no keyword dictionary per request)."""
+    return models.infer_async(
+        name,
+        a.arrays,
+        version=a.version,
+        priority=a.priority,
+        tier=a.tier,
+        timeout_s=a.timeout_s,
+        checked=True,
+    )
 
 
 def admit_infer(

@@ -33,7 +33,7 @@ from aisp.aio import LoopThread
 from aisp.errors import BadRequest, Forbidden, ModelError, NotFound
 from aisp.infer.repository import check_model_name
 from aisp.schedule.ratelimit import Limiter
-from aisp.serve.admission import admit_infer
+from aisp.serve.admission import admit_infer, infer_admitted
 from aisp.serve.auth import Scope, Tokens, api_key
 from aisp.serve.grpc_events import EVENTS_METHOD, PipelineStreams, status_of
 from aisp.serve.headers import TIER_KEY, parse_tier
@@ -260,7 +260,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             timeout_s=remaining if remaining is not None and remaining < 1e6 else None,
             api_key=key,
         )
-        result = await self.models.infer_async(name, admitted.arrays, **admitted.options)
+        result = await infer_admitted(self.models, name, admitted)
         return encode_response(pb, req, sig, result.version, result.outputs, self.shm)
 
 

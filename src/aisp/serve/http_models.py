@@ -26,7 +26,7 @@ from starlette.routing import Route
 from aisp.errors import BadRequest, Forbidden, ModelError, NotFound, PayloadTooLarge
 from aisp.infer.repository import check_model_name
 from aisp.schedule.ratelimit import Limiter
-from aisp.serve.admission import admit_infer
+from aisp.serve.admission import admit_infer, infer_admitted
 from aisp.serve.auth import api_key
 from aisp.serve.headers import DEADLINE_HEADER, TIER_HEADER, parse_deadline_ms, parse_tier
 from aisp.serve.http_errors import error_response, guarded
@@ -268,15 +268,7 @@ class ModelRoutes:
                 timeout_s=None if ms is None else ms / 1000,
                 api_key=key,
             )
-            result = await models.infer_async(
-                name,
-                a.arrays,
-                version=a.version,
-                priority=a.priority,
-                tier=a.tier,
-                timeout_s=a.timeout_s,
-                checked=True,
-            )
+            result = await infer_admitted(models, name, a)
             body, extra = encode_response(req, sig, result.version, result.outputs, self.shm)
         except Exception as exc:  # noqa: BLE001 - every failure is answered, typed or not
             response = error_response(exc)
