@@ -16,26 +16,37 @@ from aisp.errors import (
 )
 from aisp.graph import Graph, Node
 from aisp.infer import BatcherConfig, ModelRepository, OnnxRuntime, PythonRuntime, ServedModel
-from aisp.ingest import Source, WorkloadFSource
+from aisp.ingest import Source, TestingSource, WorkloadFSource
 from aisp.pipeline import KeyedStream, Pipeline, Stream
 from aisp.runner import CheckpointOptions, ObserveOptions, RunOptions, RunSummary, run
 from aisp.schedule.executor import ExecutorOptions
 from aisp.sinks import CollectSink, DeadLetterSink, NullSink, Sink
+from aisp.transform.aggregates import Aggregate, Count, First, Last, Max, Mean, Min, Std, Sum, Var
+from aisp.transform.event_time import EventTime
+from aisp.transform.windows import Session, Sliding, Tumbling
 
 __all__ = [
+    "Aggregate",
     "AispError",
     "Batch",
     "BatcherConfig",
     "CheckpointOptions",
     "CollectSink",
     "ConfigError",
+    "Count",
     "DeadLetterSink",
+    "EventTime",
     "ExecutorOptions",
+    "First",
     "Graph",
     "GraphError",
     "JsonlFileSink",
     "JsonlFileSource",
     "KeyedStream",
+    "Last",
+    "Max",
+    "Mean",
+    "Min",
     "ModelError",
     "ModelRepository",
     "ModelTimeoutError",
@@ -48,11 +59,18 @@ __all__ = [
     "RunOptions",
     "RunSummary",
     "ServedModel",
+    "Session",
     "Sink",
     "SinkError",
+    "Sliding",
     "Source",
     "SourceError",
+    "Std",
     "Stream",
+    "Sum",
+    "TestingSource",
+    "Tumbling",
+    "Var",
     "WorkloadFSource",
     "matrix_column",
     "run",

@@ -7,7 +7,9 @@ metadata columns whose names start with ``_``:
 * ``_ingest_ns``   int64, ``time.monotonic_ns()`` when the row entered the engine;
 * ``_key``         optional, the row's key code (int64) once ``key_by`` ran;
 * ``_tier``        optional int8 priority level (higher is served first);
-* ``_deadline_ns`` optional int64 monotonic deadline (0 means none).
+* ``_deadline_ns`` optional int64 monotonic deadline (0 means none);
+* ``_event_time``  optional int64 event time, ms since the epoch (a source with event time);
+* ``_watermark``   optional int64 watermark before the row, ms (``aisp.transform.event_time``).
 
 Numeric columns convert to numpy without a copy; operators work on whole columns, never per row.
 """
@@ -26,11 +28,13 @@ from aisp.errors import ConfigError
 
 __all__ = [
     "DEADLINE_NS",
+    "EVENT_TIME",
     "ID",
     "INGEST_NS",
     "KEY",
     "META_COLUMNS",
     "TIER",
+    "WATERMARK",
     "Batch",
     "matrix_column",
 ]
@@ -40,7 +44,9 @@ INGEST_NS = "_ingest_ns"
 KEY = "_key"
 TIER = "_tier"
 DEADLINE_NS = "_deadline_ns"
-META_COLUMNS = (ID, INGEST_NS, KEY, TIER, DEADLINE_NS)
+EVENT_TIME = "_event_time"
+WATERMARK = "_watermark"
+META_COLUMNS = (ID, INGEST_NS, KEY, TIER, DEADLINE_NS, EVENT_TIME, WATERMARK)
 
 ColumnLike: TypeAlias = pa.Array | pa.ChunkedArray | npt.NDArray[Any] | Sequence[Any]
 

@@ -41,6 +41,7 @@ class Node:
         inputs: upstream references, ``"step"`` or ``"step:port"``.
         ports: the output ports this node offers (sinks offer none).
         latency_budget_ms: the stage's share of the end-to-end latency budget.
+        event_time: a source's ``EventTime`` (where its rows get event time and watermarks).
     """
 
     step_id: str
@@ -49,6 +50,7 @@ class Node:
     inputs: tuple[str, ...] = ()
     ports: tuple[str, ...] = (DEFAULT_PORT,)
     latency_budget_ms: float = 0.0
+    event_time: Any = None
 
 
 @dataclass

@@ -33,6 +33,8 @@ from aisp.ingest.base import Source
 from aisp.observe.drift import DriftConfig, alert_sink, local_alert
 from aisp.runner import RunOptions, RunSummary, run
 from aisp.sinks.base import Sink
+from aisp.transform.aggregates import Aggregate
+from aisp.transform.event_time import EventTime
 from aisp.transform.operators import (
     DEFAULT_TIERS,
     AssignTier,
@@ -44,6 +46,7 @@ from aisp.transform.operators import (
     Route,
 )
 from aisp.transform.stateful import RunningStats, StateFn, Stateful
+from aisp.transform.windows import Session, Sliding, Tumbling, WindowSpec
 
 __all__ = ["KeyedStream", "Pipeline", "Stream"]
 
@@ -63,12 +66,26 @@ class Pipeline:
         source: Source,
         *,
         schema: type[msgspec.Struct] | None = None,
+        event_time: EventTime | None = None,
         latency_budget_ms: float = 1.0,
     ) -> Stream:
-        """Add a source. ``schema`` types its records, so ``--input FILE`` can replace it."""
+        """Add a source. ``schema`` types its records, so ``--input FILE`` can replace it.
+
+        ``event_time`` gives its rows event time and watermarks, which windows need
+        (``aisp.transform.event_time``); it stays when ``--input`` replaces the source."""
         if schema is not None:
             self.input_schema = schema
-        self.graph.add(Node(step_id=step_id, kind="source", spec=source, latency_budget_ms=latency_budget_ms))
+        if event_time is not None and not isinstance(event_time, EventTime):
+            raise GraphError(f"source {step_id!r}: event_time must be an EventTime", step=step_id)
+        self.graph.add(
+            Node(
+                step_id=step_id,
+                kind="source",
+                spec=source,
+                latency_budget_ms=latency_budget_ms,
+                event_time=event_time,
+            )
+        )
         return Stream(self, step_id)
 
     def union(self, step_id: str, *streams: Stream) -> Stream:
@@ -138,6 +155,10 @@ class Stream:
     @property
     def ref(self) -> str:
         return self.step_id if self.port == DEFAULT_PORT else f"{self.step_id}:{self.port}"
+
+    def output(self, port: str) -> Stream:
+        """Another output port of this step (e.g. a window step's ``"late"`` port)."""
+        return Stream(self.pipeline, self.step_id, port)
 
     def _add(
         self, step_id: str, kind: str, spec: Any, budget: float, ports: tuple[str, ...] = (DEFAULT_PORT,)
@@ -379,4 +400,48 @@ class KeyedStream(Stream):
         """Per-key running count/sum/mean of ``column``, including the current row."""
         spec = RunningStats(column, self.space, count=count, sum=sum, mean=mean)
         self._add(step_id, "stateful", spec, latency_budget_ms)
+        return KeyedStream(self.pipeline, step_id, space=self.space)
+
+    def window(
+        self,
+        step_id: str,
+        window: Tumbling | Sliding | Session,
+        aggregates: Mapping[str, Aggregate],
+        *,
+        allowed_lateness_ms: int = 0,
+        late: str = "dead_letter",
+        early_every_ms: float = 0.0,
+        start_column: str = "window_start",
+        end_column: str = "window_end",
+        latency_budget_ms: float = 1.0,
+    ) -> KeyedStream:
+        """Windows over event time per key: one row per window, ``{key, window_start,
+        window_end, <aggregates>}``, once the watermark passes its end + ``allowed_lateness_ms``
+        (``aisp.transform.windows``). Events that missed their windows are dead letters with
+        reason ``late`` (``late="side"``: rows on the ``"late"`` port, ``output("late")``;
+        ``"drop"``: only counted). The source needs an ``EventTime``.
+
+        >>> from aisp import CollectSink, Count, EventTime, Max, TestingSource, Tumbling
+        >>> p, out = Pipeline("w"), CollectSink(columns=["user", "window_start", "n", "top"])
+        >>> rows = [{"user": "a", "ts": t, "x": float(t)} for t in (1, 12, 3, 25)]
+        >>> src = p.source("src", TestingSource(rows), event_time=EventTime("ts", max_out_of_orderness_ms=5))
+        >>> src.key_by("by", "user").window("w", Tumbling(10), {"n": Count(), "top": Max("x")}).sink(
+        ...     "out", out)
+        >>> _ = p.run()
+        >>> [(r["window_start"], r["n"], r["top"]) for r in out.rows]
+        [(0, 2, 3.0), (10, 1, 12.0), (20, 1, 25.0)]
+        """
+        key_column = self.pipeline.graph.node(self.space).spec.column
+        spec = WindowSpec(
+            window=window,
+            aggregates=tuple(aggregates.items()),
+            space=self.space,
+            key_column=key_column,
+            allowed_lateness_ms=allowed_lateness_ms,
+            late=late,
+            early_every_ms=early_every_ms,
+            start_column=start_column,
+            end_column=end_column,
+        )
+        self._add(step_id, "window", spec, latency_budget_ms, ports=spec.ports)
         return KeyedStream(self.pipeline, step_id, space=self.space)

@@ -182,6 +182,7 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
     """Build, start and drain ``pipeline``; SIGINT/SIGTERM (when handled) trigger a clean drain."""
     opts = options or RunOptions()
     graph = pipeline.build()
+    _check_window_options(graph, opts)
     if opts.execution.workers > 1:
         return _run_workers(graph, opts)
     with ExitStack() as resources:
@@ -298,7 +299,9 @@ def _drive(ex: LocalExecutor, opts: RunOptions, store: CheckpointStore | None) -
     interval = opts.checkpoints.interval_s if opts.checkpoints is not None else 1.0
     watcher = VersionWatcher([b.runtime for b in ex.batchers.values()], opts.repository_poll_s)
     checkpoints = _Checkpointer(ex, store, interval)
-    ex.on_drained = (lambda: ex.checkpoint(store)) if store is not None else ex.commit_sources
+    ex.on_drained = (
+        (lambda: ex.checkpoints.checkpoint(store)) if store is not None else ex.checkpoints.commit_sources
+    )
     bounded = opts.checkpoints is not None and opts.checkpoints.state_max_keys
     tick = 0.05 if bounded else 0.25  # a bounded hot layer is watched closely
 
@@ -380,6 +383,21 @@ def _run_workers(graph: Graph, opts: RunOptions) -> RunSummary:
     return summary
 
 
+def _check_window_options(graph: Graph, opts: RunOptions) -> None:
+    """Windows keep key codes and watermarks that these options would break: a clear error."""
+    if not any(n.kind == "window" or n.event_time is not None for n in graph.nodes):
+        return
+    ck = opts.checkpoints
+    unsupported = {
+        "--workers N > 1": opts.execution.workers > 1,
+        "--state-max-keys": ck is not None and ck.state_max_keys > 0,
+        "--partition-state": ck is not None and ck.partition_state_dir is not None,
+    }
+    named = [name for name, used in unsupported.items() if used]
+    if named:
+        raise ConfigError(f"event time and windows cannot be combined with {', '.join(named)} yet")
+
+
 def _check_worker_options(opts: RunOptions) -> None:
     """What does not run on several workers yet: a clear error instead of a silent difference."""
     ck, obs = opts.checkpoints, opts.observe
@@ -434,7 +452,7 @@ class _Checkpointer:
         since = time.monotonic() - self._last
         if since < self._interval and not (since >= self._min_gap and self._ex.keyed.over_bound()):
             return
-        if self._ex.checkpoint(self._store) is None:
+        if self._ex.checkpoints.checkpoint(self._store) is None:
             log.warning("checkpoint skipped: the pipeline did not go quiet in time")
         self._last = time.monotonic()
 

@@ -6,6 +6,7 @@ from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePart
 from aisp.ingest.decode import ColumnarDecoder
 from aisp.ingest.generator import WorkloadFSource
 from aisp.ingest.messages import MessageDecoder
+from aisp.ingest.testing import TestingSource
 
 __all__ = [
     "ColumnarDecoder",
@@ -14,5 +15,6 @@ __all__ = [
     "Source",
     "SourceContext",
     "SourcePartition",
+    "TestingSource",
     "WorkloadFSource",
 ]

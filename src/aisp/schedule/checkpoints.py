@@ -33,6 +33,7 @@ from aisp.infer.batcher import DynamicBatcher
 from aisp.ingest.base import Source, SourcePartition
 from aisp.observe.stats import RunStats
 from aisp.schedule.keyed_state import KeyedStateKeeper
+from aisp.schedule.watermarks import SourceClocks
 from aisp.sinks.base import SinkPartition
 from aisp.sinks.deadletter import DeadLetterWriter
 from aisp.state.checkpoint import CheckpointStore
@@ -141,6 +142,7 @@ class CheckpointCoordinator:
         state_store: LmdbStateStore | None,
         partition_states: PartitionStates | None,
         state_max_keys: int,
+        clocks: SourceClocks | None = None,
     ) -> None:
         self.pipeline, self.flight = pipeline, flight
         self._ops, self._key_indexes = ops, key_indexes
@@ -148,6 +150,7 @@ class CheckpointCoordinator:
         self._dead_letter, self._stats, self.keyed = dead_letter, stats, keyed
         self.state_store, self.partition_states = state_store, partition_states
         self._state_max_keys = state_max_keys
+        self._clocks = clocks
 
     def checkpoint(
         self, store: CheckpointStore, *, timeout_s: float = 10.0, checkpoint_id: int | None = None
@@ -194,6 +197,8 @@ class CheckpointCoordinator:
             "dead_letter_bytes": self._dead_letter.snapshot(),
             "events_in": self._stats.events_in,
         }
+        if self._clocks:
+            meta["watermarks"] = self._clocks.snapshot()
         return columns_of, key_views, dirty, sources, partitions, meta
 
     def _write(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aisp.batch import INGEST_NS, Batch
@@ -37,10 +37,11 @@ from aisp.schedule.config import ExecutorOptions, Lineage
 from aisp.schedule.keyed_state import KeyedStateKeeper
 from aisp.schedule.ops import InferOp, SinkOp, can_fork
 from aisp.schedule.pacing import Pacer
+from aisp.schedule.watermarks import SourceClocks
 from aisp.sinks.base import Sink, SinkPartition
 from aisp.sinks.deadletter import DeadLetterWriter
 from aisp.sinks.process import ProcessSink
-from aisp.state.checkpoint import Checkpoint, CheckpointStore
+from aisp.state.checkpoint import Checkpoint
 from aisp.state.keyed import KeyIndex
 from aisp.state.partitions import PartitionStates
 from aisp.state.store import LmdbStateStore
@@ -94,6 +95,8 @@ class LocalExecutor:
         self._source_parts: dict[str, SourcePartition] = {}
         self.batchers: dict[str, DynamicBatcher] = {}
         self._restore = restore
+        self.clocks = SourceClocks({sid: n for sid, n in self._nodes.items() if n.kind == "source"})
+        """Event time and watermarks of the sources that have them."""
         self.state_store = state_store
         """Keyed state goes here at checkpoints (only what changed), instead of into the
         checkpoint's files."""
@@ -112,6 +115,7 @@ class LocalExecutor:
             source_parts=self._source_parts, sink_parts=self._sink_parts, batchers=self.batchers,
             dead_letter=dead_letter, stats=self.stats, keyed=self.keyed, state_store=state_store,
             partition_states=partition_states, state_max_keys=self.options.state_max_keys,
+            clocks=self.clocks,
         )  # fmt: skip
         """Checkpoints, and keyed state that follows input partitions."""
         self.on_drained: Callable[[], object] | None = None
@@ -142,10 +146,12 @@ class LocalExecutor:
         if self.tracer is not None and self.tracer.active:
             self.tracer.failed(step, batch, reason)
 
-    def _operator_dead_letters(self, batch: Batch, step: str, reason: str) -> None:
+    def _operator_dead_letters(
+        self, batch: Batch, step: str, reason: str, fields: Mapping[str, Sequence[Any]] | None = None
+    ) -> None:
         """Rows an operator dead-letters itself: also missing from its output, which is where
         their branch is counted as closed."""
-        self.dead_letter.rows(batch, step, reason)
+        self.dead_letter.rows(batch, step, reason, fields)
         if self.lineage is not None:
             self.lineage.failed(step, batch, reason, closes=False)
         if self.tracer is not None and self.tracer.active:
@@ -287,6 +293,7 @@ class LocalExecutor:
             except Exception as exc:  # noqa: BLE001 - a failing flush must not stop the drain
                 self._errors.append(exc)
                 outs = []
+            self.flight.landed(sum(out.num_rows for _, out in outs))  # rows made at the end (windows)
             for port, out in outs:
                 self._emit(sid, port, out)
         for port in node.ports:
@@ -333,6 +340,7 @@ class LocalExecutor:
             self._stop.set()
         finally:
             self.flight.source_ended()
+            self.clocks.ended(node.step_id)
             self._finish(node.step_id)  # the partition stays open for a final checkpoint
 
     def _pump(self, node: Node, part: SourcePartition, st: StageStats) -> None:
@@ -374,6 +382,8 @@ class LocalExecutor:
                     continue
                 out, held = held.slice(0, n), held.slice(n)
                 out = out.with_columns({INGEST_NS: pacer.times(n)})
+            if self.clocks:  # event time and watermarks; rows without event time are dead letters
+                out = self.clocks.stamp(node.step_id, out, self.stats, self.dead_letter)
             st.rows_out += out.num_rows
             st.batches += 1
             self.stats.events_in += out.num_rows
@@ -397,22 +407,11 @@ class LocalExecutor:
         finally:
             self._finish(sid)
 
-    # -- checkpoints --------------------------------------------------------------------------
-    def checkpoint(
-        self, store: CheckpointStore, *, timeout_s: float = 10.0, checkpoint_id: int | None = None
-    ) -> int | None:
-        """Take a checkpoint (``CheckpointCoordinator.checkpoint``); its id, or None when the
-        pipeline did not go quiet within ``timeout_s``."""
-        return self.checkpoints.checkpoint(store, timeout_s=timeout_s, checkpoint_id=checkpoint_id)
-
+    # -- checkpoints (``self.checkpoints``) ---------------------------------------------------
     @property
     def drift_monitors(self) -> list[DriftMonitor]:
         """The drift monitors of infer steps (those that have seen data)."""
         return [op.drift for op in self._ops.values() if isinstance(op, InferOp) and op.drift is not None]
-
-    def commit_sources(self) -> None:
-        """Tell every source that all it handed out is done (``CheckpointCoordinator``)."""
-        self.checkpoints.commit_sources()
 
     # -- control ------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -438,6 +437,7 @@ class LocalExecutor:
             self.keyed.page_from_store()
         if self._restore is not None:
             self.keyed.restore(self._restore)
+            self.clocks.restore(self._restore.meta.get("watermarks", {}))
         try:
             for sid, node in self._nodes.items():
                 if node.kind == "source":

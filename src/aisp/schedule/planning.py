@@ -11,7 +11,9 @@ from aisp.graph import Node, split_ref
 __all__ = ["CHAINABLE", "CHAIN_UPSTREAM", "assign_tasks", "tasks", "thread_of"]
 
 CHAINABLE = frozenset({"map_batch", "map", "filter", "key_by", "stateful", "route", "union", "sink", "infer"})
-CHAIN_UPSTREAM = frozenset({"source", "map_batch", "map", "filter", "key_by", "stateful", "route", "union"})
+CHAIN_UPSTREAM = frozenset(
+    {"source", "map_batch", "map", "filter", "key_by", "stateful", "window", "route", "union"}
+)
 
 
 def assign_tasks(

@@ -387,7 +387,10 @@ class _Worker:
             ok = False
             if self.store is not None and self.inbox.wait_taken(blocks, self._stop):
                 self.store.discard_from(checkpoint_id)
-                ok = self.ex.checkpoint(self.store, checkpoint_id=checkpoint_id, timeout_s=60.0) is not None
+                ok = (
+                    self.ex.checkpoints.checkpoint(self.store, checkpoint_id=checkpoint_id, timeout_s=60.0)
+                    is not None
+                )
             self.outbox.send(b"K" + ACK.pack(checkpoint_id, ok))
         self._stop.set()
         for conn in self.pipes.to_peers.values():

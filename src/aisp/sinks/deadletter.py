@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -77,16 +77,23 @@ class DeadLetterWriter:
             if self._out is not None:
                 self._out.write_lines([_key(r) for r in recs], data.split(b"\n")[: len(recs)])
 
-    def rows(self, batch: Batch, step: str, reason: str) -> None:
-        """Dead-letter every row of ``batch`` with ``step`` and ``reason``."""
+    def rows(
+        self, batch: Batch, step: str, reason: str, fields: Mapping[str, Sequence[Any]] | None = None
+    ) -> None:
+        """Dead-letter every row of ``batch`` with ``step`` and ``reason``; ``fields`` adds a
+        field to each record (one value per row)."""
         if not batch.num_rows:
             return
         cols = user_columns(batch)
         rows = batch.select(cols).record_batch.to_pylist()
         ids = batch.numpy(ID).tolist() if ID in batch else [None] * batch.num_rows
-        self.records(
+        records = [
             {"id": i, "step": step, "reason": reason, "row": r} for i, r in zip(ids, rows, strict=True)
-        )
+        ]
+        for name, values in (fields or {}).items():
+            for record, value in zip(records, values, strict=True):
+                record[name] = value
+        self.records(records)
 
     def flush(self) -> None:
         with self._lock:

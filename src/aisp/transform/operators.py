@@ -44,7 +44,9 @@ __all__ = [
 Emit = list[tuple[str, Batch]]
 DEFAULT_TIERS = {"bronze": 0, "silver": 1, "gold": 2}
 """Tier names and their levels: higher levels are served first and shed last."""
-DeadLetterFn = Callable[[Batch, str, str], None]
+DeadLetterFn = Callable[..., None]
+"""``fn(batch, step, reason, fields=None)``: dead-letter ``batch``'s rows; ``fields`` maps a
+record field to one value per row (e.g. the window a late event missed)."""
 
 
 class Operator(Protocol):

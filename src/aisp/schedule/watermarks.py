@@ -1,0 +1,101 @@
+"""The executor's event-time clocks: each source with an ``EventTime`` stamps its rows.
+
+A source's watermark generator (``aisp.transform.event_time``) gives the watermark before each
+row from that source's partitions; with several sources, a row's watermark is also held back
+by the other sources' current watermarks (the pipeline watermark is the minimum over every
+partition of every source), except sources that have ended or stayed idle past their
+``idle_timeout_ms``. The generators' state goes into checkpoints (``snapshot``/``restore``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from aisp.batch import EVENT_TIME, WATERMARK, Batch
+from aisp.graph import Node
+from aisp.observe.stats import RunStats
+from aisp.sinks.deadletter import DeadLetterWriter
+from aisp.transform.event_time import NO_WATERMARK, EventTime, WatermarkGenerator
+
+__all__ = ["SourceClocks"]
+
+
+class SourceClocks:
+    """Watermark generators of the sources that have event time, by step id."""
+
+    def __init__(self, sources: Mapping[str, Node]) -> None:
+        self._gens = {
+            sid: WatermarkGenerator(node.event_time)
+            for sid, node in sources.items()
+            if isinstance(node.event_time, EventTime)
+        }
+        self._partition_of = {sid: getattr(sources[sid].spec, "partition_of", None) for sid in self._gens}
+        self._current = dict.fromkeys(self._gens, NO_WATERMARK)
+        self._last_ns = dict.fromkeys(self._gens, time.monotonic_ns())
+        self._ended: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self._gens)
+
+    def stamp(self, sid: str, batch: Batch, stats: RunStats, dead_letter: DeadLetterWriter) -> Batch:
+        """``batch`` with ``_event_time`` and ``_watermark``. Rows whose event time is missing or
+        not a number cannot be placed in time: they are read (``stats.events_in``) and go to
+        ``dead_letter``."""
+        gen = self._gens.get(sid)
+        if gen is None or not batch.num_rows:
+            return batch
+        now = time.monotonic_ns()
+        spec = gen.spec
+        if spec.column is None:
+            event_ms = np.full(batch.num_rows, time.time_ns() // 1_000_000, dtype=np.int64)
+        else:
+            event_ms, ok = spec.event_ms(_column(batch, spec.column))
+            if not ok.all():
+                bad, batch = batch.filter(~ok), batch.filter(ok)
+                event_ms = event_ms[ok]
+                stats.events_in += bad.num_rows
+                dead_letter.rows(bad, sid, f"event time {spec.column!r} is missing or not a finite number")
+        partition_of = self._partition_of[sid]
+        partitions = partition_of(batch.ids) if partition_of is not None and batch.num_rows else None
+        wm = gen.watermarks(event_ms, partitions, now)
+        with self._lock:
+            self._current[sid] = gen.watermark
+            self._last_ns[sid] = now
+            others = [w for s, w in self._current.items() if s != sid and self._holds(s, now)]
+        if others:
+            wm = np.minimum(wm, min(others))
+        return batch.with_columns({EVENT_TIME: event_ms, WATERMARK: wm})
+
+    def _holds(self, sid: str, now_ns: int) -> bool:
+        """Whether source ``sid`` holds the pipeline watermark back."""
+        if sid in self._ended:
+            return False
+        idle = self._gens[sid].spec.idle_timeout_ms
+        return not idle or now_ns - self._last_ns[sid] < idle * 1e6
+
+    def ended(self, sid: str) -> None:
+        """Source ``sid`` has no more input: it no longer holds the watermark back."""
+        with self._lock:
+            self._ended.add(sid)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {sid: gen.snapshot() for sid, gen in self._gens.items()}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        for sid, gen in self._gens.items():
+            if sid in state:
+                gen.restore(state[sid])
+                self._current[sid] = gen.watermark
+
+
+def _column(batch: Batch, name: str) -> pa.Array:
+    if name not in batch:
+        return pa.nulls(batch.num_rows)
+    return batch.column(name)

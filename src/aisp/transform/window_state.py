@@ -1,0 +1,252 @@
+"""Open windows' state: slots of numpy columns, and a vectorised (key, window) -> slot index.
+
+Every open window has a slot; its key code, its start (or window index), the id of the event
+that opened it and the aggregates' state columns (``AggTable``) are entries of arrays at that
+slot. ``PairIndex`` finds the slots of a whole batch's (key, window) pairs at once (open
+addressing over numpy arrays, as ``aisp.state.keyed``'s key table, with deletion).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from aisp.transform.aggregates import Aggregate, Groups
+
+__all__ = ["AggTable", "PairIndex", "Slots"]
+
+_FREE, _GONE = -1, -2  # a cell never used / a cell whose pair was deleted
+
+
+def _mix(a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
+    with np.errstate(over="ignore"):
+        z = a.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15) ^ b.view(np.uint64) * np.uint64(
+            0xC2B2AE3D27D4EB4F
+        )
+        z ^= z >> np.uint64(29)
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        z ^= z >> np.uint64(32)
+    return z
+
+
+class PairIndex:
+    """(a, b) int64 pairs -> slot, probed for a whole batch at once; deletions leave tombstones,
+    and the table is rebuilt when live pairs and tombstones fill a third of it.
+
+    >>> ix = PairIndex()
+    >>> ix.insert(np.array([1, 2]), np.array([10, 10]), np.array([0, 1]))
+    >>> ix.find(np.array([2, 1, 3]), np.array([10, 10, 10])).tolist()
+    [1, 0, -1]
+    >>> ix.delete(np.array([1]), np.array([10])); ix.find(np.array([1, 2]), np.array([10, 10])).tolist()
+    [-1, 1]
+    """
+
+    def __init__(self, bits: int = 12) -> None:
+        self._bits = bits
+        self._mask = (1 << bits) - 1
+        self._a = np.zeros(1 << bits, dtype=np.int64)
+        self._b = np.zeros(1 << bits, dtype=np.int64)
+        self._slot = np.full(1 << bits, _FREE, dtype=np.int64)
+        self.size = 0
+        self._gone = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def _start(
+        self, a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        h = _mix(a, b)
+        first = (h >> np.uint64(64 - self._bits)).astype(np.int64)
+        step = (h & np.uint64(self._mask)).astype(np.int64) | 1
+        return first, step
+
+    def _cells(self, a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """The cell holding each pair, or -1."""
+        out = np.full(a.shape[0], -1, dtype=np.int64)
+        rows = np.arange(a.shape[0])
+        cells, steps = self._start(a, b)
+        while rows.size:
+            slot = self._slot[cells]
+            found = (slot >= 0) & (self._a[cells] == a[rows]) & (self._b[cells] == b[rows])
+            out[rows[found]] = cells[found]
+            go_on = (slot != _FREE) & ~found
+            rows, steps = rows[go_on], steps[go_on]
+            cells = (cells[go_on] + steps) & self._mask
+        return out
+
+    def find(self, a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """The slot of each pair, or -1 where absent."""
+        cells = self._cells(a, b)
+        return np.where(cells >= 0, self._slot[np.maximum(cells, 0)], -1)
+
+    def insert(
+        self, a: npt.NDArray[np.int64], b: npt.NDArray[np.int64], slots: npt.NDArray[np.int64]
+    ) -> None:
+        """Add distinct pairs that are absent."""
+        if 3 * (self.size + self._gone + a.shape[0]) > (1 << self._bits):
+            self._rebuild(self.size + a.shape[0])
+        rows = np.arange(a.shape[0])
+        cells, steps = self._start(a, b)
+        while rows.size:
+            free = self._slot[cells] < 0
+            _, first = np.unique(cells[free], return_index=True)  # one winner per free cell
+            win = np.flatnonzero(free)[first]
+            at = cells[win]
+            self._gone -= int(np.count_nonzero(self._slot[at] == _GONE))
+            self._a[at], self._b[at], self._slot[at] = a[rows[win]], b[rows[win]], slots[rows[win]]
+            left = np.ones(rows.shape[0], dtype=bool)
+            left[win] = False
+            rows, cells, steps = rows[left], cells[left], steps[left]
+            taken = self._slot[cells] >= 0
+            cells[taken] = (cells[taken] + steps[taken]) & self._mask
+        self.size += a.shape[0]
+
+    def delete(self, a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]) -> None:
+        """Remove pairs that are present."""
+        cells = self._cells(a, b)
+        cells = cells[cells >= 0]
+        self._slot[cells] = _GONE
+        self.size -= cells.shape[0]
+        self._gone += cells.shape[0]
+
+    def _rebuild(self, need: int) -> None:
+        live = self._slot >= 0
+        a, b, slots = self._a[live], self._b[live], self._slot[live]
+        bits = 12
+        while 3 * need > (1 << bits):
+            bits += 1
+        self.__init__(bits)  # type: ignore[misc]
+        if a.size:
+            self.insert(a, b, slots)
+
+
+class AggTable:
+    """The aggregates' state columns, one entry per slot."""
+
+    def __init__(self, aggregates: Sequence[tuple[str, Aggregate]], capacity: int) -> None:
+        self.aggregates = tuple(aggregates)
+        self._decl = {
+            f"{name}.{col}": (np.dtype(dtype), fill)
+            for name, agg in self.aggregates
+            for col, (dtype, fill) in agg.init().items()
+        }
+        self.columns = {k: np.full(capacity, fill, dtype) for k, (dtype, fill) in self._decl.items()}
+
+    def grow(self, capacity: int) -> None:
+        for k, (dtype, fill) in self._decl.items():
+            new = np.full(capacity, fill, dtype)
+            old = self.columns[k]
+            new[: old.shape[0]] = old
+            self.columns[k] = new
+
+    def reset(self, slots: npt.NDArray[np.int64]) -> None:
+        for k, (_, fill) in self._decl.items():
+            self.columns[k][slots] = fill
+
+    def _state(self, name: str, agg: Aggregate, slots: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]]:
+        return {col: self.columns[f"{name}.{col}"][slots] for col in agg.init()}
+
+    def add(
+        self, groups: Groups, values: Mapping[str, npt.NDArray[Any]], times: npt.NDArray[np.int64]
+    ) -> None:
+        """Merge each group's rows into the slot ``groups.keys`` names (rows in arrival order)."""
+        slots = groups.keys
+        sorted_times = groups.sorted(times)
+        empty = np.empty(0)
+        for name, agg in self.aggregates:
+            rows = groups.sorted(values[agg.column]) if agg.column is not None else empty
+            merged = agg.merge(self._state(name, agg, slots), agg.update(groups, rows, sorted_times))
+            for col, v in merged.items():
+                self.columns[f"{name}.{col}"][slots] = v
+
+    def merge_into(self, into: npt.NDArray[np.int64], other: npt.NDArray[np.int64]) -> None:
+        """Merge slot ``other[i]`` (later events) into slot ``into[i]``."""
+        for name, agg in self.aggregates:
+            merged = agg.merge(self._state(name, agg, into), self._state(name, agg, other))
+            for col, v in merged.items():
+                self.columns[f"{name}.{col}"][into] = v
+
+    def results(self, slots: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]]:
+        return {name: agg.result(self._state(name, agg, slots)) for name, agg in self.aggregates}
+
+    def take(self, slots: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]]:
+        return {k: v[slots].copy() for k, v in self.columns.items()}
+
+    def put(self, slots: npt.NDArray[np.int64], columns: Mapping[str, npt.NDArray[Any]]) -> None:
+        for k in self._decl:
+            self.columns[k][slots] = columns[k]
+
+
+class Slots:
+    """Open windows' slots: per slot the key code, the window (its index or start), the end
+    (sessions), the id of the event that opened it, whether it changed since the last early
+    result, and the aggregates' state; freed slots are reused."""
+
+    def __init__(self, aggregates: Sequence[tuple[str, Aggregate]], capacity: int = 1024) -> None:
+        self.code = np.zeros(capacity, dtype=np.int64)
+        self.window = np.zeros(capacity, dtype=np.int64)
+        self.end = np.zeros(capacity, dtype=np.int64)
+        self.first_id = np.zeros(capacity, dtype=np.int64)
+        self.dirty = np.zeros(capacity, dtype=bool)
+        self.live = np.zeros(capacity, dtype=bool)
+        self.table = AggTable(aggregates, capacity)
+        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # a stack: the top is last
+        self._top = capacity
+
+    def __len__(self) -> int:
+        return int(self.code.shape[0] - self._top)
+
+    def take(self, n: int) -> npt.NDArray[np.int64]:
+        """``n`` free slots (reset), growing when needed."""
+        if n > self._top:
+            self._grow(max(2 * self.code.shape[0], len(self) + n))
+        slots = self._free[self._top - n : self._top][::-1].copy()
+        self._top -= n
+        self.live[slots] = True
+        self.table.reset(slots)
+        self.dirty[slots] = False
+        return slots
+
+    def give_back(self, slots: npt.NDArray[np.int64]) -> None:
+        self.live[slots] = False
+        self._free[self._top : self._top + slots.shape[0]] = slots[::-1]
+        self._top += slots.shape[0]
+
+    def _grow(self, capacity: int) -> None:
+        old = self.code.shape[0]
+        for name in ("code", "window", "end", "first_id", "dirty", "live"):
+            arr = getattr(self, name)
+            new = np.zeros(capacity, dtype=arr.dtype)
+            new[:old] = arr
+            setattr(self, name, new)
+        self.table.grow(capacity)
+        free = np.empty(capacity, dtype=np.int64)
+        free[: self._top] = self._free[: self._top]
+        added = np.arange(capacity - 1, old - 1, -1, dtype=np.int64)
+        free[self._top : self._top + added.shape[0]] = added
+        self._top += added.shape[0]
+        self._free = free
+
+    def open_slots(self) -> npt.NDArray[np.int64]:
+        return np.flatnonzero(self.live)
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def snapshot(self, slots: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]]:
+        cols = {"__code": self.code[slots], "__window": self.window[slots], "__end": self.end[slots],
+                "__first_id": self.first_id[slots]}  # fmt: skip
+        cols.update(self.table.take(slots))
+        return cols
+
+    def restore(self, columns: Mapping[str, npt.NDArray[Any]]) -> npt.NDArray[np.int64]:
+        """Open a slot per row of ``columns`` (a ``snapshot``); returns them."""
+        slots = self.take(int(columns["__code"].shape[0]))
+        self.code[slots] = columns["__code"]
+        self.window[slots] = columns["__window"]
+        self.end[slots] = columns["__end"]
+        self.first_id[slots] = columns["__first_id"]
+        self.table.put(slots, columns)
+        return slots
