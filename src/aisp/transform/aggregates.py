@@ -10,8 +10,9 @@ follows a four-step interface that user-defined aggregates implement too:
   window's state with a batch's partial, or two sessions that a late event joined);
 * ``result(state)``: the output column.
 
-Rows reach ``update`` sorted by group, then by event time (ties in arrival order), so ``First``
-and ``Last`` are the earliest and latest events by event time.
+Rows reach ``update`` sorted by group, in arrival order; an aggregate with ``by_time`` gets
+them by event time within a group (ties in arrival order), so ``First`` and ``Last`` are the
+earliest and latest events by event time.
 
 >>> g = Groups.of(np.array([0, 1, 0, 1, 1]), np.array([5, 3, 1, 4, 2]))
 >>> s = Sum("x").update(g, g.sorted(np.array([1.0, 2.0, 3.0, 4.0, 5.0])), g.sorted(np.arange(5)))
@@ -63,8 +64,9 @@ class Groups:
     keys: npt.NDArray[np.int64]
 
     @classmethod
-    def of(cls, group: npt.NDArray[np.int64], times: npt.NDArray[np.int64]) -> Groups:
-        order = np.lexsort((times, group))
+    def of(cls, group: npt.NDArray[np.int64], times: npt.NDArray[np.int64] | None) -> Groups:
+        """Rows grouped by ``group``, by ``times`` within a group (None: arrival order only)."""
+        order = np.argsort(group, kind="stable") if times is None else np.lexsort((times, group))
         g = group[order]
         n = g.shape[0]
         change = np.ones(n, dtype=bool)
@@ -102,6 +104,8 @@ class Aggregate(abc.ABC):
     column (``None`` when the aggregate reads none, as ``Count``)."""
 
     column: str | None = None
+    by_time: ClassVar[bool] = False
+    """Whether ``update`` needs each group's rows in event-time order (``First``, ``Last``)."""
 
     @abc.abstractmethod
     def init(self) -> dict[str, tuple[str, Any]]:
@@ -252,6 +256,7 @@ class First(Aggregate):
     """The value of ``column`` at the earliest event time (the first to arrive among equals)."""
 
     column: str
+    by_time: ClassVar[bool] = True
 
     def init(self) -> dict[str, tuple[str, Any]]:
         return {"t": ("int64", _BIG), "v": ("float64", np.nan)}
@@ -272,6 +277,7 @@ class Last(Aggregate):
     """The value of ``column`` at the latest event time (the last to arrive among equals)."""
 
     column: str
+    by_time: ClassVar[bool] = True
 
     def init(self) -> dict[str, tuple[str, Any]]:
         return {"t": ("int64", _SMALL), "v": ("float64", np.nan)}

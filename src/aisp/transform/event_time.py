@@ -96,7 +96,7 @@ class EventTime:
             unit, column = column.type.unit, column.cast(pa.int64())
         elif not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
             return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
-        values = column.fill_null(0).to_numpy(zero_copy_only=False)
+        values = (column.fill_null(0) if column.null_count else column).to_numpy(zero_copy_only=False)
         mul, div = _TO_MS[unit]
         if values.dtype.kind == "f":
             ms = values * (mul / div)
@@ -140,6 +140,8 @@ class WatermarkGenerator:
     ) -> npt.NDArray[np.int64]:
         """The watermark before each row, and the state advanced past them (vectorised)."""
         n = event_ms.shape[0]
+        if partitions is None and set(self._max) <= {0}:
+            return self._one_partition(event_ms, now_ns)
         if partitions is None:
             partitions = np.zeros(n, dtype=np.int64)
         present = np.unique(partitions).tolist() if n else []
@@ -162,6 +164,23 @@ class WatermarkGenerator:
         low = before.min(axis=0)
         unknown = (low == NO_WATERMARK) | (low == _NOT_YET)
         return np.where(unknown, NO_WATERMARK, low - self.spec.max_out_of_orderness_ms).astype(np.int64)
+
+    def _one_partition(self, event_ms: npt.NDArray[np.int64], now_ns: int) -> npt.NDArray[np.int64]:
+        """``watermarks`` for a source with one partition (files, streams): a running maximum."""
+        n = event_ms.shape[0]
+        out = np.empty(n, dtype=np.int64)
+        if not n:
+            return out
+        newest = self._max.get(0, NO_WATERMARK)
+        out[0] = newest
+        np.maximum.accumulate(event_ms[:-1], out=out[1:])
+        np.maximum(out[1:], newest, out=out[1:])
+        self._max[0] = int(max(newest, int(out[-1]), int(event_ms[-1])))
+        self._seen_ns[0] = now_ns
+        unknown = out == NO_WATERMARK
+        out -= self.spec.max_out_of_orderness_ms
+        out[unknown] = NO_WATERMARK
+        return out
 
     def snapshot(self) -> dict[str, int]:
         """The largest event time per partition (JSON-able, for a checkpoint's manifest)."""

@@ -83,7 +83,7 @@ class SessionWindowsOp(WindowsBase):
         keep = target >= 0
         slots, kept = target[keep], rows[keep]
         if slots.size:
-            self.slots.table.add(Groups.of(slots, t[keep]), {c: v[kept] for c, v in values.items()}, t[keep])
+            self.slots.table.add(Groups.of(slots, None), {c: v[kept] for c, v in values.items()}, t[keep])
             self.slots.dirty[slots] = True
         return rows[is_late]
 

@@ -117,7 +117,7 @@ class PairIndex:
         live = self._slot >= 0
         a, b, slots = self._a[live], self._b[live], self._slot[live]
         bits = 12
-        while 3 * need > (1 << bits):
+        while 6 * need > (1 << bits):  # room to insert and delete a while before the next rebuild
             bits += 1
         self.__init__(bits)  # type: ignore[misc]
         if a.size:
@@ -129,6 +129,8 @@ class AggTable:
 
     def __init__(self, aggregates: Sequence[tuple[str, Aggregate]], capacity: int) -> None:
         self.aggregates = tuple(aggregates)
+        self.by_time = any(agg.by_time for _, agg in self.aggregates)
+        """Whether rows must be grouped in event-time order (``Groups.of`` with times)."""
         self._decl = {
             f"{name}.{col}": (np.dtype(dtype), fill)
             for name, agg in self.aggregates

@@ -106,7 +106,10 @@ class AlignedWindowsOp(WindowsBase):
         rows, j = np.nonzero(take)
         if rows.size:
             slots = self._slots_of(codes[rows], idx[rows, j], batch.ids[rows])
-            self.slots.table.add(Groups.of(slots, t[rows]), self._values_of(batch, rows), t[rows])
+            table = self.slots.table
+            table.add(
+                Groups.of(slots, t[rows] if table.by_time else None), self._values_of(batch, rows), t[rows]
+            )
             self.slots.dirty[slots] = True
         return self._finish_batch(outs, int(wm[-1]), int(batch.ingest_ns.max()))
 
