@@ -32,6 +32,7 @@ from aisp.infer.stage import InferSpec
 from aisp.ingest.base import Source
 from aisp.observe.drift import DriftConfig, alert_sink, local_alert
 from aisp.runner import RunOptions, RunSummary, run
+from aisp.schedule.anomaly import AnomalyPolicy
 from aisp.sinks.base import Sink
 from aisp.transform.aggregates import Aggregate
 from aisp.transform.event_time import EventTime
@@ -59,6 +60,8 @@ class Pipeline:
         self.graph = Graph(name)
         self.input_schema: type[msgspec.Struct] | None = None
         self.output_columns = list(output_columns) if output_columns is not None else None
+        self.anomaly: AnomalyPolicy | None = None
+        """Sliding-window anomaly control of the admitted rate when served (``anomaly_control``)."""
 
     def source(
         self,
@@ -98,6 +101,14 @@ class Pipeline:
             Node(step_id=step_id, kind="union", spec=Passthrough(), inputs=tuple(s.ref for s in streams))
         )
         return Stream(self, step_id)
+
+    def anomaly_control(self, policy: AnomalyPolicy) -> None:
+        """When served, watch events/s, e2e latency and a score column over a sliding window and
+        lower the admitted rate while the policy's condition holds (``aisp.schedule.anomaly``);
+        a serve config's ``[anomaly.NAME]`` or the admin endpoint can change it."""
+        if not isinstance(policy, AnomalyPolicy):
+            raise GraphError(f"anomaly_control needs an AnomalyPolicy, got {type(policy).__name__}")
+        self.anomaly = policy
 
     def build(self) -> Graph:
         self.graph.validate()

@@ -177,6 +177,18 @@ def _limits(config: str | None) -> Any:
     return RateLimits.from_config(section, DEFAULT_TIERS) if section else None
 
 
+def _anomaly(config: str | None) -> dict[str, Any]:
+    """``[anomaly.NAME]`` tables of the TOML config: a served pipeline's anomaly policy."""
+    import tomllib
+
+    if config is None:
+        return {}
+    section = tomllib.loads(Path(config).read_text()).get("anomaly", {})
+    if not isinstance(section, dict) or not all(isinstance(v, dict) for v in section.values()):
+        raise ConfigError("[anomaly]: give one table per served pipeline, [anomaly.NAME]")
+    return section
+
+
 def _tls_pair(cert: str | None, key: str | None) -> tuple[bytes, bytes] | None:
     if cert is None or key is None:
         return None
@@ -206,7 +218,9 @@ def serve(
     config: Annotated[
         str | None,
         typer.Option(
-            "--config", help="TOML config: [auth] tokens, admin_tokens; [limits] per_key_rps, tiers."
+            "--config",
+            help="TOML config: [auth] tokens, admin_tokens; [limits] per_key_rps, tiers;"
+            " [anomaly.PIPELINE] an anomaly policy (aisp.schedule.anomaly).",
         ),
     ] = None,
     tls_cert: Annotated[
@@ -273,7 +287,7 @@ def serve(
         trace = _trace_config(trace_sample, trace_endpoint, trace_max_per_s)
         served = _ServeTargets.start(
             target, model_repository, _params(param), admission_rows, admission_wait_ms, dead_letter,
-            decode_process, trace,
+            decode_process, trace, _anomaly(config),
         )  # fmt: skip
     except AispError as exc:
         err.print(f"[red]error:[/red] {exc}")
@@ -331,8 +345,10 @@ class _ServeTargets:
         dead_letter: str | None,
         decode_process: bool,
         trace: Any,
+        anomaly: dict[str, Any],
     ) -> _ServeTargets:
         from aisp.observe.metrics import PipelineCollector
+        from aisp.schedule.anomaly import AnomalyPolicy
         from aisp.serve.metrics import ServerMetrics
         from aisp.serve.models import ModelServer
         from aisp.serve.pipelines import PipelineService
@@ -342,15 +358,23 @@ class _ServeTargets:
         if _is_pipeline_file(target):
             if model_repository is not None:
                 params["model_repository"] = model_repository
+            pipeline = load_pipeline(target, **params)
+            unknown = sorted(set(anomaly) - {pipeline.name})
+            if unknown:
+                raise ConfigError(f"[anomaly]: no served pipeline named {unknown}; serving {pipeline.name!r}")
+            policy = anomaly.get(pipeline.name)
             service = PipelineService(
-                load_pipeline(target, **params),
+                pipeline,
                 capacity_rows=admission_rows,
                 dead_letter=dead_letter,
                 decode_process=decode_process,
                 trace=trace,
+                anomaly=AnomalyPolicy.from_config(policy) if policy is not None else None,
             )
             pipelines[service.name] = service
             repository = model_repository
+        elif anomaly:
+            raise ConfigError("[anomaly] applies to a served pipeline; this serves a model repository")
         models = None
         if repository is not None:
             models = ModelServer(repository, admission_wait_ms=admission_wait_ms)
@@ -360,7 +384,9 @@ class _ServeTargets:
         # served models' batch sizes get their own name beside a pipeline's per-stage family
         metrics = ServerMetrics(models, batch_metric="aisp_model_batch_size_rows" if pipelines else None)
         for service in pipelines.values():  # the pipeline's stages on the same /metrics
-            metrics.registry.register(PipelineCollector(service.executor, service.admission))
+            metrics.registry.register(
+                PipelineCollector(service.executor, service.admission, anomaly=lambda s=service: s.control)
+            )
         return cls(pipelines, models, metrics)
 
     def close(self) -> None:

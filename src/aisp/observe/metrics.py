@@ -26,6 +26,12 @@ Families (seconds and rows in the names; labels bounded by the pipeline's steps)
   process's).
 * ``aisp_admission_events_total{outcome}``: a served pipeline's events accepted or refused
   (``queue_full``, ``rate_limited``).
+* With an anomaly policy (``aisp.schedule.anomaly``): ``aisp_anomaly_triggered_total`` (times
+  the condition lowered the admitted rate), ``aisp_admitted_rate_events_per_second`` and
+  ``aisp_anomaly_window{stat}`` (the last sliding window: offered/admitted/written events/s,
+  score share, e2e p50/p99 in ms).
+* Per window step: ``aisp_window_open{stage}`` (open windows), ``aisp_window_late_events_total
+  {stage}``, ``aisp_watermark_lag_seconds{stage}`` (the wall clock minus the step's watermark).
 * ``aisp_uptime_seconds``: since the pipeline started (the clock of rates between scrapes).
 * ``aisp_stage_errors_total{stage}``, ``aisp_dead_letters_total{stage}``,
   ``aisp_events_total{direction}``, ``aisp_checkpoints_total``.
@@ -75,6 +81,8 @@ LATENCY_BUCKETS_S = (
 )  # fmt: skip
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
+_NO_WATERMARK = -(2**63)  # a window step's watermark before any event (transform.event_time)
+
 
 def histogram_buckets(
     hist: LatencyHistogram, bounds: tuple[float, ...], scale: float
@@ -90,10 +98,18 @@ class PipelineCollector:
     """A ``prometheus_client`` collector over one executor (see the module docstring)."""
 
     def __init__(
-        self, executor: PipelineView, admission: AdmissionStats | None = None, *, retries: Any = RETRIES
+        self,
+        executor: PipelineView,
+        admission: AdmissionStats | None = None,
+        *,
+        retries: Any = RETRIES,
+        anomaly: Any = None,
     ) -> None:
         self._ex = executor
         self._admission = admission
+        self._anomaly = anomaly
+        """Returns a served pipeline's ``AnomalyControl`` (or None): its rate, triggers and the
+        window statistics (a callable: a policy can be installed at run time)."""
         self._retries = retries
         """Retry counts by (target, reason): this process's, or another's (``observe.remote``)."""
 
@@ -107,6 +123,7 @@ class PipelineCollector:
         yield from self._serving()
         yield self._slo(stats, stages)
         yield from self._drift()
+        yield from self._windows()
 
     def _latency(self, stats: Any, stages: list[StageStats]) -> Iterator[Any]:
         latency = HistogramMetricFamily(
@@ -237,6 +254,26 @@ class PipelineCollector:
             for outcome in AdmissionStats.OUTCOMES:
                 admission.add_metric([outcome], getattr(self._admission, outcome))
             yield admission
+        control = self._anomaly() if self._anomaly is not None else None
+        if control is not None:
+            yield from self._anomaly_metrics(control.status())
+
+    @staticmethod
+    def _anomaly_metrics(status: dict[str, Any]) -> Iterator[Any]:
+        yield CounterMetricFamily(
+            "aisp_anomaly_triggered", "Times the anomaly condition lowered the admitted rate",
+            value=status["triggered"],
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "aisp_admitted_rate_events_per_second", "The admitted rate the anomaly control allows",
+            value=status["rate_events_per_s"],
+        )  # fmt: skip
+        window = GaugeMetricFamily(
+            "aisp_anomaly_window", "The anomaly monitor's last sliding-window statistics", labels=["stat"]
+        )
+        for stat, value in status["window"].items():
+            window.add_metric([stat], value)
+        yield window
 
     def _slo(self, stats: Any, stages: list[StageStats]) -> Any:
         slo = GaugeMetricFamily(
@@ -256,6 +293,25 @@ class PipelineCollector:
                     [st.step_id, repr(budget / 1000)], hist.cumulative([budget * 1e6])[0] / hist.count
                 )
         return slo
+
+    def _windows(self) -> Iterator[Any]:
+        windows = self._ex.windows
+        if not windows:
+            return
+        now_s = time.time()
+        open_ = GaugeMetricFamily("aisp_window_open", "Windows open in a window step", labels=["stage"])
+        late = CounterMetricFamily(
+            "aisp_window_late_events", "Events that missed every window they belong to", labels=["stage"]
+        )
+        lag = GaugeMetricFamily(
+            "aisp_watermark_lag_seconds", "The wall clock minus a window step's watermark", labels=["stage"]
+        )
+        for sid, w in windows.items():
+            open_.add_metric([sid], w.open_windows)
+            late.add_metric([sid], w.late_events)
+            if w.watermark > _NO_WATERMARK:
+                lag.add_metric([sid], max(0.0, now_s - w.watermark / 1000))
+        yield from (open_, late, lag)
 
     def _drift(self) -> Iterator[Any]:
         monitors = self._ex.drift_monitors

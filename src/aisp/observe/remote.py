@@ -57,6 +57,10 @@ def snapshot(view: PipelineView) -> dict[str, Any]:
             }
             for m in view.drift_monitors
         ],
+        "windows": {
+            sid: {"open_windows": w.open_windows, "late_events": w.late_events, "watermark": w.watermark}
+            for sid, w in view.windows.items()
+        },
         "gc": {"stats": gc.get_stats(), "pauses": gc_pauses().pauses.to_dict()},
         "retries": [[target, reason, n] for (target, reason), n in RETRIES.items()],
         "threads": view.thread_of(),
@@ -111,6 +115,7 @@ def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "stopping": any(p["stopping"] for p in parts),
         "batchers": batchers,
         "drift": [{**d, "stage": f"{d['stage']}@w{i}"} for i, p in enumerate(parts) for d in p["drift"]],
+        "windows": {f"{sid}@w{i}": w for i, p in enumerate(parts) for sid, w in p.get("windows", {}).items()},
         "gc": {"stats": gc_stats, "pauses": _merge_hist([p["gc"]["pauses"] for p in parts])},
         "retries": [[t, r, n] for (t, r), n in sorted(retries.items())],
         "threads": parts[0]["threads"],
@@ -242,6 +247,7 @@ class SnapshotView:
         self.stopping = False
         self.batchers: dict[str, _Batcher] = {}
         self.drift_monitors: Sequence[_Drift] = []
+        self.windows: dict[str, SimpleNamespace] = {}
         self.retries = _Retries()
         self.gc = _Gc()
         self.lock = threading.Lock()
@@ -264,6 +270,7 @@ class SnapshotView:
             for sid, b in data["batchers"].items()
         }
         self.drift_monitors = [_Drift(**d) for d in data["drift"]]
+        self.windows = {sid: SimpleNamespace(**w) for sid, w in data.get("windows", {}).items()}
         self.retries.counts = [((t, r), n) for t, r, n in data["retries"]]
         self.gc.stats = data["gc"]["stats"]
         self.gc.pauses.pauses = LatencyHistogram.from_dict(data["gc"]["pauses"])

@@ -14,7 +14,15 @@ from typing import Any, Protocol
 from aisp.graph import Graph
 from aisp.observe.stats import RunStats
 
-__all__ = ["BatcherCounts", "BatcherView", "DeadLetterView", "DriftView", "ModelView", "PipelineView"]
+__all__ = [
+    "BatcherCounts",
+    "BatcherView",
+    "DeadLetterView",
+    "DriftView",
+    "ModelView",
+    "PipelineView",
+    "WindowView",
+]
 
 
 class BatcherCounts(Protocol):
@@ -68,6 +76,17 @@ class DriftView(Protocol):
     def alerts(self) -> list[dict[str, Any]]: ...
 
 
+class WindowView(Protocol):
+    """A window step (``transform.window_base.WindowsBase``)."""
+
+    @property
+    def open_windows(self) -> int: ...
+    @property
+    def late_events(self) -> int: ...
+    @property
+    def watermark(self) -> int: ...
+
+
 class DeadLetterView(Protocol):
     """Where a pipeline's dead letters go: how many, and by step."""
 
@@ -92,4 +111,6 @@ class PipelineView(Protocol):
     def batchers(self) -> Mapping[str, BatcherView]: ...
     @property
     def drift_monitors(self) -> Sequence[DriftView]: ...
+    @property
+    def windows(self) -> Mapping[str, WindowView]: ...
     def thread_of(self) -> dict[str, str]: ...

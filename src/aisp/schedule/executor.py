@@ -35,7 +35,7 @@ from aisp.schedule.channel import Channel
 from aisp.schedule.checkpoints import CheckpointCoordinator, Flight
 from aisp.schedule.config import ExecutorOptions, Lineage
 from aisp.schedule.keyed_state import KeyedStateKeeper
-from aisp.schedule.ops import InferOp, SinkOp, can_fork
+from aisp.schedule.ops import InferOp, SinkOp, can_fork, model_batches
 from aisp.schedule.pacing import Pacer
 from aisp.schedule.watermarks import SourceClocks
 from aisp.sinks.base import Sink, SinkPartition
@@ -46,6 +46,7 @@ from aisp.state.keyed import KeyIndex
 from aisp.state.partitions import PartitionStates
 from aisp.state.store import LmdbStateStore
 from aisp.transform.operators import Operator, OperatorContext
+from aisp.transform.window_base import WindowsBase
 
 if TYPE_CHECKING:
     from aisp.observe.tracing import EventTracer
@@ -197,19 +198,11 @@ class LocalExecutor:
                 self._errors.append(exc)
                 self._stop.set()
 
-        def on_batch(rows: int, queue_wait_ns: int, compute_ns: int, work_ns: int) -> None:
-            call.wait_ns, call.compute_ns = queue_wait_ns, compute_ns
-            st.batches += 1
-            st.busy_ns += work_ns
-            st.phase("batch", queue_wait_ns)
-            st.phase("compute", compute_ns)
-            st.batch_rows.record_one(rows)
-
         batcher = build_batcher(
             spec,
             emit=emit,
             dead_letter=lambda b, reason: self._dead_letter_rows(b, sid, reason),
-            on_batch=on_batch,
+            on_batch=model_batches(st, call),
         )
         ch = self._channels.get(sid)
         st.queue_rows = lambda: batcher.queued_rows + (ch.rows if ch else 0)
@@ -407,11 +400,16 @@ class LocalExecutor:
         finally:
             self._finish(sid)
 
-    # -- checkpoints (``self.checkpoints``) ---------------------------------------------------
+    # -- what observers read (checkpoints: ``self.checkpoints``) -------------------------------
     @property
     def drift_monitors(self) -> list[DriftMonitor]:
         """The drift monitors of infer steps (those that have seen data)."""
         return [op.drift for op in self._ops.values() if isinstance(op, InferOp) and op.drift is not None]
+
+    @property
+    def windows(self) -> dict[str, WindowsBase]:
+        """The window steps (open windows, late events, watermark)."""
+        return {sid: op for sid, op in self._ops.items() if isinstance(op, WindowsBase)}
 
     # -- control ------------------------------------------------------------------------------
     def request_stop(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -15,11 +16,11 @@ from aisp.batch import INGEST_NS, Batch
 from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.stage import InferSpec
 from aisp.observe.drift import DriftConfig, DriftMonitor, local_alert
-from aisp.observe.stats import RunStats
+from aisp.observe.stats import RunStats, StageStats
 from aisp.sinks.base import SinkPartition
 from aisp.transform.operators import Emit
 
-__all__ = ["InferOp", "SinkOp", "can_fork"]
+__all__ = ["InferOp", "SinkOp", "can_fork", "model_batches"]
 
 log = logging.getLogger("aisp.executor")
 
@@ -34,6 +35,21 @@ def can_fork(step_id: str) -> bool:
         threading.active_count(),
     )
     return False
+
+
+def model_batches(st: StageStats, call: threading.local) -> Callable[[int, int, int, int], None]:
+    """A batcher's ``on_batch``: each model call's rows, queue wait and compute time go into the
+    stage's stats (and into ``call``, for its trace span)."""
+
+    def on_batch(rows: int, queue_wait_ns: int, compute_ns: int, work_ns: int) -> None:
+        call.wait_ns, call.compute_ns = queue_wait_ns, compute_ns
+        st.batches += 1
+        st.busy_ns += work_ns
+        st.phase("batch", queue_wait_ns)
+        st.phase("compute", compute_ns)
+        st.batch_rows.record_one(rows)
+
+    return on_batch
 
 
 class SinkOp:

@@ -3,7 +3,8 @@
 ``admit_infer``: an inference request's timeout (the transport's deadline, or the OIP
 ``timeout`` parameter if sooner), the rate limits of its API key and tier (``Overloaded``, 429
 / RESOURCE_EXHAUSTED), and its check against the model's signature (``BadRequest``).
-``PipelineAdmission``: a served pipeline's events: rate limits, then room in its inbox.
+``PipelineAdmission``: a served pipeline's events: rate limits, its anomaly-controlled rate
+(``aisp.schedule.anomaly``), then room in its inbox.
 """
 
 from __future__ import annotations
@@ -107,6 +108,25 @@ class PipelineAdmission:
             raise Overloaded(f"rate limit: retry in {wait:.3f} s", retry_after_s=wait)
         return wait
 
+    def _control_wait(self, rows: int, first: bool, again: bool) -> float:
+        """The pipeline's anomaly-controlled rate: 0.0 once admitted; a first chunk over it is
+        refused (``Retry-After`` from the control), a later one waits what this returns."""
+        control = self.service.control
+        if control is None or not rows:
+            return 0.0
+        if not again:
+            control.offered(rows)
+        wait = control.take(rows)
+        if wait and first:
+            self.service.refused(rows, rate_limited=True)
+            retry = control.retry_after_s()
+            raise Overloaded(
+                f"pipeline {self.service.name!r} admits {control.rate:,.0f} events/s while its anomaly"
+                f" condition holds; retry in {retry:.3f} s",
+                retry_after_s=retry,
+            )
+        return wait
+
     def _give_up(self, rows: int, first: bool, deadline: float) -> None:
         if first and time.monotonic() >= deadline:
             self.service.refused(rows)
@@ -121,6 +141,10 @@ class PipelineAdmission:
         wait = self._rate_wait(rows, key, tier, first)
         if wait:
             await asyncio.sleep(wait)
+        wait = self._control_wait(rows, first, again=False)
+        while wait:  # a later chunk of a stream waits for the controlled rate
+            await asyncio.sleep(wait)
+            wait = self._control_wait(rows, first, again=True)
         deadline = time.monotonic() + self.wait_s
         for pause in _pauses():
             if self.service.offer(batch, chunk):
@@ -144,6 +168,11 @@ class PipelineAdmission:
         wait = self._rate_wait(rows, key, tier, first)
         if wait and stop.wait(wait):
             return False
+        wait = self._control_wait(rows, first, again=False)
+        while wait:
+            if stop.wait(wait):
+                return False
+            wait = self._control_wait(rows, first, again=True)
         deadline = time.monotonic() + self.wait_s
         for pause in _pauses():
             if self.service.offer(batch, chunk):

@@ -89,6 +89,10 @@ class PipelineStreams:
             return  # the client went away
         except Exception as exc:  # noqa: BLE001 - every failure is answered, typed or not
             code, details = status_of(exc)
+            if isinstance(exc, Overloaded):  # when to come back, as HTTP's Retry-After-Ms
+                context.set_trailing_metadata(
+                    (("retry-after-ms", str(max(1, round(exc.retry_after_s * 1000)))),)
+                )
             context.abort(code, details)
 
     def _events(self, request_iterator: Iterator[bytes], context: Any) -> Iterator[bytes]:

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
-from aisp.errors import NotFound
+from aisp.errors import BadRequest, ConfigError, NotFound
 from aisp.schedule.ratelimit import Limiter, RateLimits
 from aisp.serve.auth import Scope, Tokens
 from aisp.serve.headers import DEADLINE_HEADER, TIER_HEADER, Headers
@@ -55,7 +55,8 @@ class _Auth:
         ):
             await self.app(scope, receive, send)
             return
-        needed: Scope = "admin" if scope["path"].startswith(_ADMIN_PATHS) else "infer"
+        changes_policy = scope["path"].endswith("/anomaly") and scope.get("method") != "GET"
+        needed: Scope = "admin" if scope["path"].startswith(_ADMIN_PATHS) or changes_policy else "infer"
         status = self.tokens.check(Headers.of(scope).get("authorization"), needed)
         if status == 200:
             await self.app(scope, receive, send)
@@ -151,12 +152,46 @@ def create_app(
             Route("/v1/pipelines", pipeline_index),
             Route("/v1/pipelines/{pipeline}/events", events, methods=["POST"]),
             WebSocketRoute("/v1/pipelines/{pipeline}/ws", EventsSocket(events)),
+            Route(
+                "/v1/pipelines/{pipeline}/anomaly",
+                _anomaly_endpoint(served_pipelines),
+                methods=["GET", "PUT"],
+            ),
             *_dashboard_routes(served_pipelines),
         ]
     app: Any = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
     if model_api is not None:
         app = InferFastPath(app, model_api)
     return _Auth(app, tokens) if tokens is not None and tokens.enabled else app
+
+
+def _anomaly_endpoint(pipelines: Mapping[str, PipelineService]) -> Any:
+    """``GET /v1/pipelines/{p}/anomaly``: the anomaly control's status (policy, admitted rate,
+    triggers, last window); ``PUT`` (admin) with a JSON object of policy settings changes them,
+    or installs a policy on a pipeline without one."""
+
+    @guarded
+    async def anomaly(request: Request) -> Response:
+        name = request.path_params["pipeline"]
+        service = pipelines.get(name)
+        if service is None:
+            raise NotFound(f"no pipeline {name!r}; serving {sorted(pipelines)}")
+        if request.method == "PUT":
+            try:
+                changes = msgspec.json.decode(await request.body())
+            except msgspec.DecodeError as exc:
+                raise BadRequest(f"the body is not JSON: {exc}") from None
+            if not isinstance(changes, dict):
+                raise BadRequest("the body must be a JSON object of anomaly policy settings")
+            try:
+                service.set_anomaly(changes)
+            except ConfigError as exc:
+                raise BadRequest(str(exc)) from None
+        if service.control is None:
+            raise NotFound(f"pipeline {name!r} has no anomaly policy (PUT one)")
+        return JSONResponse(service.control.status())
+
+    return anomaly
 
 
 def _dashboard_routes(pipelines: Mapping[str, PipelineService]) -> list[Route]:

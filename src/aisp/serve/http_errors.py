@@ -40,12 +40,16 @@ def error_response(exc: BaseException) -> JSONResponse:
     """The response for ``exc``; a server fault is logged with its traceback."""
     status = exc.http_status if isinstance(exc, AispError) else 500
     headers = {}
-    if status in (429, 503):  # overloaded, or draining: when to come back
-        headers["Retry-After"] = str(max(1, math.ceil(getattr(exc, "retry_after_s", 1.0))))
+    body: dict[str, Any] = {}
+    if status in (429, 503):  # overloaded, or draining: when to come back (whole seconds, as
+        retry_s = getattr(exc, "retry_after_s", 1.0)  # RFC 9110 says; milliseconds beside it)
+        headers["Retry-After"] = str(max(1, math.ceil(retry_s)))
+        headers["Retry-After-Ms"] = str(max(1, round(retry_s * 1000)))
+        body["retry_after_ms"] = max(1, round(retry_s * 1000))
     if status == 500:
         log.error("request failed: %s", exc, exc_info=exc)
     message = str(exc) if isinstance(exc, AispError) else f"internal server error: {type(exc).__name__}"
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
+    return JSONResponse({"error": message, **body}, status_code=status, headers=headers)
 
 
 def guarded(endpoint: Endpoint) -> Endpoint:
