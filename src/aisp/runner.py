@@ -24,7 +24,9 @@ from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.versions import VersionWatcher
 from aisp.observe.clock import wall_ms
 from aisp.observe.stats import peak_rss_mb
+from aisp.schedule.anomaly import control_run
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
+from aisp.schedule.watermarks import check_event_time_options
 from aisp.state.checkpoint import Checkpoint, CheckpointStore
 
 if TYPE_CHECKING:
@@ -182,7 +184,13 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
     """Build, start and drain ``pipeline``; SIGINT/SIGTERM (when handled) trigger a clean drain."""
     opts = options or RunOptions()
     graph = pipeline.build()
-    _check_window_options(graph, opts)
+    ck = opts.checkpoints
+    check_event_time_options(
+        graph,
+        workers=opts.execution.workers,
+        state_max_keys=ck.state_max_keys if ck is not None else 0,
+        partition_state=ck is not None and ck.partition_state_dir is not None,
+    )
     if opts.execution.workers > 1:
         return _run_workers(graph, opts)
     with ExitStack() as resources:
@@ -194,6 +202,8 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
             resources.callback(store.unlock)
         latest = _restore_point(graph, store)
         ex = _executor(graph, opts, store, latest, resources)
+        if pipeline.anomaly is not None:  # sources read no faster than the controlled rate
+            control_run(ex, graph, pipeline.anomaly)
         if opts.handle_signals:
             resources.callback(_install_signals(ex.request_stop) or (lambda: None))
         if opts.tune_gc:
@@ -381,21 +391,6 @@ def _run_workers(graph: Graph, opts: RunOptions) -> RunSummary:
     )
     _finish_summary(summary, e2e, graph, opts)
     return summary
-
-
-def _check_window_options(graph: Graph, opts: RunOptions) -> None:
-    """Windows keep key codes and watermarks that these options would break: a clear error."""
-    if not any(n.kind == "window" or n.event_time is not None for n in graph.nodes):
-        return
-    ck = opts.checkpoints
-    unsupported = {
-        "--workers N > 1": opts.execution.workers > 1,
-        "--state-max-keys": ck is not None and ck.state_max_keys > 0,
-        "--partition-state": ck is not None and ck.partition_state_dir is not None,
-    }
-    named = [name for name, used in unsupported.items() if used]
-    if named:
-        raise ConfigError(f"event time and windows cannot be combined with {', '.join(named)} yet")
 
 
 def _check_worker_options(opts: RunOptions) -> None:

@@ -100,3 +100,34 @@ def test_dashboard_of_a_served_pipeline(tmp_path: Path) -> None:
         finally:
             stop.set()
             feeder.join()
+
+
+def test_dashboard_shows_a_window_steps_watermark(tmp_path: Path) -> None:
+    pipeline = ROOT / "examples" / "windows" / "pipeline.py"
+    cmd = [sys.executable, "-m", "aisp.cli", "run", str(pipeline), "--events", "200000", "--rate", "5000"]
+    cmd += ["--no-live", "--dashboard"]
+    log = (tmp_path / "run.log").open("w+")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    try:
+        url = ""
+        deadline = time.monotonic() + 60
+        while not url and time.monotonic() < deadline:
+            found = re.search(r"^dashboard (\S+)", (tmp_path / "run.log").read_text(), re.M)
+            url = found.group(1) if found else ""
+            assert proc.poll() is None, (tmp_path / "run.log").read_text()
+            time.sleep(0.1)
+        time.sleep(2.5)
+        (window,) = httpx.get(url + "dashboard/state", timeout=10).json()["windows"]
+        assert window["stage"] == "per_user" and window["watermark_ms"] > 1_699_999_990_000
+        assert window["open_windows"] > 0 and window["lag_s"] > 0
+        dom = dump_dom(url)
+        row = re.search(
+            r'<tr data-stage="per_user"><td class="l">per_user</td><td class="l">(20\d\d-[^<]+)<', dom
+        )
+        assert row is not None, dom[-3000:]  # the watermark, as a UTC time
+        assert "aisp_watermark_lag_seconds" in httpx.get(url + "metrics", timeout=10).text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()

@@ -38,6 +38,9 @@ def page() -> bytes:
     return files("aisp.observe").joinpath("dashboard.html").read_bytes()
 
 
+_NO_WATERMARK = -(2**63)  # a window step before any event (transform.event_time)
+
+
 class DashboardState:
     """Builds the dashboard's JSON state of one executor, over the interval since the previous
     ``update`` (callers share one instance; ``update`` at most once per ``min_interval_s``)."""
@@ -176,6 +179,18 @@ class DashboardState:
                 }
                 for m in self._ex.drift_monitors
                 for j, f in enumerate(m.features)
+            ],
+            "windows": [
+                {
+                    "stage": sid,
+                    "watermark_ms": w.watermark if w.watermark > _NO_WATERMARK else None,
+                    "lag_s": round(max(0.0, time.time() - w.watermark / 1000), 3)
+                    if w.watermark > _NO_WATERMARK
+                    else None,
+                    "open_windows": w.open_windows,
+                    "late_events": w.late_events,
+                }
+                for sid, w in self._ex.windows.items()
             ],
             "diagnosis": findings,
             "graph": self.graph(),

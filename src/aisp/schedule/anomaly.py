@@ -49,7 +49,7 @@ from aisp.errors import ConfigError
 from aisp.observe.latency import LatencyHistogram
 from aisp.schedule.ratelimit import TokenBucket
 
-__all__ = ["AnomalyControl", "AnomalyPolicy"]
+__all__ = ["AnomalyControl", "AnomalyPolicy", "AnomalyTap", "control_run"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,6 +206,13 @@ class AnomalyControl:
         self.offered(rows)
         return self.take(rows)
 
+    def wait_for(self, rows: int, stop: threading.Event) -> None:
+        """(A source, before it hands on ``rows`` events) wait until the admitted rate has room
+        for them, or ``stop`` is set: how a broker or file source slows its reads."""
+        self.offered(rows)
+        while (wait := self.take(rows)) and not stop.wait(wait):
+            pass
+
     def retry_after_s(self) -> float:
         """About ``retry_after_ms``, longer (up to +30%) the more the load exceeds the rate."""
         with self._lock:
@@ -312,3 +319,32 @@ class AnomalyControl:
                 "streak": self._streak,
                 "window": dict(self.window),
             }
+
+
+class AnomalyTap:
+    """The executor's ``Lineage`` hook for a run (not served): the results written by the
+    ``primary`` sink go to the control's monitor."""
+
+    def __init__(self, control: AnomalyControl, primary: str) -> None:
+        self.control, self.primary = control, primary
+
+    def forwarded(self, step: str, batch: Batch, outs: Any) -> None:
+        pass
+
+    def written(self, step: str, batch: Batch) -> None:
+        if step == self.primary:
+            self.control.observe(batch)
+
+    def failed(self, step: str, batch: Batch, reason: str, *, closes: bool = True) -> None:
+        pass
+
+
+def control_run(executor: Any, graph: Any, policy: AnomalyPolicy) -> AnomalyControl:
+    """An anomaly policy on a run (``aisp run``, not served): the executor's sources read no
+    faster than the controlled rate (``LocalExecutor.throttle``), and what its primary sink
+    writes feeds the monitor."""
+    sinks = [n.step_id for n in graph.nodes if n.kind == "sink"]
+    control = AnomalyControl(policy)
+    executor.throttle = control.wait_for
+    executor.lineage = AnomalyTap(control, "out" if "out" in sinks else sinks[0])
+    return control

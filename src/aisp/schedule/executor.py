@@ -119,6 +119,8 @@ class LocalExecutor:
             clocks=self.clocks,
         )  # fmt: skip
         """Checkpoints, and keyed state that follows input partitions."""
+        self.throttle: Callable[[int, threading.Event], None] | None = None
+        """Called before a source hands on rows: waits while a controlled rate has no room."""
         self.on_drained: Callable[[], object] | None = None
         """Called once when every task has ended, before sources and sinks close (a final
         checkpoint: positions at the end of what was read, acks to brokers)."""
@@ -375,6 +377,8 @@ class LocalExecutor:
                     continue
                 out, held = held.slice(0, n), held.slice(n)
                 out = out.with_columns({INGEST_NS: pacer.times(n)})
+            if self.throttle is not None:  # a controlled rate (anomaly control): read slower
+                self.throttle(out.num_rows, self._stop)
             if self.clocks:  # event time and watermarks; rows without event time are dead letters
                 out = self.clocks.stamp(node.step_id, out, self.stats, self.dead_letter)
             st.rows_out += out.num_rows

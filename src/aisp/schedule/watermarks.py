@@ -18,12 +18,13 @@ import numpy as np
 import pyarrow as pa
 
 from aisp.batch import EVENT_TIME, WATERMARK, Batch
-from aisp.graph import Node
+from aisp.errors import ConfigError
+from aisp.graph import Graph, Node
 from aisp.observe.stats import RunStats
 from aisp.sinks.deadletter import DeadLetterWriter
 from aisp.transform.event_time import NO_WATERMARK, EventTime, WatermarkGenerator
 
-__all__ = ["SourceClocks"]
+__all__ = ["SourceClocks", "check_event_time_options"]
 
 
 class SourceClocks:
@@ -99,3 +100,20 @@ def _column(batch: Batch, name: str) -> pa.Array:
     if name not in batch:
         return pa.nulls(batch.num_rows)
     return batch.column(name)
+
+
+def check_event_time_options(
+    graph: Graph, *, workers: int, state_max_keys: int, partition_state: bool
+) -> None:
+    """Event time and windows keep key codes and watermarks that these options would break: a
+    clear error instead of a silent difference."""
+    if not any(n.kind == "window" or n.event_time is not None for n in graph.nodes):
+        return
+    unsupported = {
+        "--workers N > 1": workers > 1,
+        "--state-max-keys": state_max_keys > 0,
+        "--partition-state": partition_state,
+    }
+    named = [name for name, used in unsupported.items() if used]
+    if named:
+        raise ConfigError(f"event time and windows cannot be combined with {', '.join(named)} yet")

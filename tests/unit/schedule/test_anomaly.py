@@ -142,3 +142,21 @@ def test_settings_from_a_request_give_a_policy_or_a_config_error(changes: dict[s
         assert c.policy == POLICY  # a refused change leaves the policy alone
     else:
         assert c.policy.floor <= c.rate <= c.policy.rate_events_per_s
+
+
+def test_a_run_reads_no_faster_than_the_controlled_rate_and_loses_nothing() -> None:
+    from aisp import CollectSink, Pipeline, TestingSource
+    from aisp.schedule.anomaly import control_run
+    from aisp.schedule.executor import LocalExecutor
+    from aisp.sinks.deadletter import DeadLetterSink
+
+    p, out = Pipeline("scored"), CollectSink(columns=["id"])
+    rows = [{"id": i, "score": 0.99} for i in range(3000)]
+    p.source("src", TestingSource(rows, batch_rows=100)).sink("out", out)
+    ex = LocalExecutor(p.build(), dead_letter=DeadLetterSink().open())
+    policy = AnomalyPolicy(rate_events_per_s=6000, window_s=0.2, step_s=0.1, score_column="score",
+                           max_score_share=0.5, consecutive=1, decrease=0.5)  # fmt: skip
+    control = control_run(ex, p.build(), policy)
+    ex.run()
+    assert control.triggered >= 1 and control.rate < 6000  # anomalous scores lowered the rate
+    assert sorted(r["id"] for r in out.rows) == list(range(3000))

@@ -218,3 +218,23 @@ def test_a_window_that_cannot_work_fails_where_it_is_declared(kwargs: dict[str, 
     }
     with pytest.raises(ConfigError, match=message):
         WindowSpec(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"workers": 2, "state_max_keys": 0, "partition_state": False}, "--workers N > 1"),
+        ({"workers": 1, "state_max_keys": 10, "partition_state": False}, "--state-max-keys"),
+        ({"workers": 1, "state_max_keys": 0, "partition_state": True}, "--partition-state"),
+    ],
+)
+def test_options_windows_cannot_keep_up_with_are_refused_clearly(options: dict[str, Any], named: str) -> None:
+    from aisp import NullSink, Pipeline, TestingSource
+    from aisp.schedule.watermarks import check_event_time_options
+
+    p = Pipeline("w")
+    src = p.source("src", TestingSource([{"k": "a", "t": 1}]), event_time=EventTime("t"))
+    src.key_by("by", "k").window("w", Tumbling(10), {"n": Count()}).sink("out", NullSink())
+    with pytest.raises(ConfigError, match=named):
+        check_event_time_options(p.build(), **options)
+    check_event_time_options(p.build(), workers=1, state_max_keys=0, partition_state=False)
