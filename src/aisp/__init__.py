@@ -23,6 +23,7 @@ from aisp.schedule.executor import ExecutorOptions
 from aisp.sinks import CollectSink, DeadLetterSink, NullSink, Sink
 from aisp.transform.aggregates import Aggregate, Count, First, Last, Max, Mean, Min, Std, Sum, Var
 from aisp.transform.event_time import EventTime
+from aisp.transform.sketches import DistinctCount, Quantile, TopK
 from aisp.transform.windows import Session, Sliding, Tumbling
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "ConfigError",
     "Count",
     "DeadLetterSink",
+    "DistinctCount",
     "EventTime",
     "ExecutorOptions",
     "First",
@@ -56,6 +58,7 @@ __all__ = [
     "OnnxRuntime",
     "Pipeline",
     "PythonRuntime",
+    "Quantile",
     "RunOptions",
     "RunSummary",
     "ServedModel",
@@ -69,6 +72,7 @@ __all__ = [
     "Stream",
     "Sum",
     "TestingSource",
+    "TopK",
     "Tumbling",
     "Var",
     "WorkloadFSource",

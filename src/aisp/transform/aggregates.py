@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
+import pyarrow as pa
 
 __all__ = [
     "Aggregate",
@@ -109,7 +110,14 @@ class Aggregate(abc.ABC):
 
     @abc.abstractmethod
     def init(self) -> dict[str, tuple[str, Any]]:
-        """The state columns: ``{name: (dtype, fill)}``; ``fill`` is the state of no events."""
+        """The state columns: ``{name: (dtype, fill)}``, or ``(dtype, fill, width)`` for a
+        fixed-width row per window (a sketch's registers); ``fill`` is the state of no events."""
+
+    def prepare(self, column: pa.Array) -> npt.NDArray[Any]:
+        """The values ``update`` gets, from the input column (once per batch): by default the
+        column as numpy; a sketch may hash it instead."""
+        values: npt.NDArray[Any] = column.to_numpy(zero_copy_only=False)
+        return values
 
     @abc.abstractmethod
     def update(self, groups: Groups, values: npt.NDArray[Any], times: npt.NDArray[np.int64]) -> State:
@@ -123,6 +131,13 @@ class Aggregate(abc.ABC):
     @abc.abstractmethod
     def result(self, state: State) -> npt.NDArray[Any]:
         """The output value of each entry."""
+
+    def dump(self, state: State) -> State:
+        """The state as columns a checkpoint can hold (numbers, bytes); ``load`` undoes it."""
+        return state
+
+    def load(self, state: State) -> State:
+        return state
 
 
 def _floats(values: npt.NDArray[Any]) -> npt.NDArray[np.float64]:

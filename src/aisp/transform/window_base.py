@@ -143,7 +143,7 @@ class WindowsBase:
         """Events that missed every window they belong to."""
         self.emitted = 0
         self._last_early_ns = time.monotonic_ns()
-        self._values = sorted({agg.column for _, agg in spec.aggregates if agg.column is not None})
+        self._inputs = [(name, agg) for name, agg in spec.aggregates if agg.column is not None]
 
     @property
     def open_windows(self) -> int:
@@ -175,7 +175,17 @@ class WindowsBase:
         return batch.numpy(KEY), batch.numpy(EVENT_TIME), wm
 
     def _values_of(self, batch: Batch, rows: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]]:
-        return {c: batch.numpy(c)[rows] for c in self._values}
+        """Each aggregate's input values for ``rows`` (``Aggregate.prepare``, once per column
+        and kind of preparation)."""
+        prepared: dict[tuple[str, Any], npt.NDArray[Any]] = {}
+        out = {}
+        for name, agg in self._inputs:
+            assert agg.column is not None
+            key = (agg.column, type(agg).prepare)
+            if key not in prepared:
+                prepared[key] = agg.prepare(batch.column(agg.column))
+            out[name] = prepared[key][rows]
+        return out
 
     def _late(self, batch: Batch, rows: npt.NDArray[np.int64], starts: npt.NDArray[np.int64],
               ends: npt.NDArray[np.int64]) -> Emit:  # fmt: skip

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from aisp.batch import matrix_column
 from aisp.transform.aggregates import Aggregate, Groups
 
 __all__ = ["AggTable", "PairIndex", "Slots"]
@@ -125,62 +126,81 @@ class PairIndex:
 
 
 class AggTable:
-    """The aggregates' state columns, one entry per slot."""
+    """The aggregates' state columns, one entry (or fixed-width row) per slot."""
 
     def __init__(self, aggregates: Sequence[tuple[str, Aggregate]], capacity: int) -> None:
         self.aggregates = tuple(aggregates)
         self.by_time = any(agg.by_time for _, agg in self.aggregates)
         """Whether rows must be grouped in event-time order (``Groups.of`` with times)."""
-        self._decl = {
-            f"{name}.{col}": (np.dtype(dtype), fill)
-            for name, agg in self.aggregates
-            for col, (dtype, fill) in agg.init().items()
-        }
-        self.columns = {k: np.full(capacity, fill, dtype) for k, (dtype, fill) in self._decl.items()}
+        self._decl: dict[str, tuple[np.dtype[Any], Any, tuple[int, ...]]] = {}
+        for name, agg in self.aggregates:
+            for col, decl in agg.init().items():
+                width: tuple[int, ...] = tuple(decl[2:3])
+                self._decl[f"{name}.{col}"] = (np.dtype(decl[0]), decl[1], width)
+        self.columns = {k: self._new(k, capacity) for k in self._decl}
+
+    def _new(self, key: str, capacity: int) -> npt.NDArray[Any]:
+        dtype, fill, width = self._decl[key]
+        return np.full((capacity, *width), fill, dtype)
 
     def grow(self, capacity: int) -> None:
-        for k, (dtype, fill) in self._decl.items():
-            new = np.full(capacity, fill, dtype)
+        for k in self._decl:
+            new = self._new(k, capacity)
             old = self.columns[k]
             new[: old.shape[0]] = old
             self.columns[k] = new
 
     def reset(self, slots: npt.NDArray[np.int64]) -> None:
-        for k, (_, fill) in self._decl.items():
+        for k, (_, fill, _) in self._decl.items():
             self.columns[k][slots] = fill
 
     def _state(self, name: str, agg: Aggregate, slots: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]]:
         return {col: self.columns[f"{name}.{col}"][slots] for col in agg.init()}
 
+    def _store(self, name: str, slots: npt.NDArray[np.int64], state: Mapping[str, npt.NDArray[Any]]) -> None:
+        for col, v in state.items():
+            self.columns[f"{name}.{col}"][slots] = v
+
     def add(
         self, groups: Groups, values: Mapping[str, npt.NDArray[Any]], times: npt.NDArray[np.int64]
     ) -> None:
-        """Merge each group's rows into the slot ``groups.keys`` names (rows in arrival order)."""
+        """Merge each group's rows into the slot ``groups.keys`` names (``values`` by aggregate
+        name, rows in arrival order)."""
         slots = groups.keys
         sorted_times = groups.sorted(times)
         empty = np.empty(0)
         for name, agg in self.aggregates:
-            rows = groups.sorted(values[agg.column]) if agg.column is not None else empty
-            merged = agg.merge(self._state(name, agg, slots), agg.update(groups, rows, sorted_times))
-            for col, v in merged.items():
-                self.columns[f"{name}.{col}"][slots] = v
+            rows = groups.sorted(values[name]) if agg.column is not None else empty
+            self._store(
+                name, slots, agg.merge(self._state(name, agg, slots), agg.update(groups, rows, sorted_times))
+            )
 
     def merge_into(self, into: npt.NDArray[np.int64], other: npt.NDArray[np.int64]) -> None:
         """Merge slot ``other[i]`` (later events) into slot ``into[i]``."""
         for name, agg in self.aggregates:
-            merged = agg.merge(self._state(name, agg, into), self._state(name, agg, other))
-            for col, v in merged.items():
-                self.columns[f"{name}.{col}"][into] = v
+            self._store(name, into, agg.merge(self._state(name, agg, into), self._state(name, agg, other)))
 
     def results(self, slots: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]]:
         return {name: agg.result(self._state(name, agg, slots)) for name, agg in self.aggregates}
 
-    def take(self, slots: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]]:
-        return {k: v[slots].copy() for k, v in self.columns.items()}
+    def take(self, slots: npt.NDArray[np.int64]) -> dict[str, Any]:
+        """The state of ``slots`` as checkpoint columns (``Aggregate.dump``; a fixed-width
+        state as an Arrow fixed-size list)."""
+        out: dict[str, Any] = {}
+        for name, agg in self.aggregates:
+            for col, v in agg.dump(self._state(name, agg, slots)).items():
+                out[f"{name}.{col}"] = matrix_column(v) if v.ndim == 2 else v
+        return out
 
-    def put(self, slots: npt.NDArray[np.int64], columns: Mapping[str, npt.NDArray[Any]]) -> None:
-        for k in self._decl:
-            self.columns[k][slots] = columns[k]
+    def put(self, slots: npt.NDArray[np.int64], columns: Mapping[str, Any]) -> None:
+        for name, agg in self.aggregates:
+            state = {}
+            for col in agg.init():
+                v = np.asarray(columns[f"{name}.{col}"])
+                if v.dtype == object and v.size and isinstance(v[0], np.ndarray):  # a fixed-size list
+                    v = np.stack(list(v))
+                state[col] = v
+            self._store(name, slots, agg.load(state))
 
 
 class Slots:
