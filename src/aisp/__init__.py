@@ -19,6 +19,7 @@ from aisp.infer import BatcherConfig, ModelRepository, OnnxRuntime, PythonRuntim
 from aisp.ingest import Source, TestingSource, WorkloadFSource
 from aisp.pipeline import KeyedStream, Pipeline, Stream
 from aisp.runner import CheckpointOptions, ObserveOptions, RunOptions, RunSummary, run
+from aisp.schedule.anomaly import AnomalyPolicy
 from aisp.schedule.executor import ExecutorOptions
 from aisp.sinks import CollectSink, DeadLetterSink, NullSink, Sink
 from aisp.transform.aggregates import Aggregate, Count, First, Last, Max, Mean, Min, Std, Sum, Var
@@ -29,6 +30,7 @@ from aisp.transform.windows import Session, Sliding, Tumbling
 __all__ = [
     "Aggregate",
     "AispError",
+    "AnomalyPolicy",
     "Batch",
     "BatcherConfig",
     "CheckpointOptions",

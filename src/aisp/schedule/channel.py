@@ -12,6 +12,8 @@ import threading
 import time
 from collections import deque
 
+import numpy as np
+
 from aisp.batch import Batch
 from aisp.errors import ConfigError
 
@@ -55,8 +57,14 @@ class Channel:
             self._rows += n
             self._cond.notify_all()
 
-    def get(self) -> Batch | None:
-        """The next batch, blocking; ``None`` once every producer closed and the channel is empty."""
+    def get(self, max_rows: int = 0) -> Batch | None:
+        """The next batch, blocking; ``None`` once every producer closed and the channel is empty.
+
+        With ``max_rows``, the batches queued behind it with the same columns come too, up to
+        ``max_rows`` rows in all, as one batch: a consumer that fell behind catches up in
+        fewer, larger batches, while one that keeps up gets each batch as it was put (nothing
+        ever waits to fill a batch).
+        """
         with self._cond:
             while not self._items:
                 if self._open_producers <= 0:
@@ -64,11 +72,30 @@ class Channel:
                 self._cond.wait()
             batch, put_ns = self._items.popleft()
             self.last_wait_ns = time.monotonic_ns() - put_ns
-            self._rows -= batch.num_rows
+            taken, rows = [batch], batch.num_rows
+            items = self._items
+            while max_rows and items and rows + items[0][0].num_rows <= max_rows:
+                if not items[0][0].schema.equals(batch.schema):
+                    break
+                taken.append(items.popleft()[0])
+                rows += taken[-1].num_rows
+            self._rows -= rows
             self._cond.notify_all()
-            return batch
+        return batch if len(taken) == 1 else _merged(taken)
 
     def close_producer(self) -> None:
         with self._cond:
             self._open_producers -= 1
             self._cond.notify_all()
+
+
+def _merged(batches: list[Batch]) -> Batch:
+    """``batches`` as one, keeping which events are traced and their producers' trace parents."""
+    out = Batch.concat(batches)
+    traced = [b.traced for b in batches if b.traced is not None]
+    if traced:
+        out.traced = np.concatenate(traced)
+    parents = [b.traceparents for b in batches if b.traceparents]
+    if parents:
+        out.traceparents = {k: v for p in parents for k, v in p.items()}
+    return out

@@ -17,6 +17,10 @@ class ExecutorOptions:
 
     channel_capacity_rows: int = 8192
     source_batch_rows: int = 2048
+    coalesce_rows: int = 8192
+    """A task that fell behind takes the batches queued for it, up to this many rows, as one
+    (``Channel.get``): per-batch costs shrink exactly when they would hold it back (0: never). A task with a
+    model step never does: its batcher makes the batches, against its own capacity."""
     rate_events_per_s: float = 0.0
     paced_linger_ms: float = 1.0
     offload_sources: bool = True

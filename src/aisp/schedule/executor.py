@@ -393,7 +393,9 @@ class LocalExecutor:
         ch = self._channels[sid]
         try:
             st = self.stats.stages[sid]
-            while (batch := ch.get()) is not None:
+            models = any(self._nodes[s].kind == "infer" for s in self.tasks()[sid])
+            most = 0 if models else self.options.coalesce_rows  # a batcher makes its own batches
+            while (batch := ch.get(most)) is not None:
                 st.phase("queue", ch.last_wait_ns)
                 self._push(sid, batch)
         except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by run() after the drain

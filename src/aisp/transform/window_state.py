@@ -17,9 +17,10 @@ import numpy.typing as npt
 from aisp.batch import matrix_column
 from aisp.transform.aggregates import Aggregate, Groups
 
-__all__ = ["AggTable", "PairIndex", "Slots"]
+__all__ = ["AggTable", "PairIndex", "RingIndex", "Slots"]
 
 _FREE, _GONE = -1, -2  # a cell never used / a cell whose pair was deleted
+_NO_WINDOW = np.iinfo(np.int64).min
 
 
 def _mix(a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
@@ -123,6 +124,87 @@ class PairIndex:
         self.__init__(bits)  # type: ignore[misc]
         if a.size:
             self.insert(a, b, slots)
+
+
+class RingIndex:
+    """(key code, window index) -> slot for aligned windows, as a matrix: window ``w`` is row
+    ``w % rows`` (the rows outnumber the window indices open at once), the key code the column.
+    A lookup for a whole batch is one fancy index; closing a window clears its row. Memory is
+    rows x keys entries, so ``insert`` answers False when it would need more than ``budget``
+    (the caller moves to a ``PairIndex``).
+
+    >>> ix = RingIndex()
+    >>> ix.insert(np.array([0, 5]), np.array([7, 8]), np.array([10, 11]))
+    True
+    >>> ix.find(np.array([5, 0, 0, 9]), np.array([8, 7, 8, 7])).tolist()
+    [11, 10, -1, -1]
+    >>> ix.delete(np.array([0]), np.array([7])); ix.find(np.array([0]), np.array([7])).tolist()
+    [-1]
+    """
+
+    def __init__(self, budget: int = 1 << 24) -> None:
+        self.budget = budget
+        self._slot = np.full((4, 1024), -1, dtype=np.int32)
+        self._window = np.full(4, _NO_WINDOW, dtype=np.int64)  # the window index each row holds
+
+    def find(self, codes: npt.NDArray[np.int64], windows: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        rows, keys = self._slot.shape
+        r = windows % rows
+        ok = (self._window[r] == windows) & (codes < keys)
+        found = self._slot[r, np.where(ok, codes, 0)].astype(np.int64)
+        return np.where(ok, found, -1)
+
+    def insert(
+        self, codes: npt.NDArray[np.int64], windows: npt.NDArray[np.int64], slots: npt.NDArray[np.int64]
+    ) -> bool:
+        """Add absent pairs; False (nothing added) when the matrix would outgrow the budget."""
+        rows, keys = self._slot.shape
+        need_keys = max(keys, int(codes.max()) + 1)
+        held = self._window[windows % rows]
+        if ((held != _NO_WINDOW) & (held != windows)).any() or self._clash(windows, rows):
+            every = np.union1d(self._window[self._window != _NO_WINDOW], windows)
+            span = int(every.max() - every.min())
+            rows = max(2 * rows, 1 << span.bit_length())  # more rows than the span: none shared
+        if need_keys > keys:
+            need_keys = max(need_keys, 2 * keys)
+        if (rows, need_keys) != self._slot.shape:
+            if rows * need_keys > self.budget:
+                return False
+            self._resize(rows, need_keys)
+        r = windows % rows
+        self._window[r] = windows
+        self._slot[r, codes] = slots
+        return True
+
+    @staticmethod
+    def _clash(windows: npt.NDArray[np.int64], rows: int) -> bool:
+        """Two of ``windows`` would share a row."""
+        distinct = np.unique(windows)
+        return bool(np.unique(distinct % rows).shape[0] < distinct.shape[0])
+
+    def _resize(self, rows: int, keys: int) -> None:
+        old_slot, old_window = self._slot, self._window
+        self._slot = np.full((rows, keys), -1, dtype=np.int32)
+        self._window = np.full(rows, _NO_WINDOW, dtype=np.int64)
+        for r in np.flatnonzero(old_window != _NO_WINDOW).tolist():
+            w = int(old_window[r])
+            self._window[w % rows] = w
+            self._slot[w % rows, : old_slot.shape[1]] = old_slot[r]
+
+    def delete(self, codes: npt.NDArray[np.int64], windows: npt.NDArray[np.int64]) -> None:
+        """Remove pairs; a window whose pairs are all removed frees its row (windows close
+        whole: every key's window ``w`` at once)."""
+        rows = self._slot.shape[0]
+        self._slot[windows % rows, codes] = -1
+        for w in np.unique(windows).tolist():
+            r = w % rows
+            if self._window[r] == w and not (self._slot[r] >= 0).any():
+                self._window[r] = _NO_WINDOW
+
+    def pairs(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Every (code, window, slot) held."""
+        r, c = np.nonzero(self._slot >= 0)
+        return c.astype(np.int64), self._window[r], self._slot[r, c].astype(np.int64)
 
 
 class AggTable:

@@ -41,7 +41,7 @@ from aisp.transform.window_base import (
     WindowsBase,
     window_ids,
 )
-from aisp.transform.window_state import PairIndex
+from aisp.transform.window_state import PairIndex, RingIndex
 
 __all__ = [
     "LATE_PORT",
@@ -73,9 +73,13 @@ class WindowSpec(WindowConfig):
 
 class AlignedWindowsOp(WindowsBase):
     """Tumbling and sliding windows. Window ``w`` starts at ``w * step + offset``; the slot of
-    (key, ``w``) is found for a whole batch at once (``PairIndex``). The open windows are kept
-    per index too (a heap of indices, and the slots opened for each), so closing costs only the
-    windows that close."""
+    (key, ``w``) is found for a whole batch at once (``RingIndex``; a ``PairIndex`` once keys x
+    open window indices outgrow ``RING_BUDGET``). The open windows are kept per index too (a
+    heap of indices, and the slots opened for each), so closing costs only the windows that
+    close."""
+
+    RING_BUDGET = 1 << 24
+    """Entries (4 bytes each) the ring index may hold before the hash table takes over."""
 
     def __init__(self, spec: WindowConfig, ctx: OperatorContext) -> None:
         super().__init__(spec, ctx)
@@ -83,7 +87,7 @@ class AlignedWindowsOp(WindowsBase):
         assert isinstance(w, Tumbling | Sliding)
         self._size, self._step, self._offset = w.size_ms, w.step_ms, w.offset_ms
         self._per_event = -(-self._size // self._step)
-        self._pairs = PairIndex()
+        self._pairs: RingIndex | PairIndex = RingIndex(self.RING_BUDGET)
         self._open: dict[int, list[npt.NDArray[np.int64]]] = {}  # window index -> its slots
         self._heap: list[int] = []
 
@@ -130,7 +134,7 @@ class AlignedWindowsOp(WindowsBase):
         fresh = self.slots.take(heads.shape[0])
         self.slots.code[fresh], self.slots.window[fresh] = nc[heads], nw[heads]
         self.slots.first_id[fresh] = ids[new][heads]
-        self._pairs.insert(nc[heads], nw[heads], fresh)
+        self._index_pairs(nc[heads], nw[heads], fresh)
         self._register(fresh)
         inverse = np.empty(order.shape[0], dtype=np.int64)
         inverse[order] = group
@@ -145,8 +149,21 @@ class AlignedWindowsOp(WindowsBase):
                 heapq.heappush(self._heap, w)
             self._open[w].append(slots[windows == w])
 
+    def _index_pairs(self, codes: npt.NDArray[np.int64], windows: npt.NDArray[np.int64],
+                     slots: npt.NDArray[np.int64]) -> None:  # fmt: skip
+        """Index new (key, window) -> slot pairs: in the ring while it fits its memory budget
+        (keys x window indices open at once), else, from then on, in a hash table."""
+        if isinstance(self._pairs, RingIndex):
+            if self._pairs.insert(codes, windows, slots):
+                return
+            held = self._pairs.pairs()
+            self._pairs = PairIndex()
+            if held[0].size:
+                self._pairs.insert(*held)
+        self._pairs.insert(codes, windows, slots)
+
     def _reopen(self, slots: npt.NDArray[np.int64]) -> None:
-        self._pairs.insert(self.slots.code[slots], self.slots.window[slots], slots)
+        self._index_pairs(self.slots.code[slots], self.slots.window[slots], slots)
         self._register(slots)
 
     def _close(self, watermark: int) -> npt.NDArray[np.int64]:

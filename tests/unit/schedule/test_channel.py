@@ -52,3 +52,18 @@ def test_closes_after_all_producers() -> None:
 def test_capacity_validated() -> None:
     with pytest.raises(ConfigError, match="capacity_rows must be >= 1, got 0"):
         Channel(0)
+
+
+def test_a_consumer_that_fell_behind_takes_the_queued_batches_as_one() -> None:
+    ch = Channel(capacity_rows=100, producers=1)
+    first = Batch.from_columns({"x": [1, 2]}, ids=np.array([0, 1]))
+    first.traced = np.array([1])
+    ch.put(first)
+    ch.put(Batch.from_columns({"x": [3]}, ids=np.array([2])))
+    ch.put(Batch.from_columns({"y": [4]}, ids=np.array([3])))  # other columns: not merged
+    ch.put(Batch.from_columns({"y": [5, 6]}, ids=np.array([4, 5])))
+    got = ch.get(max_rows=10)
+    assert got is not None and got.pylist("x") == [1, 2, 3] and got.traced.tolist() == [1]
+    assert ch.get(max_rows=2).pylist("y") == [4]  # a third row would pass max_rows
+    assert ch.get(max_rows=2).pylist("y") == [5, 6]
+    assert ch.rows == 0

@@ -159,6 +159,24 @@ def test_every_window_kind_agrees_with_the_sequential_reference(scenario: Any) -
 
 
 @settings(max_examples=150, deadline=None)
+@given(scenarios())
+def test_the_hash_table_index_agrees_when_the_ring_outgrows_its_budget(scenario: Any) -> None:
+    from unittest import mock
+
+    from aisp.transform.windows import AlignedWindowsOp
+
+    events, window, lateness, cuts = scenario
+    expected, late = reference(events, window, lateness)
+    with mock.patch.object(AlignedWindowsOp, "RING_BUDGET", 2 * 1024):  # two rows of keys
+        h = Harness(_spec(window, lateness))
+        for a, b in zip([0, *cuts], [*cuts, len(events)], strict=True):
+            h.feed(events[a:b])
+        h.finish()
+    check(h.rows, expected)
+    assert h.late_ids() == sorted(late)
+
+
+@settings(max_examples=150, deadline=None)
 @given(scenarios(), st.data())
 def test_a_checkpoint_midway_restores_to_the_same_windows(scenario: Any, data: Any) -> None:
     events, window, lateness, _ = scenario
