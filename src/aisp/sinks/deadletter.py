@@ -65,7 +65,7 @@ class DeadLetterWriter:
         recs = list(records)
         if not recs:
             return
-        data = self._encoder.encode_lines(recs)
+        data = self._encoder.encode_lines(recs) if self._fh is not None or self._out is not None else b""
         with self._lock:
             self.count += len(recs)
             for r in recs:

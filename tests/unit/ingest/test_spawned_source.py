@@ -4,6 +4,7 @@ schema rebuilt there decodes and refuses the same JSON as the user's struct."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 from pathlib import Path
@@ -19,7 +20,7 @@ from aisp.connectors.file import JsonlFileSource
 from aisp.connectors.file.spawned import SpawnedJsonlSource
 from aisp.errors import SourceError
 from aisp.ingest import SourceContext
-from aisp.ingest.plain import PlainSchema
+from aisp.ingest.plain import BatchSizer, PlainSchema
 from benchmarks.workload import load_fraud_example
 from tests.support.hostile import HOSTILE_LINES, ODD_VALID_LINES, event_line, hostile_chunks, mixed_lines
 
@@ -176,3 +177,20 @@ def test_a_missing_file_and_a_dead_child_are_source_errors(tmp_path: Path) -> No
                 pass
     finally:
         part.close()
+
+
+def test_batches_grow_while_the_reader_falls_behind_and_shrink_back(tmp_path: Path) -> None:
+    rx, tx = os.pipe()
+    try:
+        sizer = BatchSizer(tx, 10, 40)
+        size = fcntl.fcntl(tx, 1032)  # F_GETPIPE_SZ
+        assert sizer.next() == 10  # an empty pipe: the reader keeps up
+        os.write(tx, bytes(size // 2 + 1))  # more than half unread: it fell behind
+        assert [sizer.next(), sizer.next(), sizer.next()] == [20, 40, 40]
+        os.read(rx, size)
+        assert [sizer.next(), sizer.next(), sizer.next()] == [20, 10, 10]
+    finally:
+        os.close(rx)
+        os.close(tx)
+    with (tmp_path / "f").open("wb") as fh:  # not a pipe: a fixed size
+        assert BatchSizer(fh.fileno(), 10, 40).next() == 10

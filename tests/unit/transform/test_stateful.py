@@ -98,3 +98,22 @@ def test_sliced_string_columns_pack_correctly() -> None:
     idx = KeyIndex()
     assert idx.encode(arr).tolist() == [0, 1, 0]
     assert idx.keys() == ["a", "bb"]
+
+
+@given(
+    st.lists(key_values, min_size=1, max_size=40, unique=True),
+    st.lists(st.lists(st.integers(0, 10**6), min_size=256, max_size=600), max_size=5),
+    st.integers(0, 3),
+)
+def test_repeating_keys_encode_each_distinct_key_once(
+    pool: list[str], batches: list[list[int]], cut: int
+) -> None:
+    """Batches of a few keys in many rows take the dictionary path (and a sliced column too):
+    the codes are still those of first appearance."""
+    idx = KeyIndex()
+    ref: dict[str, int] = {}
+    for picks in batches:
+        keys = [pool[i % len(pool)] for i in picks]
+        arr = pa.array(["x"] * cut + keys, type=pa.string()).slice(cut)
+        assert idx.encode(arr).tolist() == [ref.setdefault(k, len(ref)) for k in keys]
+    assert idx.keys() == list(ref)
