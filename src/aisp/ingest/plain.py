@@ -352,23 +352,27 @@ def aligned(parts: list[bytes]) -> list[bytes]:
 
 class BatchSizer:
     """How many lines the next batch takes: ``rows`` while the reader of the pipe ``fd`` keeps
-    up; twice as many (up to ``most``) each time it finds more than half the pipe unread, half
-    as many again once the pipe is nearly empty. A pipeline that falls behind gets fewer, larger
-    batches, which cost it less per event; one that keeps up gets ``rows`` at a time."""
+    up; twice as many (up to ``most``) each time the batch sent before is still unread (the
+    reader fell behind: larger batches cost it less per event), half as many again each time it
+    finds the pipe empty (the reader waits: smaller batches reach it sooner)."""
 
     def __init__(self, fd: int, rows: int, most: int) -> None:
         self._fd, self._least, self._most, self.rows = fd, rows, max(rows, most), rows
+        self._last = 0  # the size of the batch sent last, in bytes
         try:
-            self._size = fcntl.fcntl(fd, 1032)  # F_GETPIPE_SZ
+            fcntl.fcntl(fd, 1032)  # F_GETPIPE_SZ: is it a pipe?
         except OSError:  # not a pipe: a fixed size
             self._most = rows
 
+    def sent(self, nbytes: int) -> None:
+        self._last = nbytes
+
     def next(self) -> int:
-        if self._most > self._least:
+        if self._most > self._least and self._last:
             unread = self._unread()
-            if unread > self._size // 2:
+            if unread >= self._last:
                 self.rows = min(self.rows * 2, self._most)
-            elif unread < self._size // 8:
+            elif not unread:
                 self.rows = max(self.rows // 2, self._least)
         return self.rows
 
@@ -426,7 +430,9 @@ def child_main(argv: list[str]) -> None:
                 header = enc.encode(
                     {"position": reader.position, "first": first, "rows": rows, "ns": now, "sizes": sizes}
                 )
-                send(b"B", *aligned([struct.pack("<I", len(header)) + header, *parts]))
+                message = aligned([struct.pack("<I", len(header)) + header, *parts])
+                send(b"B", *message)
+                sizer.sent(sum(map(len, message)))
             send(b"E")
     except (BrokenPipeError, ConnectionResetError):
         return  # the parent stopped reading: a stop, not an error

@@ -4,9 +4,10 @@ schema rebuilt there decodes and refuses the same JSON as the user's struct."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -52,7 +53,7 @@ def both(path: Path, schema: type[msgspec.Struct], batch_rows: int = 7, **kw: An
     inner = JsonlFileSource(path=str(path), schema=schema, **kw)
     spawned = inner.spawned()
     assert isinstance(spawned, SpawnedJsonlSource)
-    return drain(spawned, batch_rows), drain(inner, batch_rows)
+    return drain(replace(spawned, catch_up=1), batch_rows), drain(inner, batch_rows)
 
 
 def test_a_file_with_hostile_lines_reads_alike_in_the_child(tmp_path: Path) -> None:
@@ -76,7 +77,7 @@ def test_a_resumed_and_a_bounded_read_match_too(tmp_path: Path) -> None:
     for position in (start, {**start, "end": end["offset"]}):
         inner = JsonlFileSource(path=str(path), schema=FRAUD_EVENT)
         child, here = [], []
-        for source, out in ((inner.spawned(), child), (inner, here)):
+        for source, out in ((replace(inner.spawned(), catch_up=1), child), (inner, here)):  # type: ignore[type-var]
             part = source.open(SourceContext("src", lambda r: None, 10), position)  # type: ignore[union-attr]
             while (b := part.next_batch(10)) is not None:
                 out.append(b.ids.tolist())
@@ -183,14 +184,40 @@ def test_batches_grow_while_the_reader_falls_behind_and_shrink_back(tmp_path: Pa
     rx, tx = os.pipe()
     try:
         sizer = BatchSizer(tx, 10, 40)
-        size = fcntl.fcntl(tx, 1032)  # F_GETPIPE_SZ
-        assert sizer.next() == 10  # an empty pipe: the reader keeps up
-        os.write(tx, bytes(size // 2 + 1))  # more than half unread: it fell behind
+        assert sizer.next() == 10
+        for _ in range(3):  # each batch still unread when the next is due: the reader fell behind
+            os.write(tx, bytes(100))
+            sizer.sent(100)
         assert [sizer.next(), sizer.next(), sizer.next()] == [20, 40, 40]
-        os.read(rx, size)
+        os.read(rx, 50)  # part of the last batch is unread yet: no change
+        assert sizer.next() == 40
+        os.read(rx, 1000)  # the reader waits
         assert [sizer.next(), sizer.next(), sizer.next()] == [20, 10, 10]
     finally:
         os.close(rx)
         os.close(tx)
     with (tmp_path / "f").open("wb") as fh:  # not a pipe: a fixed size
-        assert BatchSizer(fh.fileno(), 10, 40).next() == 10
+        sizer = BatchSizer(fh.fileno(), 10, 40)
+        sizer.sent(100)
+        assert sizer.next() == 10
+
+
+def test_a_reader_that_falls_behind_gets_the_same_rows_in_larger_batches(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"\n".join(mixed_lines(3000, bad_every=7)) + b"\n")
+    inner = JsonlFileSource(path=str(path), schema=FRAUD_EVENT)
+    dead: list[dict[str, Any]] = []
+    part = inner.spawned().open(SourceContext("src", dead.extend, 50))  # type: ignore[union-attr]
+    sizes, ids = [], []
+    try:
+        while (b := part.next_batch(50)) is not None:
+            time.sleep(0.002)  # a slow pipeline: the child's batches wait unread
+            sizes.append(b.num_rows)
+            ids.extend(b.ids.tolist())
+        end = part.snapshot()
+    finally:
+        part.close()
+    batches, here_dead, positions = drain(inner, 50)
+    assert ids == [i for b in batches for i in b.column("_id").to_pylist()]
+    assert dead == here_dead and end == positions[-1]
+    assert max(sizes) > 50 * 2  # it grew (at most 4x the lines: some of them dead letters)

@@ -38,9 +38,6 @@ _BOOT = (
     "m = u.module_from_spec(s); sys.modules['aisp_plain'] = m; s.loader.exec_module(m)\n"
     "m.child_main(sys.argv[2:])\n"
 )
-CATCH_UP = 4
-"""A pipeline that falls behind gets batches of up to this many times ``batch_rows``
-(``plain.BatchSizer``), as many lines per message as keeps it busy."""
 _NUMBERS = {"int": pa.int64(), "float": pa.float64()}
 
 
@@ -54,6 +51,9 @@ class SpawnedJsonlSource(Source):
     read_block_bytes: int
     max_line_bytes: int
     pipe_bytes: int = 1 << 20
+    catch_up: int = 4
+    """While the pipeline falls behind, batches grow up to this many times ``batch_rows``
+    (``plain.BatchSizer``); 1: always ``batch_rows``."""
 
     def open(self, ctx: SourceContext, resume_from: Any = None) -> SourcePartition:
         return _SpawnedPartition(self, ctx, resume_from)
@@ -76,7 +76,7 @@ class _SpawnedPartition(SourcePartition):
             "block_bytes": cfg.read_block_bytes,
             "max_line_bytes": cfg.max_line_bytes,
             "batch_rows": ctx.batch_rows,
-            "max_batch_rows": CATCH_UP * ctx.batch_rows,  # when the pipeline falls behind
+            "max_batch_rows": cfg.catch_up * ctx.batch_rows,  # when the pipeline falls behind
             "step": ctx.step_id,
         }
         rx, tx = os.pipe()
