@@ -6,8 +6,8 @@ it; ``CheckpointCoordinator`` uses it and owns what happens around it. A checkpo
 
 1. the barrier: the sources pause between batches and the rows in flight finish;
 2. capture, under the pause, only copies or views that stay valid: operator state and key spaces
-   (or, with a state store, the keys that changed), source, sink and dead-letter positions,
-   model versions;
+   (or, with a state store, the keys and windows that changed), source, sink and dead-letter
+   positions, model versions;
 3. the sources resume;
 4. beside the running pipeline: the captured views become Arrow tables, sinks and dead letters
    sync to disk, the state store writes the changed keys, the checkpoint's files and then its
@@ -40,7 +40,7 @@ from aisp.state.checkpoint import CheckpointStore
 from aisp.state.keyed import KeyIndex
 from aisp.state.partitions import PartitionStates
 from aisp.state.store import LmdbStateStore
-from aisp.transform.operators import Checkpointable, IncrementalState, Operator
+from aisp.transform.operators import Checkpointable, IncrementalState, LoggedState, Operator
 
 __all__ = ["CheckpointCoordinator", "Flight"]
 
@@ -170,11 +170,15 @@ class CheckpointCoordinator:
         columns_of: dict[str, dict[str, Any]] = {}
         key_views: dict[str, Callable[[], pa.Array]] = {}
         dirty: dict[str, tuple[Callable[[], pa.Array], dict[str, Any]]] = {}
-        if self.state_store is not None:  # only the keys that changed, written below
+        logged: dict[str, tuple[dict[str, Any], Any, bool]] = {}
+        if self.state_store is not None:  # only the keys (and windows) that changed, written below
             for sid, op in self._ops.items():
                 if isinstance(op, IncrementalState):
                     codes, columns = op.take_dirty()
                     dirty[sid] = (op.index.frozen_keys(codes), columns)
+                elif isinstance(op, LoggedState):
+                    base = self.keyed.base_due(sid, op.open_windows)
+                    logged[sid] = (*op.changes(everything=base), base)
             if self._state_max_keys:
                 self.keyed.evict()
         elif self.partition_states is None:
@@ -183,7 +187,12 @@ class CheckpointCoordinator:
             index.advance()
         for sid, op in self._ops.items():
             keyed_elsewhere = self.partition_states is not None and isinstance(op, IncrementalState)
-            if isinstance(op, Checkpointable) and sid not in dirty and not keyed_elsewhere:
+            if (
+                isinstance(op, Checkpointable)
+                and sid not in dirty
+                and sid not in logged
+                and not keyed_elsewhere
+            ):
                 columns_of[sid] = op.snapshot()
         sources = {sid: part.snapshot() for sid, part in self._source_parts.items()}
         partitions = (
@@ -199,14 +208,14 @@ class CheckpointCoordinator:
         }
         if self._clocks:
             meta["watermarks"] = self._clocks.snapshot()
-        return columns_of, key_views, dirty, sources, partitions, meta
+        return columns_of, key_views, (dirty, logged), sources, partitions, meta
 
     def _write(
         self,
         store: CheckpointStore,
         columns_of: dict[str, dict[str, Any]],
         key_views: dict[str, Callable[[], pa.Array]],
-        dirty: dict[str, tuple[Callable[[], pa.Array], dict[str, Any]]],
+        changes: tuple[dict[str, tuple[Callable[[], pa.Array], dict[str, Any]]], dict[str, Any]],
         sources: dict[str, Any],
         partitions: dict[int, Any],
         meta: dict[str, Any],
@@ -216,6 +225,7 @@ class CheckpointCoordinator:
         """(Beside the running pipeline) the durable part of a checkpoint; its id."""
         tables = {f"keys.{space}": pa.table({"key": view()}) for space, view in key_views.items()}
         tables.update({f"op.{sid}": pa.table(columns) for sid, columns in columns_of.items()})
+        dirty, logged = changes
         changed = {sid: (keys(), columns) for sid, (keys, columns) in dirty.items()}
         for sink in self._sink_parts.values():
             sink.sync()
@@ -225,7 +235,7 @@ class CheckpointCoordinator:
         if self.state_store is not None:  # every 10th drops what no kept checkpoint reads
             kept = store.ids()
             before = kept[0] if kept and checkpoint_id % 10 == 0 else 0
-            meta["state_store"] = self.keyed.write_to_store(checkpoint_id, changed, before)
+            meta["state_store"] = self.keyed.write_to_store(checkpoint_id, changed, before, logged)
         store.write(checkpoint_id, tables, meta)
         if partitions:  # after the local manifest: the outputs they cover are durable
             (offsets,) = (position["offsets"] for position in sources.values())

@@ -23,7 +23,8 @@ from aisp.state.checkpoint import Checkpoint
 from aisp.state.keyed import KeyIndex
 from aisp.state.partitions import PartitionStates
 from aisp.state.store import LmdbStateStore, decode_keys, decode_rows
-from aisp.transform.operators import Checkpointable, IncrementalState, Operator
+from aisp.state.window_log import WindowLog
+from aisp.transform.operators import Checkpointable, IncrementalState, LoggedState, Operator
 
 __all__ = ["KeyedStateKeeper", "PartitionCapture"]
 
@@ -51,6 +52,7 @@ class KeyedStateKeeper:
         self._indexes = key_indexes
         self._ops = ops
         self.state_store = state_store
+        self._window_log = WindowLog(state_store) if state_store is not None else None
         self.partition_states = partition_states
         self.max_keys = max_keys
 
@@ -100,6 +102,19 @@ class KeyedStateKeeper:
                 continue
             keys, columns = decode_rows(prefix, entries, descr)
             op.restore_rows(op.index.encode(pa.array(keys)), columns)
+        for sid in layout.get("windows", []):
+            window_op = self._ops.get(sid)
+            if not isinstance(window_op, LoggedState):
+                raise AispError(
+                    f"checkpoint {checkpoint.id} has windows of step {sid!r}, which this pipeline lacks"
+                )
+            assert self._window_log is not None
+            windows = self._window_log.read(layout["version"], sid)
+            if windows is None:
+                raise AispError(
+                    f"the state store lacks the windows of step {sid!r} at checkpoint {checkpoint.id}"
+                )
+            window_op.restore(windows)
 
     def page_from_store(self) -> None:
         """With a bounded hot layer: operators read evicted keys back from the state store."""
@@ -108,13 +123,26 @@ class KeyedStateKeeper:
                 op.page_from(self.state_store, f"{sid}\x1f".encode())
 
     def write_to_store(
-        self, version: int, changed: dict[str, tuple[pa.Array, dict[str, Any]]], before: int
+        self,
+        version: int,
+        changed: dict[str, tuple[pa.Array, dict[str, Any]]],
+        before: int,
+        logged: Mapping[str, tuple[dict[str, Any], npt.NDArray[np.int64], bool]] | None = None,
     ) -> dict[str, Any]:
-        """Write the changed keys' state at ``version`` (before the manifest); what restore needs."""
-        assert self.state_store is not None
+        """Write the changed keys' state at ``version`` (before the manifest), and the window
+        steps' changes (``logged``: columns, closed serials, whether a base); what restore needs."""
+        assert self.state_store is not None and self._window_log is not None
         parts = {f"{sid}\x1f": part for sid, part in changed.items()}
         layout = self.state_store.write_rows(version, parts, before)
-        return {"version": version, "ops": {prefix[:-1]: descr for prefix, descr in layout.items()}}
+        for sid, (columns, gone, base) in (logged or {}).items():
+            self._window_log.write(version, sid, columns, gone, base=base, before=before)
+        return {"version": version, "ops": {prefix[:-1]: descr for prefix, descr in layout.items()},
+                "windows": sorted(logged or {})}  # fmt: skip
+
+    def base_due(self, step: str, open_windows: int) -> bool:
+        """Whether window step ``step``'s next checkpoint writes its whole state (``WindowLog``)."""
+        assert self._window_log is not None
+        return self._window_log.base_due(step, open_windows)
 
     def over_bound(self) -> bool:
         """A key space holds more keys than ``max_keys`` (the next checkpoint evicts)."""

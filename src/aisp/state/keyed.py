@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from aisp.errors import StateError
+from aisp.state.key_tables import HashTable, SortedRuns, key_hashes, pack_keys, unpack, unpack_arrow
 
 __all__ = ["KeyIndex", "KeyPartitionError", "KeyedState"]
 
@@ -24,167 +25,11 @@ class KeyPartitionError(StateError):
     """A key arrived from two input partitions while its state follows partitions."""
 
 
-_MAX_PACKED_BYTES = 7  # strings up to 7 bytes pack, with their length, into one uint64
-
-
-def pack_keys(keys: pa.Array) -> tuple[str, npt.NDArray[np.uint64]] | None:
-    """Integer keys, or strings of at most 7 bytes, as distinct uint64 values (vectorised).
-
-    Returns ``(kind, packed)`` or ``None`` when the column cannot be packed losslessly.
-    """
-    if pa.types.is_integer(keys.type):
-        return "int", keys.to_numpy(zero_copy_only=False).astype(np.int64).view(np.uint64)
-    if not pa.types.is_string(keys.type):
-        return None
-    n = len(keys)
-    _, offsets_buf, data_buf = keys.buffers()
-    offsets = np.frombuffer(offsets_buf, dtype=np.int32, count=keys.offset + n + 1)[keys.offset :]
-    lengths = np.diff(offsets)
-    if n and int(lengths.max()) > _MAX_PACKED_BYTES:
-        return None
-    data = (
-        np.frombuffer(data_buf, dtype=np.uint8)
-        if data_buf is not None and data_buf.size
-        else np.zeros(1, np.uint8)
-    )
-    cols = np.arange(8)
-    idx = np.minimum(offsets[:-1, None] + cols[None, :], data.shape[0] - 1)
-    matrix = np.where(cols[None, :] < lengths[:, None], data[idx], 0).astype(np.uint8)
-    matrix[:, 7] = lengths  # the length byte keeps "a" and "a\0" apart
-    return "str", np.ascontiguousarray(matrix).view(np.uint64).reshape(n)
-
-
-def _unpack_arrow(kind: str, packed: npt.NDArray[np.uint64]) -> pa.Array:
-    """``_unpack`` straight to an Arrow array, vectorised (no Python object per key)."""
-    if kind == "int":
-        return pa.array(packed.view(np.int64))
-    raw = packed.view(np.uint8).reshape(-1, 8)
-    lengths = raw[:, 7].astype(np.int32)
-    offsets = np.zeros(raw.shape[0] + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    data = raw[:, :7][np.arange(7)[None, :] < lengths[:, None]]
-    return pa.StringArray.from_buffers(raw.shape[0], pa.py_buffer(offsets), pa.py_buffer(data.tobytes()))
-
-
-def _unpack(kind: str, packed: npt.NDArray[np.uint64]) -> list[Any]:
-    if kind == "int":
-        return packed.view(np.int64).tolist()  # type: ignore[no-any-return]
-    raw = packed.view(np.uint8).reshape(-1, 8)
-    return [bytes(row[: row[7]]).decode() for row in raw]
-
-
-class _HashTable:
-    """Open addressing with double hashing over numpy arrays, probed for a whole batch at once.
-
-    Two multiplicative hashes of the packed uint64 give each key its first slot and an odd probe
-    step (no primary clustering); each probe round is a few vectorised gathers over the rows
-    still unresolved. The load is kept <= 1/3, so almost every key resolves in one round.
-    """
-
-    _MULT = np.uint64(0x9E3779B97F4A7C15)
-    _MULT2 = np.uint64(0xC2B2AE3D27D4EB4F)
-
-    def __init__(self, bits: int = 12) -> None:
-        self._bits = bits
-        self._mask = (1 << bits) - 1
-        self.keys = np.zeros(1 << bits, dtype=np.uint64)
-        self.codes = np.full(1 << bits, -1, dtype=np.int64)
-        self.size = 0
-
-    def _probe(self, packed: npt.NDArray[np.uint64]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        shift = np.uint64(64 - self._bits)
-        with np.errstate(over="ignore"):
-            first = ((packed * self._MULT) >> shift).astype(np.int64)
-            step = ((packed * self._MULT2) >> shift).astype(np.int64) | 1
-        return first, step
-
-    def find(self, packed: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
-        """Code of each key, or -1 where absent."""
-        out = np.full(packed.shape[0], -1, dtype=np.int64)
-        rows = np.arange(packed.shape[0])
-        slots, steps = self._probe(packed)
-        while rows.size:
-            codes = self.codes[slots]
-            occupied = codes >= 0
-            found = occupied & (self.keys[slots] == packed[rows])
-            out[rows[found]] = codes[found]
-            probe = occupied & ~found
-            rows, steps = rows[probe], steps[probe]
-            slots = (slots[probe] + steps) & self._mask
-        return out
-
-    def insert(self, keys: npt.NDArray[np.uint64], codes: npt.NDArray[np.int64]) -> None:
-        """Add distinct keys that are absent; grows (rehashes) to keep the load <= 1/3."""
-        if 3 * (self.size + keys.shape[0]) > (1 << self._bits):
-            live = self.codes >= 0
-            old_keys, old_codes = self.keys[live], self.codes[live]
-            bits = self._bits
-            while 3 * (self.size + keys.shape[0]) > (1 << bits):
-                bits += 1
-            self.__init__(bits)  # type: ignore[misc]
-            self.insert(old_keys, old_codes)
-        rows = np.arange(keys.shape[0])
-        slots, steps = self._probe(keys)
-        while rows.size:
-            free = self.codes[slots] < 0
-            _, first = np.unique(slots[free], return_index=True)  # one winner per free slot
-            win = np.flatnonzero(free)[first]
-            self.keys[slots[win]] = keys[rows[win]]
-            self.codes[slots[win]] = codes[rows[win]]
-            left = np.ones(rows.shape[0], dtype=bool)
-            left[win] = False
-            rows, slots, steps = rows[left], slots[left], steps[left]
-            taken = self.codes[slots] >= 0
-            slots[taken] = (slots[taken] + steps[taken]) & self._mask
-        self.size += keys.shape[0]
-
-
-class _SortedRuns:
-    """A set of uint64 values as sorted runs of geometrically growing sizes (a log-structured
-    merge): adding costs amortised O(log n) per value without resorting everything, a lookup is a
-    binary search per run, and memory is 8 bytes a value.
-
-    >>> r = _SortedRuns()
-    >>> r.add(np.array([5, 3], np.uint64)); r.add(np.array([9, 3], np.uint64))
-    >>> r.contains(np.array([3, 4, 9], np.uint64)).tolist(), len(r)
-    ([True, False, True], 3)
-    """
-
-    def __init__(self) -> None:
-        self._runs: list[npt.NDArray[np.uint64]] = []  # the largest first
-
-    def __len__(self) -> int:
-        return sum(run.shape[0] for run in self._runs)
-
-    def add(self, values: npt.NDArray[np.uint64]) -> None:
-        run = np.unique(values)
-        while self._runs and self._runs[-1].shape[0] <= 2 * run.shape[0]:
-            run = np.union1d(self._runs.pop(), run)
-        if run.size:
-            self._runs.append(run)
-
-    def contains(self, values: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
-        out = np.zeros(values.shape[0], dtype=bool)
-        for run in self._runs:
-            pos = np.minimum(np.searchsorted(run, values), run.shape[0] - 1)
-            out |= run[pos] == values
-        return out
-
-    def values(self) -> npt.NDArray[np.uint64]:
-        return np.unique(np.concatenate(self._runs)) if self._runs else np.empty(0, np.uint64)
-
-
 def _grown(arr: npt.NDArray[Any], size: int, fill: Any) -> npt.NDArray[Any]:
     """``arr`` in a new array of ``size`` entries, the rest ``fill``."""
     out = np.full(size, fill, dtype=arr.dtype)
     out[: arr.shape[0]] = arr
     return out
-
-
-def _hashes(keys: list[Any]) -> npt.NDArray[np.uint64]:
-    """Python hashes of keys, as uint64 (a set of them may report a key that is not there, on a
-    collision: harmless where it only costs a state store read)."""
-    return np.array([hash(k) for k in keys], dtype=np.int64).view(np.uint64)
 
 
 class KeyIndex:
@@ -217,7 +62,7 @@ class KeyIndex:
 
     def __init__(self) -> None:
         self._kind: str | None = None
-        self._table = _HashTable()
+        self._table = HashTable()
         self._by_code = np.empty(1024, dtype=np.uint64)
         self._n = 0
         self._dict: dict[Any, int] | None = None
@@ -230,7 +75,7 @@ class KeyIndex:
         """Set when keyed state follows input partitions: engine ids -> partition (key-by tags)."""
         self._distinct = 0.0  # distinct keys / rows in the last dictionary-encoded batch
         self._batches = 0
-        self._evicted = _SortedRuns()  # packed keys evicted so far (the dict path: their hashes)
+        self._evicted = SortedRuns()  # packed keys evicted so far (the dict path: their hashes)
         self.evicted = 0
         """Keys evicted so far (a key evicted twice counts twice)."""
 
@@ -329,8 +174,8 @@ class KeyIndex:
             self._dict = dict(zip(self._dict_keys, range(self._n), strict=True))
             if self._kind and len(self._evicted):
                 gone = self._evicted.values()
-                self._evicted = _SortedRuns()
-                self._evicted.add(_hashes(_unpack(self._kind, gone)))
+                self._evicted = SortedRuns()
+                self._evicted.add(key_hashes(unpack(self._kind, gone)))
         table = self._dict
         values = keys.to_pylist()
         get = table.get
@@ -375,7 +220,7 @@ class KeyIndex:
         m = survivors.shape[0]
         if self._dict is not None:
             if remember:
-                self._evicted.add(_hashes([self._dict_keys[i] for i in victims.tolist()]))
+                self._evicted.add(key_hashes([self._dict_keys[i] for i in victims.tolist()]))
             self._dict_keys = [self._dict_keys[i] for i in survivors.tolist()]
             self._dict = dict(zip(self._dict_keys, range(m), strict=True))
         else:
@@ -385,7 +230,7 @@ class KeyIndex:
             by_code = np.empty(max(1024, 2 * m), dtype=np.uint64)  # new arrays: views stay valid
             by_code[:m] = packed[survivors]
             self._by_code = by_code
-            self._table = _HashTable()
+            self._table = HashTable()
             self._table.insert(by_code[:m], np.arange(m, dtype=np.int64))
         self._seen = _grown(self._seen[survivors], max(1024, 2 * m), 0)
         self._part = _grown(self._part[survivors], max(1024, 2 * m), -1)
@@ -400,7 +245,7 @@ class KeyIndex:
         if not len(self._evicted):
             return np.zeros(codes.shape[0], dtype=bool)
         if self._dict is not None:
-            return self._evicted.contains(_hashes(self.keys_of(codes)))
+            return self._evicted.contains(key_hashes(self.keys_of(codes)))
         return self._evicted.contains(self._by_code[codes])
 
     def mark_evicted(self, keys: pa.Array) -> None:
@@ -413,7 +258,7 @@ class KeyIndex:
         else:
             if self._dict is None:
                 self._encode_dict(pa.array([], keys.type))  # switch to the dict path
-            self._evicted.add(_hashes(keys.to_pylist()))
+            self._evicted.add(key_hashes(keys.to_pylist()))
 
     def restore(self, keys: pa.Array) -> None:
         """Load ``keys`` (``keys()`` of a snapshot, in code order) into this empty index."""
@@ -427,14 +272,14 @@ class KeyIndex:
         """Key values in code order."""
         if self._dict is not None:
             return list(self._dict_keys)
-        return _unpack(self._kind, self._by_code[: self._n]) if self._kind else []
+        return unpack(self._kind, self._by_code[: self._n]) if self._kind else []
 
     def keys_of(self, codes: npt.NDArray[np.int64]) -> list[Any]:
         """The key values of ``codes``."""
         if self._dict is not None:
             every = self._dict_keys
             return [every[c] for c in codes.tolist()]
-        return _unpack(self._kind, self._by_code[codes]) if self._kind else []
+        return unpack(self._kind, self._by_code[codes]) if self._kind else []
 
     def frozen_keys(self, codes: npt.NDArray[np.int64] | None = None) -> Callable[[], pa.Array]:
         """The keys (of ``codes``, or all in code order) as of now, as an Arrow array made
@@ -447,7 +292,7 @@ class KeyIndex:
         if not self._kind:
             return lambda: pa.array([], pa.string())
         kind, packed = self._kind, self._by_code[: self._n]
-        return lambda: _unpack_arrow(kind, packed if codes is None else packed[codes])
+        return lambda: unpack_arrow(kind, packed if codes is None else packed[codes])
 
 
 class KeyedState:

@@ -231,6 +231,17 @@ class LmdbStateStore:
                 out.append(value)
         return out
 
+    def delete_range(self, start: bytes, end: bytes) -> int:
+        """Delete every value of the names from ``start`` up to (not including) ``end``;
+        returns how many."""
+        dropped = 0
+        with self._env.begin(write=True) as txn:
+            cursor = txn.cursor()
+            if cursor.set_range(start):
+                while cursor.key() < end and cursor.delete():  # delete moves to the next key
+                    dropped += 1
+        return dropped
+
     def discard_after(self, version: int) -> int:
         """Delete every value written after ``version`` (an abandoned timeline: the run restarted
         from ``version``, or from nothing with 0); returns how many."""

@@ -33,6 +33,7 @@ __all__ = [
     "Filter",
     "IncrementalState",
     "KeyBy",
+    "LoggedState",
     "MapBatch",
     "MapRows",
     "Operator",
@@ -63,6 +64,24 @@ class Checkpointable(Protocol):
     restart. State is plain columns (numpy arrays of equal length), stored as Arrow."""
 
     def snapshot(self) -> dict[str, npt.NDArray[Any]]: ...
+
+    def restore(self, columns: Mapping[str, npt.NDArray[Any]]) -> None: ...
+
+
+@runtime_checkable
+class LoggedState(Protocol):
+    """Operator state that a state store keeps as a log of changes (window steps, see
+    ``aisp.state.window_log``): ``changes`` gives the records that changed since the last
+    call (or all of them) and the serials of those dropped since; ``restore`` takes what the
+    log adds up to, as it takes a ``snapshot``."""
+
+    open_windows: int
+
+    def snapshot(self) -> dict[str, npt.NDArray[Any]]: ...
+
+    def changes(
+        self, *, everything: bool = False
+    ) -> tuple[dict[str, npt.NDArray[Any]], npt.NDArray[np.int64]]: ...
 
     def restore(self, columns: Mapping[str, npt.NDArray[Any]]) -> None: ...
 

@@ -84,7 +84,7 @@ class SessionWindowsOp(WindowsBase):
         slots, kept = target[keep], rows[keep]
         if slots.size:
             self.slots.table.add(Groups.of(slots, None), {c: v[kept] for c, v in values.items()}, t[keep])
-            self.slots.dirty[slots] = True
+            self.slots.touched(slots)
         return rows[is_late]
 
     def _merge(self, codes: npt.NDArray[np.int64], cand: npt.NDArray[np.int64], joins: npt.NDArray[np.bool_],

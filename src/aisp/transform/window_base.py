@@ -259,7 +259,18 @@ class WindowsBase:
     def snapshot(self) -> dict[str, npt.NDArray[Any]]:
         """The open windows, their keys by value (the key space may be restored apart, or not
         at all, as with a state store), and the watermark."""
-        slots = self.slots.open_slots()
+        return self._columns(self.slots.open_slots())
+
+    def changes(
+        self, *, everything: bool = False
+    ) -> tuple[dict[str, npt.NDArray[Any]], npt.NDArray[np.int64]]:
+        """For a state store: the windows that changed since the last call (``everything``: all
+        open windows), as ``snapshot`` gives them, and the serials (``__uid``) of the windows
+        that closed since then."""
+        slots, gone = self.slots.changes(everything=everything)
+        return self._columns(slots), gone
+
+    def _columns(self, slots: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]]:
         cols = self.slots.snapshot(slots)
         cols["__code"] = self._index.frozen_keys(cols["__code"])().to_numpy(zero_copy_only=False)
         cols["__wm"] = np.full(slots.shape[0], self.watermark, dtype=np.int64)
@@ -268,7 +279,7 @@ class WindowsBase:
     def restore(self, columns: Mapping[str, npt.NDArray[Any]]) -> None:
         if not len(columns["__code"]):
             return
-        self.watermark = int(columns["__wm"][0])
+        self.watermark = int(np.max(columns["__wm"]))  # rows of older checkpoints hold older ones
         rows = {k: np.asarray(v) for k, v in columns.items() if k != "__wm"}
         rows["__code"] = self._index.encode(pa.array(rows["__code"]))
         self._reopen(self.slots.restore(rows))

@@ -288,7 +288,11 @@ class AggTable:
 class Slots:
     """Open windows' slots: per slot the key code, the window (its index or start), the end
     (sessions), the id of the event that opened it, whether it changed since the last early
-    result, and the aggregates' state; freed slots are reused."""
+    result, and the aggregates' state; freed slots are reused.
+
+    For checkpoints that write only what changed (``changes``), each window also has a serial
+    number (``uid``, never reused) and a flag saying it changed since the last ``changes``, and
+    the serials of the windows freed since then are kept."""
 
     def __init__(self, aggregates: Sequence[tuple[str, Aggregate]], capacity: int = 1024) -> None:
         self.code = np.zeros(capacity, dtype=np.int64)
@@ -297,9 +301,13 @@ class Slots:
         self.first_id = np.zeros(capacity, dtype=np.int64)
         self.dirty = np.zeros(capacity, dtype=bool)
         self.live = np.zeros(capacity, dtype=bool)
+        self.uid = np.zeros(capacity, dtype=np.int64)
+        self.changed = np.zeros(capacity, dtype=bool)
         self.table = AggTable(aggregates, capacity)
         self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # a stack: the top is last
         self._top = capacity
+        self._next_uid = 0
+        self._gone: list[npt.NDArray[np.int64]] = []
 
     def __len__(self) -> int:
         return int(self.code.shape[0] - self._top)
@@ -313,16 +321,26 @@ class Slots:
         self.live[slots] = True
         self.table.reset(slots)
         self.dirty[slots] = False
+        self.changed[slots] = True
+        self.uid[slots] = np.arange(self._next_uid, self._next_uid + n)
+        self._next_uid += n
         return slots
 
+    def touched(self, slots: npt.NDArray[np.int64]) -> None:
+        """``slots``' state changed (they are due in the next early result and checkpoint)."""
+        self.dirty[slots] = True
+        self.changed[slots] = True
+
     def give_back(self, slots: npt.NDArray[np.int64]) -> None:
+        self._gone.append(self.uid[slots])
+        self.changed[slots] = False
         self.live[slots] = False
         self._free[self._top : self._top + slots.shape[0]] = slots[::-1]
         self._top += slots.shape[0]
 
     def _grow(self, capacity: int) -> None:
         old = self.code.shape[0]
-        for name in ("code", "window", "end", "first_id", "dirty", "live"):
+        for name in ("code", "window", "end", "first_id", "dirty", "live", "uid", "changed"):
             arr = getattr(self, name)
             new = np.zeros(capacity, dtype=arr.dtype)
             new[:old] = arr
@@ -341,9 +359,18 @@ class Slots:
     # -- checkpoints --------------------------------------------------------------------------
     def snapshot(self, slots: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]]:
         cols = {"__code": self.code[slots], "__window": self.window[slots], "__end": self.end[slots],
-                "__first_id": self.first_id[slots]}  # fmt: skip
+                "__first_id": self.first_id[slots], "__uid": self.uid[slots]}  # fmt: skip
         cols.update(self.table.take(slots))
         return cols
+
+    def changes(self, *, everything: bool) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """The open slots that changed since the last call (``everything``: all open slots) and
+        the serials of the windows freed since then; from now on nothing has changed."""
+        slots = np.flatnonzero(self.live if everything else self.changed & self.live)
+        gone = np.concatenate(self._gone) if self._gone else np.empty(0, dtype=np.int64)
+        self.changed[:] = False
+        self._gone = []
+        return slots, gone
 
     def restore(self, columns: Mapping[str, npt.NDArray[Any]]) -> npt.NDArray[np.int64]:
         """Open a slot per row of ``columns`` (a ``snapshot``); returns them."""
@@ -352,5 +379,10 @@ class Slots:
         self.window[slots] = columns["__window"]
         self.end[slots] = columns["__end"]
         self.first_id[slots] = columns["__first_id"]
+        if "__uid" in columns:  # as stored: the next changes name the same windows
+            self.uid[slots] = columns["__uid"]
+            self.changed[slots] = False
+            if slots.size:
+                self._next_uid = max(self._next_uid, int(self.uid[slots].max()) + 1)
         self.table.put(slots, columns)
         return slots

@@ -114,7 +114,7 @@ class AlignedWindowsOp(WindowsBase):
             table.add(
                 Groups.of(slots, t[rows] if table.by_time else None), self._values_of(batch, rows), t[rows]
             )
-            self.slots.dirty[slots] = True
+            self.slots.touched(slots)
         return self._finish_batch(outs, int(wm[-1]), int(batch.ingest_ns.max()))
 
     def _slots_of(self, codes: npt.NDArray[np.int64], windows: npt.NDArray[np.int64],

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from aisp.batch import EVENT_TIME, KEY, WATERMARK, Batch
 from aisp.state.keyed import KeyIndex
+from aisp.state.store import LmdbStateStore
+from aisp.state.window_log import WindowLog
 from aisp.transform.aggregates import Aggregate, Count, Groups, State
 from aisp.transform.event_time import NO_WATERMARK
 from aisp.transform.operators import OperatorContext
@@ -49,10 +51,14 @@ AGGS = {
 
 
 def run(
-    window: Any, batches: list[list[tuple[str, int, float, str]]], restore_at: int | None = None
+    window: Any,
+    batches: list[list[tuple[str, int, float, str]]],
+    restore_at: int | None = None,
+    log: WindowLog | None = None,
 ) -> list[dict[str, Any]]:
     """(key, time, x, word) rows through a window step (no lateness: all in one window
-    each), optionally through a snapshot and a fresh operator at batch ``restore_at``."""
+    each), optionally through a snapshot and a fresh operator at batch ``restore_at``; with
+    ``log``, the snapshot is what the log of each batch's changes adds up to."""
     index = KeyIndex()
 
     def build() -> Any:
@@ -62,10 +68,17 @@ def run(
 
     op, rows, next_id = build(), [], 0
     for i, part in enumerate(batches):
+        if log is not None and i:  # a checkpoint with a state store after each batch
+            log.write(i, "w", *op.changes(everything=i == 1), base=i == 1)
         if i == restore_at:
-            table = pa.table(op.snapshot())  # as a checkpoint stores it
+            if log is None:
+                table = pa.table(op.snapshot())  # as a checkpoint stores it
+                columns = {c: table.column(c).to_numpy() for c in table.column_names}
+            else:
+                columns = log.read(i, "w") or {}
             op = build()
-            op.restore({c: table.column(c).to_numpy() for c in table.column_names})
+            if columns:
+                op.restore(columns)
         keys, t, x, words = (list(c) for c in zip(*part, strict=True))
         b = Batch.from_columns({"key": keys, "x": x, "word": words, EVENT_TIME: np.array(t, np.int64),
                                 WATERMARK: np.full(len(t), NO_WATERMARK, np.int64)},
@@ -116,12 +129,16 @@ EVENTS = st.lists(
     st.data(),
 )
 def test_sketches_and_a_user_aggregate_agree_with_exact_answers(
-    events: list[Any], cuts: list[int], window: Any, data: Any
+    tmp_path_factory: Any, events: list[Any], cuts: list[int], window: Any, data: Any
 ) -> None:
     bounds = sorted({0, len(events), *(min(c, len(events)) for c in cuts)})
     batches = [events[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     restore_at = data.draw(st.one_of(st.none(), st.integers(0, len(batches) - 1)))
     check(run(window, batches, restore_at), events)
+    if restore_at is not None:  # the same through the state store's log of changes
+        store = LmdbStateStore(tmp_path_factory.mktemp("store"))
+        check(run(window, batches, restore_at, WindowLog(store)), events)
+        store.close()
 
 
 def test_distinct_count_is_within_its_error_at_large_cardinalities() -> None:

@@ -256,3 +256,44 @@ def test_options_windows_cannot_keep_up_with_are_refused_clearly(options: dict[s
     with pytest.raises(ConfigError, match=named):
         check_event_time_options(p.build(), **options)
     check_event_time_options(p.build(), workers=1, state_max_keys=0, partition_state=False)
+
+
+@settings(max_examples=100, deadline=None)
+@given(scenarios(), st.data())
+def test_a_log_of_changes_in_the_state_store_restores_to_the_same_windows(
+    tmp_path_factory: Any, scenario: Any, data: Any
+) -> None:
+    """Each segment's changes go to a ``WindowLog`` (as the checkpoints of a pipeline with a
+    state store write them: bases now and then, old entries deleted); a restore from any kept
+    version goes on to the same windows as the reference."""
+    from aisp.state.store import LmdbStateStore
+    from aisp.state.window_log import WindowLog
+
+    events, window, lateness, cuts = scenario
+    expected, late = reference(events, window, lateness)
+    bounds = list(zip([0, *cuts], [*cuts, len(events)], strict=True))
+    store = LmdbStateStore(tmp_path_factory.mktemp("store"))
+    log = WindowLog(store)
+    first = Harness(_spec(window, lateness, late="side"))
+    kept = 1  # the oldest version a restore may ask for
+    for version, (a, b) in enumerate(bounds, start=1):
+        first.feed(events[a:b])
+        base = version == 1 or data.draw(st.booleans())
+        columns, gone = first.op.changes(everything=base)
+        kept = data.draw(st.integers(kept, version))
+        log.write(version, "w", columns, gone, base=base, before=data.draw(st.sampled_from([0, kept])))
+    at = data.draw(st.integers(kept, len(bounds)))  # restore from the checkpoint after segment ``at``
+    restored = log.read(at, "w")
+    assert restored is not None
+    second = Harness(_spec(window, lateness, late="side"))
+    second.op.restore(restored)
+    replay = Harness(_spec(window, lateness, late="side"))  # what the first run did up to ``at``
+    for a, b in bounds[:at]:
+        replay.feed(events[a:b])
+    assert sorted(restored["__uid"].tolist()) == sorted(replay.op.snapshot()["__uid"].tolist())
+    for a, b in bounds[at:]:
+        second.feed(events[a:b])
+    second.finish()
+    check(replay.rows + second.rows, expected)
+    assert sorted(replay.late_ids() + second.late_ids()) == sorted(late)
+    store.close()
