@@ -6,7 +6,8 @@ batching -> ``{"id", "user", "score", "alert", "n", "mean_amount"}``.
 Run it: ``aisp run examples/fraud/pipeline.py --input IN.jsonl --output OUT.jsonl``; without
 ``--input`` it scores generated events. ``--model-repository examples/fraud/repository`` serves
 the model from a Triton-style repository and swaps to a newer version when one is copied in;
-``--param model_url=HOST:PORT`` calls it on an OIP v2 gRPC server instead (``aisp serve``).
+``--param model_url=HOST:PORT`` calls it on an OIP v2 gRPC server instead (``aisp serve``), and
+``--param model_url=HOST:PORT,HOST:PORT,...`` on a pool of them (each batch to the least busy).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import msgspec
 import numpy as np
 
 from aisp import Batch, BatcherConfig, NullSink, OnnxRuntime, Pipeline, ServedModel, WorkloadFSource
+from aisp.infer.pool import RemotePool
 from aisp.infer.remote import RemoteRuntime
 
 HERE = Path(__file__).resolve().parent
@@ -72,8 +74,13 @@ def build(
     With ``model_repository`` the model is ``fraud`` from that Triton-style repository (swapped
     to a newer version when one appears) and rows also carry ``model`` and ``model_version``.
     """
-    runtime: OnnxRuntime | ServedModel | RemoteRuntime
-    if model_url is not None:  # the model on an OIP v2 gRPC server (`aisp serve`, Triton, ...)
+    runtime: OnnxRuntime | ServedModel | RemoteRuntime | RemotePool
+    if model_url is not None and "," in model_url:  # a pool of servers, up to 2 batches in flight each
+        urls = model_url.split(",")
+        runtime = RemotePool(urls, "fraud")
+        batcher = BatcherConfig(max_batch_size=512, max_queue_delay_ms=1.0, instances=2 * len(urls))
+        columns = OUTPUT_COLUMNS
+    elif model_url is not None:  # the model on an OIP v2 gRPC server (`aisp serve`, Triton, ...)
         runtime = RemoteRuntime(model_url, "fraud")
         batcher = BatcherConfig(max_batch_size=512, max_queue_delay_ms=1.0)
         columns = OUTPUT_COLUMNS

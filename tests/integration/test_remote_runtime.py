@@ -109,7 +109,7 @@ def test_rows_that_fail_remotely_go_to_the_dead_letter_file(proxy: FaultProxy, t
     summary = run(p, RunOptions(dead_letter=str(dl)))
     dead = [msgspec.json.decode(x) for x in dl.read_text().splitlines()]
     assert summary.events_out == 0 and len(dead) == 2000
-    assert all(d["step"] == "remote" and "ModelError" in d["reason"] for d in dead)
+    assert all(d["step"] == "remote" and "EndpointUnavailable" in d["reason"] for d in dead)  # a ModelError
     assert any("circuit open" in d["reason"] for d in dead)
 
 

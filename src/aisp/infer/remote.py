@@ -24,7 +24,7 @@ from aisp.errors import ConfigError, ModelError
 from aisp.infer.runtime import TensorSpec, check_rows
 from aisp.retry import RETRIES
 
-__all__ = ["BreakerConfig", "CircuitBreaker", "RemoteRuntime", "RetryPolicy"]
+__all__ = ["BreakerConfig", "CircuitBreaker", "EndpointUnavailable", "RemoteRuntime", "RetryPolicy"]
 
 log = logging.getLogger("aisp.remote")
 
@@ -40,6 +40,11 @@ OIP_DTYPES = {
     "FP32": np.float32,
     "FP64": np.float64,
 }
+
+
+class EndpointUnavailable(ModelError):
+    """The server did not answer (unavailable, too slow, overloaded, or its circuit is open):
+    another server of the same model may."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +96,13 @@ class CircuitBreaker:
         self._failures = 0
         self._opened_at = 0.0
         self.opened = 0
+
+    def ready(self) -> bool:
+        """Whether ``allow`` would let a call through now (without starting a trial)."""
+        with self._lock:
+            return self.state == "closed" or (
+                self.state == "open" and self._clock() - self._opened_at >= self.config.reset_s
+            )
 
     def allow(self) -> bool:
         with self._lock:
@@ -183,7 +195,7 @@ class RemoteRuntime:
                 )
             except ModelError as exc:
                 if clock() >= deadline or "UNAVAILABLE" not in str(exc) and "circuit open" not in str(exc):
-                    raise ModelError(f"{exc} (waited {wait_s:g} s for the server at start)") from exc
+                    raise type(exc)(f"{exc} (waited {wait_s:g} s for the server at start)") from exc
                 RETRIES.note(f"remote model {self.model} at {self.url}", "starting")
                 self._sleep(pause)
                 pause = min(pause * 2, 2.0)
@@ -234,13 +246,13 @@ class RemoteRuntime:
         from tritonclient.utils import InferenceServerException
 
         if not self.breaker.allow():
-            raise ModelError(
+            raise EndpointUnavailable(
                 f"remote model {self.model!r} at {self.url}: circuit open after repeated failures;"
                 f" next try in {self.breaker.retry_in_s():.1f} s"
             )
         if self.breaker.state == "half-open":
             self._client = self._connect()  # a fresh channel: the old one may sit in reconnect backoff
-        last = ""
+        last, passing = "", True
         for attempt in range(self.retry.attempts):
             if attempt:
                 self.retries += 1
@@ -252,13 +264,15 @@ class RemoteRuntime:
                 status = str(exc.status() or "")
                 last = f"{status}: {exc.message()}"
                 self.breaker.failure()
-                if not any(code in status for code in RETRIABLE) or not self.breaker.allow():
+                passing = any(code in status for code in RETRIABLE)
+                if not passing or not self.breaker.allow():
                     break
                 RETRIES.note(f"remote model {self.model} at {self.url}", status or "error")
                 continue
             self.breaker.success()
             return out
-        raise ModelError(
+        error = EndpointUnavailable if passing else ModelError
+        raise error(
             f"remote model {self.model!r} at {self.url} failed after {attempt + 1} attempt(s): {last}"
         )
 
