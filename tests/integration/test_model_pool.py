@@ -145,3 +145,49 @@ def test_endpoints_join_and_leave_and_one_that_stays_down_is_skipped(
         RemotePool([down], "fraud", connect_timeout_s=0.3)
     with pytest.raises(ModelError, match="shape|INVALID|input"):  # a bad request is not retried elsewhere
         pool.run({"features": np.zeros((2, 5), np.float32)})
+
+
+def test_the_pool_endpoints_are_in_the_metrics(
+    servers: tuple[Path, list[int], list[subprocess.Popen[str]]],
+) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from aisp.observe.metrics import PipelineCollector
+    from aisp.schedule.executor import LocalExecutor
+    from aisp.sinks.deadletter import DeadLetterSink
+
+    _, ports, procs = servers
+    urls = [f"127.0.0.1:{port}" for port in ports]
+    pool = RemotePool(
+        urls, "fraud", breaker=BreakerConfig(failures=1, reset_s=60.0), retry=RetryPolicy(attempts=1)
+    )
+    p = Pipeline("pool")
+    p.source("events", WorkloadFSource(events=256)).map_batch(
+        "x", lambda b: b.with_columns({"features": features(b.ids)})
+    ).infer(
+        "score", pool, inputs={"features": "features"}, outputs={"score": "score"},
+        batcher=BatcherConfig(max_batch_size=16),
+    ).sink("out", CollectSink())  # fmt: skip
+    executor = LocalExecutor(p.build(), dead_letter=DeadLetterSink().open())
+    registry = CollectorRegistry()
+    registry.register(PipelineCollector(executor))
+    executor.run()  # 16 calls or more, spread over both
+    procs[1].kill()
+    procs[1].communicate(timeout=30)
+    x = features(np.arange(4))
+    for _ in range(3):  # the first call to the dead one fails over; then its breaker is open
+        pool.run({"features": x})
+    samples = {
+        (s.name, s.labels["endpoint"]): s.value
+        for f in text_string_to_metric_families(generate_latest(registry).decode())
+        if f.name.startswith("aisp_model_endpoint")
+        for s in f.samples
+    }
+    assert (
+        samples[("aisp_model_endpoint_up", urls[0])] == 1
+        and samples[("aisp_model_endpoint_up", urls[1])] == 0
+    )
+    assert samples[("aisp_model_endpoint_calls_total", urls[0])] >= 8
+    assert samples[("aisp_model_endpoint_failures_total", urls[1])] == 1
+    assert samples[("aisp_model_endpoint_outstanding", urls[0])] == 0

@@ -22,6 +22,9 @@ Families (seconds and rows in the names; labels bounded by the pipeline's steps)
   (a model step's batching as configured or tuned).
 * ``aisp_model_info{stage, model, version, provider}`` (1: the version in use) and
   ``aisp_model_swaps_total{stage}`` (hot swaps).
+* For a model pool: ``aisp_model_endpoint_up{stage, endpoint}`` (1: taking calls),
+  ``aisp_model_endpoint_outstanding``, ``aisp_model_endpoint_calls_total`` and
+  ``aisp_model_endpoint_failures_total`` (calls it could not answer).
 * ``aisp_retries_total{target, reason}``: retried calls to brokers and remote models (the
   process's).
 * ``aisp_admission_events_total{outcome}``: a served pipeline's events accepted or refused
@@ -227,6 +230,7 @@ class PipelineCollector:
             models.add_metric([sid, str(rt.name), str(rt.version), str(rt.provider)], 1)
             swaps.add_metric([sid], getattr(rt, "swaps", 0))
         yield from (models, swaps)
+        yield from self._pools()
         if self._ex.batchers:
             setting = GaugeMetricFamily(
                 "aisp_batcher_setting",
@@ -237,6 +241,31 @@ class PipelineCollector:
                 for name, value in batcher.settings().items():
                     setting.add_metric([sid, name], value)
             yield setting
+
+    def _pools(self) -> Iterator[Any]:
+        """Model pools' endpoints (``aisp.infer.pool.RemotePool``)."""
+        pools = {sid: ends() for sid, b in self._ex.batchers.items()
+                 if callable(ends := getattr(b.runtime, "endpoints", None))}  # fmt: skip
+        if not pools:
+            return
+        labels = ["stage", "endpoint"]
+        up = GaugeMetricFamily(
+            "aisp_model_endpoint_up", "A pool endpoint taking calls (1) or not", labels=labels
+        )
+        busy = GaugeMetricFamily(
+            "aisp_model_endpoint_outstanding", "Calls in flight to a pool endpoint", labels=labels
+        )
+        calls = CounterMetricFamily("aisp_model_endpoint_calls", "Calls to a pool endpoint", labels=labels)
+        failed = CounterMetricFamily(
+            "aisp_model_endpoint_failures", "Calls a pool endpoint could not answer", labels=labels
+        )
+        for sid, endpoints in pools.items():
+            for e in endpoints:
+                up.add_metric([sid, e["url"]], 1.0 if e["state"] == "up" else 0.0)
+                busy.add_metric([sid, e["url"]], e["outstanding"])
+                calls.add_metric([sid, e["url"]], e["calls"])
+                failed.add_metric([sid, e["url"]], e["failures"])
+        yield from (up, busy, calls, failed)
 
     def _serving(self) -> Iterator[Any]:
         retries = CounterMetricFamily(
