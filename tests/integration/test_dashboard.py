@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -39,9 +41,10 @@ def check_page(dom: str) -> None:
     assert re.search(r'<polyline[^>]*class="p99"', dom)
 
 
-def test_dashboard_of_aisp_run_shows_the_graph_and_live_numbers(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "aisp.cli", "run", str(FRAUD), "--events", "10000000", "--rate", "20000"]
-    cmd += ["--no-live", "--dashboard"]
+@contextmanager
+def dashboard_run(tmp_path: Path, pipeline: Path, *args: str) -> Iterator[str]:
+    """``aisp run PIPELINE ARGS --dashboard`` in a subprocess; yields the dashboard's address."""
+    cmd = [sys.executable, "-m", "aisp.cli", "run", str(pipeline), *args, "--no-live", "--dashboard"]
     log = (tmp_path / "run.log").open("w+")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
@@ -54,6 +57,15 @@ def test_dashboard_of_aisp_run_shows_the_graph_and_live_numbers(tmp_path: Path) 
             assert proc.poll() is None, (tmp_path / "run.log").read_text()
             time.sleep(0.1)
         assert url, "no dashboard address announced"
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+
+
+def test_dashboard_of_aisp_run_shows_the_graph_and_live_numbers(tmp_path: Path) -> None:
+    with dashboard_run(tmp_path, FRAUD, "--events", "10000000", "--rate", "20000") as url:
         time.sleep(3.5)  # nobody watches yet: the engine keeps the latency trail all the same
         # opened now, the page draws the seconds before it on its first state
         first = dump_dom(url, budget_ms=300)
@@ -70,10 +82,6 @@ def test_dashboard_of_aisp_run_shows_the_graph_and_live_numbers(tmp_path: Path) 
             first = next(line for line in events.iter_lines() if line.startswith("data: "))
         assert json.loads(first[6:])["pipeline"] == "fraud"
         assert "aisp_stage_latency_seconds" in httpx.get(url + "metrics", timeout=10).text
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-        log.close()
 
 
 def test_dashboard_of_a_served_pipeline(tmp_path: Path) -> None:
@@ -104,19 +112,7 @@ def test_dashboard_of_a_served_pipeline(tmp_path: Path) -> None:
 
 def test_dashboard_shows_a_window_steps_watermark(tmp_path: Path) -> None:
     pipeline = ROOT / "examples" / "windows" / "pipeline.py"
-    cmd = [sys.executable, "-m", "aisp.cli", "run", str(pipeline), "--events", "200000", "--rate", "5000"]
-    cmd += ["--no-live", "--dashboard"]
-    log = (tmp_path / "run.log").open("w+")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
-    try:
-        url = ""
-        deadline = time.monotonic() + 60
-        while not url and time.monotonic() < deadline:
-            found = re.search(r"^dashboard (\S+)", (tmp_path / "run.log").read_text(), re.M)
-            url = found.group(1) if found else ""
-            assert proc.poll() is None, (tmp_path / "run.log").read_text()
-            time.sleep(0.1)
+    with dashboard_run(tmp_path, pipeline, "--events", "200000", "--rate", "5000") as url:
         time.sleep(2.5)
         (window,) = httpx.get(url + "dashboard/state", timeout=10).json()["windows"]
         assert window["stage"] == "per_user" and window["watermark_ms"] > 1_699_999_990_000
@@ -127,7 +123,3 @@ def test_dashboard_shows_a_window_steps_watermark(tmp_path: Path) -> None:
         )
         assert row is not None, dom[-3000:]  # the watermark, as a UTC time
         assert "aisp_watermark_lag_seconds" in httpx.get(url + "metrics", timeout=10).text
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-        log.close()

@@ -139,6 +139,18 @@ class DistinctCount(Aggregate):
         return out
 
 
+def _merged(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """Sketches merged pairwise (``a``'s merged in place; a missing one is the other)."""
+    out = _objects(a.shape[0])
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x is None or y is None:
+            out[i] = y if x is None else x
+        else:
+            x.merge(y)
+            out[i] = x
+    return out
+
+
 def _objects(n: int) -> npt.NDArray[np.object_]:
     return np.empty(n, dtype=object)
 
@@ -176,14 +188,7 @@ class Quantile(Aggregate):
         return {"kll": out}
 
     def merge(self, a: State, b: State) -> State:
-        out = _objects(a["kll"].shape[0])
-        for i, (x, y) in enumerate(zip(a["kll"], b["kll"], strict=True)):
-            if x is None or y is None:
-                out[i] = y if x is None else x
-            else:
-                x.merge(y)
-                out[i] = x
-        return {"kll": out}
+        return {"kll": _merged(a["kll"], b["kll"])}
 
     def result(self, state: State) -> npt.NDArray[Any]:
         single = isinstance(self.q, int | float)
@@ -252,14 +257,7 @@ class TopK(Aggregate):
         return {"items": out}
 
     def merge(self, a: State, b: State) -> State:
-        out = _objects(a["items"].shape[0])
-        for i, (x, y) in enumerate(zip(a["items"], b["items"], strict=True)):
-            if x is None or y is None:
-                out[i] = y if x is None else x
-            else:
-                x.merge(y)
-                out[i] = x
-        return {"items": out}
+        return {"items": _merged(a["items"], b["items"])}
 
     def result(self, state: State) -> npt.NDArray[Any]:
         from datasketches import frequent_items_error_type
