@@ -138,7 +138,9 @@ class Graph:
             raise GraphError(f"source {n.step_id!r} cannot have inputs", step=n.step_id)
         if n.kind not in SOURCE_KINDS and not n.inputs:
             raise GraphError(f"step {n.step_id!r} has no input", step=n.step_id)
-        if n.kind != "union" and len(n.inputs) > 1:
+        if n.kind == "join" and len(n.inputs) != 2:
+            raise GraphError(f"join {n.step_id!r} needs two inputs, got {len(n.inputs)}", step=n.step_id)
+        if n.kind not in ("union", "join") and len(n.inputs) > 1:
             raise GraphError(f"step {n.step_id!r} has {len(n.inputs)} inputs; use union", step=n.step_id)
 
     def topological_order(self) -> list[Node]:

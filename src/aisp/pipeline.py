@@ -36,6 +36,7 @@ from aisp.schedule.anomaly import AnomalyPolicy
 from aisp.sinks.base import Sink
 from aisp.transform.aggregates import Aggregate
 from aisp.transform.event_time import EventTime
+from aisp.transform.joins import IntervalJoinSpec, tag_side
 from aisp.transform.operators import (
     DEFAULT_TIERS,
     AssignTier,
@@ -456,3 +457,23 @@ class KeyedStream(Stream):
         )
         self._add(step_id, "window", spec, latency_budget_ms, ports=spec.ports)
         return KeyedStream(self.pipeline, step_id, space=self.space)
+
+    def interval_join(
+        self, step_id: str, right: KeyedStream, *, lower_ms: int, upper_ms: int, right_prefix: str = "right_"
+    ) -> KeyedStream:
+        """Rows of this stream and ``right`` with the same key whose event times satisfy
+        ``left.t + lower_ms <= right.t <= left.t + upper_ms``, one output row per pair (the
+        right row's columns under ``right_prefix``), keyed by this stream's key column; late
+        rows are dead letters (``aisp.transform.joins``). Sources need an ``EventTime``."""
+        spec = IntervalJoinSpec(
+            column=self.pipeline.graph.node(self.space).spec.column,
+            right_column=self.pipeline.graph.node(right.space).spec.column,
+            lower_ms=lower_ms, upper_ms=upper_ms, space=step_id, right_prefix=right_prefix,
+        )  # fmt: skip
+        left = self.map_batch(f"{step_id}.left", tag_side(0))
+        tagged = right.map_batch(f"{step_id}.right", tag_side(1))
+        inputs = (left.ref, tagged.ref)
+        self.pipeline.graph.add(
+            Node(step_id=step_id, kind="join", spec=spec, inputs=inputs, latency_budget_ms=1.0)
+        )
+        return KeyedStream(self.pipeline, step_id, space=step_id)

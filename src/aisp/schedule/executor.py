@@ -96,7 +96,7 @@ class LocalExecutor:
         self._source_parts: dict[str, SourcePartition] = {}
         self.batchers: dict[str, DynamicBatcher] = {}
         self._restore = restore
-        self.clocks = SourceClocks({sid: n for sid, n in self._nodes.items() if n.kind == "source"})
+        self.clocks = SourceClocks({sid: n for sid, n in self._nodes.items() if n.kind == "source"}, graph)
         """Event time and watermarks of the sources that have them."""
         self.state_store = state_store
         """Keyed state goes here at checkpoints (only what changed), instead of into the

@@ -12,7 +12,7 @@ __all__ = ["CHAINABLE", "CHAIN_UPSTREAM", "assign_tasks", "tasks", "thread_of"]
 
 CHAINABLE = frozenset({"map_batch", "map", "filter", "key_by", "stateful", "route", "union", "sink", "infer"})
 CHAIN_UPSTREAM = frozenset(
-    {"source", "map_batch", "map", "filter", "key_by", "stateful", "window", "route", "union"}
+    {"source", "map_batch", "map", "filter", "key_by", "stateful", "window", "join", "route", "union"}
 )
 
 

@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from aisp.batch import EVENT_TIME, WATERMARK, Batch
 from aisp.errors import ConfigError
-from aisp.graph import Graph, Node
+from aisp.graph import Graph, Node, split_ref
 from aisp.observe.stats import RunStats
 from aisp.sinks.deadletter import DeadLetterWriter
 from aisp.transform.event_time import NO_WATERMARK, EventTime, WatermarkGenerator
@@ -30,7 +30,9 @@ __all__ = ["SourceClocks", "check_event_time_options"]
 class SourceClocks:
     """Watermark generators of the sources that have event time, by step id."""
 
-    def __init__(self, sources: Mapping[str, Node]) -> None:
+    def __init__(self, sources: Mapping[str, Node], graph: Graph | None = None) -> None:
+        if graph is not None:
+            _check_one_clock_per_input(graph)
         self._gens = {
             sid: WatermarkGenerator(node.event_time)
             for sid, node in sources.items()
@@ -96,6 +98,32 @@ class SourceClocks:
                 self._current[sid] = gen.watermark
 
 
+def _check_one_clock_per_input(graph: Graph) -> None:
+    """A window step (and each side of a join) tracks one stream of watermarks: rows of two
+    sources with event time, merged before it, may reach it out of order with each other's
+    watermarks, so it is refused rather than judged late wrongly."""
+    nodes = {n.step_id: n for n in graph.nodes}
+
+    def clocks(step: str) -> set[str]:
+        node = nodes[step]
+        if node.kind == "source":
+            return {step} if node.event_time is not None else set()
+        if node.kind in ("window", "join"):
+            return {step}  # its output is one stream of watermarks again
+        return set().union(*(clocks(split_ref(ref)[0]) for ref in node.inputs))
+
+    for node in graph.nodes:
+        if node.kind not in ("window", "join"):
+            continue
+        for ref in node.inputs:
+            upstream = clocks(split_ref(ref)[0])
+            if len(upstream) > 1:
+                raise ConfigError(
+                    f"step {node.step_id!r} reads rows with event time from {sorted(upstream)}: a window"
+                    " (or each side of a join) can follow one source's event time for now"
+                )
+
+
 def _column(batch: Batch, name: str) -> pa.Array:
     if name not in batch:
         return pa.nulls(batch.num_rows)
@@ -107,7 +135,7 @@ def check_event_time_options(
 ) -> None:
     """Event time and windows keep key codes and watermarks that these options would break: a
     clear error instead of a silent difference."""
-    if not any(n.kind == "window" or n.event_time is not None for n in graph.nodes):
+    if not any(n.kind in ("window", "join") or n.event_time is not None for n in graph.nodes):
         return
     unsupported = {
         "--workers N > 1": workers > 1,
