@@ -160,7 +160,9 @@ class IntervalJoinOp:
         late = t < wm
         if late.any():
             self.late_events += int(late.sum())
-            self._ctx.dead_letter(part.take(np.flatnonzero(late)), self._ctx.step_id, "late")
+            missed = part.take(np.flatnonzero(late))
+            missed = missed.select([c for c in missed.column_names if c != SIDE])
+            self._ctx.dead_letter(missed, self._ctx.step_id, "late")
             part, t = part.take(np.flatnonzero(~late)), t[~late]
         if not part.num_rows:
             return []

@@ -68,6 +68,7 @@ class Harness:
             assert out.pylist("k") == out.pylist("right_k")
 
     def late(self) -> list[int]:
+        assert all(SIDE not in b and "eid" in b for b in self.dead)  # the row as it came in
         return sorted(i for b in self.dead for i in b.ids.tolist())
 
 
