@@ -28,6 +28,7 @@ from aisp.schedule.anomaly import control_run
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
 from aisp.schedule.watermarks import check_event_time_options
 from aisp.state.checkpoint import Checkpoint, CheckpointStore
+from aisp.state.partitions import PartitionStateStore
 
 if TYPE_CHECKING:
     from aisp.observe.latency import LatencyHistogram
@@ -56,9 +57,13 @@ class CheckpointOptions:
     least recently seen are evicted at checkpoints and read back from the store when seen again,
     so keyed state may be larger than memory."""
     partition_state_dir: str | None = None
-    """With a Kafka input: checkpoint keyed state per input partition in this directory, shared
-    by the processes of the consumer group, so the state moves with the partitions when the
-    group rebalances (each process keeps its own ``dir``)."""
+    """With a Kafka input: checkpoint keyed state per input partition, so the state moves with
+    the partitions when the consumer group rebalances (each process keeps its own ``dir``): in
+    changelog topics on the input's broker when this is ``CHANGELOG`` (the workers share nothing
+    but the broker), else in this directory, shared by the group's processes."""
+
+
+CHANGELOG = "changelog"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,9 +247,7 @@ def _executor(
     res.callback(writer.close)
     partition_states = state_store = None
     if ck is not None and ck.partition_state_dir is not None:
-        from aisp.state.partitions import PartitionStates
-
-        partition_states = PartitionStates(ck.partition_state_dir, keep=ck.keep)
+        partition_states = _partition_states(graph, ck.partition_state_dir, ck.keep)
         res.callback(partition_states.close)
     if ck is not None and ck.state_max_keys and not ck.state_store:
         raise ConfigError("a bound on the keys in memory needs the state store (--state-store)")
@@ -264,6 +267,25 @@ def _executor(
         dead_letter=writer,
         options=execution,
     )
+
+
+def _partition_states(graph: Graph, where: str, keep: int) -> PartitionStateStore:
+    """Where keyed state that follows input partitions lives: ``changelog`` (changelog topics
+    on the broker of the pipeline's Kafka input), else a directory the group's processes share."""
+    if where != CHANGELOG:
+        from aisp.state.partitions import PartitionStates
+
+        return PartitionStates(where, keep=keep)
+    from aisp.connectors.kafka import KafkaSource
+    from aisp.connectors.kafka.changelog import ChangelogStates
+
+    sources = [n.spec for n in graph.nodes if n.kind == "source"]
+    if len(sources) != 1 or not isinstance(sources[0], KafkaSource):
+        raise ConfigError(
+            "state in changelog topics needs a single Kafka input (kafka://HOST:PORT/TOPIC?group=G)"
+        )
+    src = sources[0]
+    return ChangelogStates(src.bootstrap, src.group, src.topic, graph.name)
 
 
 def _observe(ex: LocalExecutor, opts: ObserveOptions, res: ExitStack) -> None:

@@ -67,8 +67,10 @@ def run(
     partition_state: Annotated[
         str | None,
         typer.Option(
-            help="With a Kafka --input and --checkpoint-dir: checkpoint keyed state per input partition"
-            " in this directory, shared by the group's processes, so it moves with rebalanced partitions."
+            help="With a Kafka --input and --checkpoint-dir: checkpoint keyed state per input partition,"
+            " so it moves with rebalanced partitions: 'changelog' keeps it in changelog topics on the"
+            " input's broker (workers on several machines share nothing else), a directory keeps it"
+            " there, shared by the group's processes."
         ),
     ] = None,
     state_max_keys: Annotated[

@@ -38,7 +38,7 @@ from aisp.sinks.base import SinkPartition
 from aisp.sinks.deadletter import DeadLetterWriter
 from aisp.state.checkpoint import CheckpointStore
 from aisp.state.keyed import KeyIndex
-from aisp.state.partitions import PartitionStates
+from aisp.state.partitions import PartitionStateStore
 from aisp.state.store import LmdbStateStore
 from aisp.transform.operators import Checkpointable, IncrementalState, LoggedState, Operator
 
@@ -140,7 +140,7 @@ class CheckpointCoordinator:
         stats: RunStats,
         keyed: KeyedStateKeeper,
         state_store: LmdbStateStore | None,
-        partition_states: PartitionStates | None,
+        partition_states: PartitionStateStore | None,
         state_max_keys: int,
         clocks: SourceClocks | None = None,
     ) -> None:
@@ -281,7 +281,9 @@ class CheckpointCoordinator:
             for sink in self._sink_parts.values():
                 sink.snapshot()  # the outputs their state covers are durable (a Kafka sink commits)
             (source,) = self._source_parts.values()
-            self.keyed.write_partitions(self.keyed.capture_partitions(owned), source.snapshot()["offsets"])
+            offsets = source.snapshot()["offsets"]
+            self.keyed.write_partitions(self.keyed.capture_partitions(owned), offsets)
+            source.commit({"offsets": {p: o for p, o in offsets.items() if int(p) in owned}})
         for partition in owned:
             self.partition_states.release(partition)
         log.info("input partitions %s revoked: their state is checkpointed and released", partitions)

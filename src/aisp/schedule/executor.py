@@ -43,7 +43,7 @@ from aisp.sinks.deadletter import DeadLetterWriter
 from aisp.sinks.process import ProcessSink
 from aisp.state.checkpoint import Checkpoint
 from aisp.state.keyed import KeyIndex
-from aisp.state.partitions import PartitionStates
+from aisp.state.partitions import PartitionStateStore
 from aisp.state.store import LmdbStateStore
 from aisp.transform.operators import Operator, OperatorContext
 from aisp.transform.window_base import WindowsBase
@@ -69,7 +69,7 @@ class LocalExecutor:
         restore: Checkpoint | None = None,
         state_store: LmdbStateStore | None = None,
         tracer: EventTracer | None = None,
-        partition_states: PartitionStates | None = None,
+        partition_states: PartitionStateStore | None = None,
     ) -> None:
         graph.validate()
         self.lineage = lineage

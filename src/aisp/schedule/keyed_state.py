@@ -21,7 +21,7 @@ import pyarrow as pa
 from aisp.errors import AispError, ConfigError
 from aisp.state.checkpoint import Checkpoint
 from aisp.state.keyed import KeyIndex
-from aisp.state.partitions import PartitionStates
+from aisp.state.partitions import PartitionStateStore
 from aisp.state.store import LmdbStateStore, decode_keys, decode_rows
 from aisp.state.window_log import WindowLog
 from aisp.transform.operators import Checkpointable, IncrementalState, LoggedState, Operator
@@ -45,7 +45,7 @@ class KeyedStateKeeper:
         ops: Mapping[str, Operator],
         *,
         state_store: LmdbStateStore | None = None,
-        partition_states: PartitionStates | None = None,
+        partition_states: PartitionStateStore | None = None,
         max_keys: int = 0,
     ) -> None:
         self._pipeline = pipeline
@@ -204,10 +204,12 @@ class KeyedStateKeeper:
             if offset is None:  # nothing read from it yet: its state is what it was claimed with
                 continue
             tables: dict[str, pa.Table] = {}
+            space_of: dict[str, str] = {}
             for space, keys, columns in spaces:
                 tables[f"keys.{space}"] = pa.table({"key": keys()})
                 tables.update({f"op.{sid}": pa.table(cols) for sid, cols in columns.items()})
-            meta = {"pipeline": self._pipeline, "partition": partition, "offset": offset}
+                space_of.update(dict.fromkeys(columns, space))
+            meta = {"pipeline": self._pipeline, "partition": partition, "offset": offset, "spaces": space_of}
             self.partition_states.write(partition, tables, meta)
 
     def load_partition(self, partition: int, checkpoint: Checkpoint) -> int:
@@ -218,8 +220,23 @@ class KeyedStateKeeper:
                 f" not {self._pipeline!r}"
             )
         codes_of: dict[str, npt.NDArray[np.int64]] = {}
+        keys = 0
         for name, table in checkpoint.tables.items():
             kind, _, target = name.partition(".")
+            op = self._ops.get(target)
+            if kind == "op" and "_key" in table.column_names:  # a step's rows with their keys
+                if not isinstance(op, IncrementalState):
+                    raise ConfigError(
+                        f"{checkpoint.path} holds keyed state of step {target!r}, which this pipeline"
+                        " lacks (or keeps no keyed state in)"
+                    )
+                index = self._indexes[op.space]
+                codes = index.encode(table.column("_key").combine_chunks())
+                index.tag(codes, np.full(codes.shape[0], partition, dtype=np.int64))
+                op.restore_rows(
+                    codes, {c: table.column(c).to_numpy() for c in table.column_names if c != "_key"}
+                )
+                keys += codes.shape[0]
             if kind == "keys" and target in self._indexes:
                 index = self._indexes[target]
                 codes = index.encode(table.column("key").combine_chunks())
@@ -235,7 +252,7 @@ class KeyedStateKeeper:
         offset = int(checkpoint.meta["offset"])
         log.info(
             "input partition %d: state of %d keys taken over from %s, from offset %d",
-            partition, sum(c.shape[0] for c in codes_of.values()), checkpoint.path, offset,
+            partition, keys + sum(c.shape[0] for c in codes_of.values()), checkpoint.path, offset,
         )  # fmt: skip
         return offset
 

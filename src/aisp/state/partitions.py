@@ -15,14 +15,36 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 
 from aisp.errors import AispError, StateError
 from aisp.state.checkpoint import Checkpoint, CheckpointStore
 
-__all__ = ["PartitionStates"]
+__all__ = ["PartitionStateStore", "PartitionStates"]
+
+
+class PartitionStateStore(Protocol):
+    """Where keyed state that follows input partitions is kept: a directory the group's
+    processes share (``PartitionStates``), or changelog topics on the input's broker
+    (``aisp.connectors.kafka.changelog.ChangelogStates``)."""
+
+    @property
+    def owned(self) -> list[int]: ...
+
+    def claim(self, partition: int) -> Checkpoint | None:
+        """Take ``partition`` over; its state and position (``meta["offset"]``), if any."""
+        ...
+
+    def write(self, partition: int, tables: dict[str, pa.Table], meta: dict[str, Any]) -> bool:
+        """Checkpoint an owned partition: ``keys.<space>`` and ``op.<step>`` tables, ``meta``
+        with ``offset`` (its input position) and ``spaces`` (each step's key space)."""
+        ...
+
+    def release(self, partition: int) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class PartitionStates:

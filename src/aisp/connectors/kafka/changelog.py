@@ -1,0 +1,339 @@
+"""Keyed state in changelog topics: the workers of a consumer group share nothing but the broker.
+
+Each keyed step writes the keys it changed to its changelog topic
+``<group>-<input topic>-<step>-changelog`` (compacted, as many partitions as the input, the
+state of input partition ``p`` in changelog partition ``p``), at each checkpoint and when a
+partition is taken away, before the input offsets are committed. A record's key is the msgpack
+of the state key, its value the key's state row packed as the step's row layout (header ``l``,
+a key gone is a tombstone), and header ``o`` names the input offset the checkpoint covers.
+
+A worker that is assigned a partition reads the partition of every changelog of the group and
+input from the start to an end marker it writes first (so it knows where the end is without
+trusting high watermarks), while the partition's input waits. It keeps each key's last record
+whose offset is at most the group's committed offset for the partition: a record past it comes
+from a checkpoint whose commit never landed (its worker died in between), and is skipped. The
+keys of such records are written again at the worker's first checkpoint of the partition (their
+restored value, or a tombstone), so a later restore never takes the stale record once the
+committed offset has moved past it. A key's state is written only when it changed since it was
+last written or restored (a vectorised comparison of the rows).
+
+Replays are deterministic (a partition's records in offset order, one owner at a time), so the
+restored state and the committed offset always agree. Outputs that must be exactly-once across
+workers go to a sink that deduplicates by event id (Redis Streams, JetStream); see the README.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from aisp.errors import ConfigError, StateError
+from aisp.state.checkpoint import Checkpoint
+from aisp.state.store import decode_keys, decode_rows, encode_names, encode_rows
+
+__all__ = ["ChangelogStates", "changelog_topic"]
+
+_END = b"\x00aisp-end"  # the end marker's key: no msgpack of a single key encodes to it
+_LEGAL = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def changelog_topic(group: str, topic: str, step: str) -> str:
+    """The changelog topic of ``step`` for the group ``group`` reading ``topic``.
+
+    >>> changelog_topic("fraud", "events", "user_stats")
+    'fraud-events-user_stats-changelog'
+    """
+    name = f"{group}-{topic}-{step}-changelog"
+    if not set(name) <= _LEGAL or len(name) > 249:
+        raise ConfigError(
+            f"changelog topic {name!r} is not a legal Kafka topic name: group, input topic and step"
+            " ids may use letters, digits, '.', '_' and '-' only"
+        )
+    return name
+
+
+@dataclass
+class _Owned:
+    """What a worker knows of a partition it owns: per step, the keys and rows last written or
+    restored, and the keys whose stale records must be written over."""
+
+    base: dict[str, tuple[pa.Array, dict[str, npt.NDArray[Any]]]] = field(default_factory=dict)
+    stale: dict[str, set[bytes]] = field(default_factory=dict)
+
+
+class ChangelogStates:
+    """Keyed state per input partition in changelog topics (see the module docstring); the
+    ``PartitionStateStore`` of ``aisp run --partition-state changelog``."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        group: str,
+        topic: str,
+        pipeline: str,
+        *,
+        restore_timeout_s: float = 300.0,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        from confluent_kafka import Consumer, Producer
+        from confluent_kafka.admin import AdminClient
+
+        self._bootstrap, self._group, self._topic, self._pipeline = bootstrap, group, topic, pipeline
+        self._restore_timeout_s = restore_timeout_s
+        self._prefix = f"{group}-{topic}-"
+        self._admin = AdminClient({"bootstrap.servers": bootstrap})
+        meta = self._admin.list_topics(topic, timeout=30).topics.get(topic)
+        if meta is None or meta.error is not None or not meta.partitions:
+            raise ConfigError(f"changelog state needs the input topic {topic!r} at {bootstrap} to exist")
+        self.partitions = len(meta.partitions)
+        self._errors: list[str] = []
+        self._producer = Producer(
+            {
+                "bootstrap.servers": bootstrap,
+                "enable.idempotence": True,
+                "linger.ms": 5,
+                "error_cb": lambda err: None,  # delivery reports say what failed
+                **(options or {}),
+            }
+        )
+        self._offsets = Consumer(  # reads the group's committed offsets; never joins the group
+            {"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False}
+        )
+        self._created: set[str] = set()
+        self._owned: dict[int, _Owned] = {}
+        self._lock = threading.Lock()
+        self.restored_records = 0
+        self.written_records = 0
+
+    @property
+    def owned(self) -> list[int]:
+        with self._lock:
+            return sorted(self._owned)
+
+    # -- topics -------------------------------------------------------------------------------
+    def _topics(self) -> dict[str, str]:
+        """The changelog topics of this group and input: step id -> topic."""
+        names = self._admin.list_topics(timeout=30).topics
+        return {
+            name[len(self._prefix) : -len("-changelog")]: name
+            for name in names
+            if name.startswith(self._prefix) and name.endswith("-changelog")
+        }
+
+    def _ensure(self, step: str) -> str:
+        from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
+
+        name = changelog_topic(self._group, self._topic, step)
+        if name in self._created:
+            return name
+        new = NewTopic(name, self.partitions, 1, config={"cleanup.policy": "compact"})
+        for f in self._admin.create_topics([new]).values():
+            try:
+                f.result(30)
+            except Exception as exc:
+                if "already exists" not in str(exc).lower() and "TOPIC_ALREADY_EXISTS" not in str(exc):
+                    raise StateError(f"cannot create changelog topic {name!r}: {exc}") from exc
+        self._created.add(name)
+        return name
+
+    # -- restore ------------------------------------------------------------------------------
+    def _committed(self, partition: int) -> int | None:
+        from confluent_kafka import TopicPartition
+
+        (tp,) = self._offsets.committed([TopicPartition(self._topic, partition)], timeout=30)
+        return tp.offset if tp.offset >= 0 else None
+
+    def _read(self, name: str, partition: int, committed: int | None) -> tuple[dict[bytes, Any], set[bytes]]:
+        """Each key's last record at or before ``committed`` in ``name``/``partition`` ((value,
+        layout), value None for a tombstone), and the keys of records after it."""
+        from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+        token = uuid.uuid4().hex.encode()
+        self._producer.produce(name, key=_END, value=token, partition=partition)
+        self._flush(name)
+        reader = Consumer(
+            {
+                "bootstrap.servers": self._bootstrap,
+                "group.id": f"aisp-restore-{token.decode()}",
+                "enable.auto.commit": False,
+                "fetch.max.bytes": 64 << 20,
+            }
+        )
+        latest: dict[bytes, Any] = {}
+        stale: set[bytes] = set()
+        deadline = time.monotonic() + self._restore_timeout_s
+        try:
+            reader.assign([TopicPartition(name, partition, OFFSET_BEGINNING)])
+            while time.monotonic() < deadline:
+                for m in reader.consume(num_messages=50_000, timeout=0.5):
+                    if m.error() is not None:
+                        continue
+                    key: Any = m.key()
+                    if key == _END:
+                        if m.value() == token:
+                            return latest, stale
+                        continue
+                    headers: Any = m.headers()
+                    (_, o), (_, layout) = headers
+                    if committed is None or int(o) > committed:
+                        stale.add(key)
+                    else:
+                        latest[key] = (m.value(), layout)
+                    self.restored_records += 1
+        finally:
+            reader.close()
+        raise StateError(
+            f"changelog {name!r} partition {partition}: not read to its end in {self._restore_timeout_s:g} s"
+        )
+
+    def claim(self, partition: int) -> Checkpoint | None:
+        """Restore ``partition`` from its changelogs (see the module docstring): its state, and
+        its committed offset as where to start; None when it has neither."""
+        committed = self._committed(partition)
+        owned = _Owned()
+        tables: dict[str, pa.Table] = {}
+        for step, name in sorted(self._topics().items()):
+            latest, stale = self._read(name, partition, committed)
+            self._created.add(name)
+            owned.stale[step] = stale
+            live = [(k, v) for k, v in latest.items() if v[0] is not None]
+            layouts = {layout for _, (_, layout) in live}
+            if len(layouts) > 1:
+                raise StateError(
+                    f"changelog {name!r} holds rows of {len(layouts)} layouts: the state of step {step!r}"
+                    " changed shape; start a new group (or delete the changelog) to begin afresh"
+                )
+            if not live:
+                continue
+            descr = msgspec.json.decode(layouts.pop())
+            keys, columns = decode_rows(b"", [(k, v) for k, (v, _) in live], descr)
+            key_array = pa.array(keys)
+            owned.base[step] = (key_array, columns)
+            tables[f"op.{step}"] = pa.table({"_key": key_array, **columns})
+        with self._lock:
+            self._owned[partition] = owned
+        if committed is None:
+            return None
+        meta = {"pipeline": self._pipeline, "partition": partition, "offset": committed}
+        return Checkpoint(0, Path(f"{self._prefix}*-changelog[{partition}]"), meta, tables)
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def write(self, partition: int, tables: dict[str, pa.Table], meta: dict[str, Any]) -> bool:
+        """Write the keys of ``partition`` that changed since they were last written (see the
+        module docstring); False when the partition was released meanwhile."""
+        with self._lock:
+            owned = self._owned.get(partition)
+        if owned is None:
+            return False
+        headers_o = ("o", str(int(meta["offset"])).encode())
+        names: list[str] = []
+        for step, space in meta["spaces"].items():
+            keys = tables[f"keys.{space}"].column("key").combine_chunks()
+            table = tables[f"op.{step}"]
+            columns = {c: np.asarray(table.column(c).to_numpy()) for c in table.column_names}
+            changed, gone = _changes(keys, columns, owned.base.get(step), owned.stale.get(step, set()))
+            if not changed.any() and not gone:
+                owned.base[step] = (keys, columns)
+                continue
+            name = self._ensure(step)
+            names.append(name)
+            picked = keys.filter(pa.array(changed)).to_pylist()
+            rows = {c: col[changed] for c, col in columns.items()}
+            record_keys, values, descr = encode_rows(b"", picked, rows)
+            headers = [headers_o, ("l", msgspec.json.encode(descr))]
+            for k, v in zip(record_keys, values, strict=True):
+                self._produce(name, k, v, partition, headers)
+            for k in gone:
+                self._produce(name, k, None, partition, headers)
+            self.written_records += len(record_keys) + len(gone)
+            owned.base[step] = (keys, columns)
+            owned.stale.pop(step, None)
+        for name in names:
+            self._flush(name)
+        return True
+
+    def _produce(self, name: str, key: bytes, value: bytes | None, partition: int, headers: Any) -> None:
+        while True:
+            try:
+                self._producer.produce(
+                    name,
+                    key=key,
+                    value=value,
+                    partition=partition,
+                    headers=headers,
+                    on_delivery=self._delivered,
+                )
+                return
+            except BufferError:  # the local queue is full: let deliveries drain it
+                self._producer.poll(0.05)
+
+    def _delivered(self, err: Any, msg: Any) -> None:
+        if err is not None:
+            self._errors.append(str(err))
+
+    def _flush(self, name: str) -> None:
+        left = self._producer.flush(60)
+        if left or self._errors:
+            raise StateError(
+                f"changelog {name!r}: {left} records undelivered"
+                + (f"; {self._errors[0]}" if self._errors else "")
+            )
+
+    def release(self, partition: int) -> None:
+        with self._lock:
+            self._owned.pop(partition, None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._owned.clear()
+        self._producer.flush(10)
+        self._offsets.close()
+
+
+def _changes(
+    keys: pa.Array,
+    columns: dict[str, npt.NDArray[Any]],
+    base: tuple[pa.Array, dict[str, npt.NDArray[Any]]] | None,
+    stale: set[bytes],
+) -> tuple[npt.NDArray[np.bool_], list[bytes]]:
+    """Which of ``keys`` changed against ``base`` (new keys, other rows, stale records), and the
+    record keys of the keys gone (tombstones), all vectorised but the stale ones."""
+    n = len(keys)
+    if base is None:
+        changed = np.ones(n, dtype=bool)
+        gone_keys: list[Any] = []
+    else:
+        old_keys, old_columns = base
+        pos = pc.index_in(keys, value_set=old_keys)
+        changed = np.asarray(pos.is_null().to_numpy(zero_copy_only=False), dtype=bool).copy()
+        at = np.asarray(pos.fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
+        for name, col in columns.items():
+            old = old_columns.get(name)
+            if old is None:
+                changed[:] = True
+                break
+            before = old[at]
+            differ = col != before
+            if np.issubdtype(col.dtype, np.floating):
+                differ &= ~(np.isnan(col) & np.isnan(before))
+            changed |= differ.reshape(n, -1).any(axis=1) if differ.ndim > 1 else differ
+        kept = np.asarray(pc.is_in(old_keys, value_set=keys).to_numpy(zero_copy_only=False), dtype=bool)
+        gone_keys = old_keys.filter(pa.array(~kept)).to_pylist()
+    gone = set(encode_names(b"", gone_keys))
+    if stale:
+        present = set(encode_names(b"", keys.to_pylist())) & stale if n else set()
+        if present:
+            stale_mask = pc.is_in(keys, value_set=pa.array(decode_keys(b"", sorted(present))))
+            changed |= np.asarray(stale_mask.to_numpy(zero_copy_only=False), dtype=bool)
+        gone |= stale - present
+    return changed, sorted(gone)

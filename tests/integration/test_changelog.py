@@ -1,0 +1,157 @@
+"""Workers of one consumer group with keyed state in changelog topics (``--partition-state
+changelog``), against the Tansu broker: each worker has its own checkpoint directory and nothing
+is shared but the broker."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from aisp.connectors.kafka import tansu_broker
+from aisp.connectors.kafka.changelog import ChangelogStates, changelog_topic
+from benchmarks.workload import write_events
+from tests.integration.test_exactly_once import ENV, PIPELINE, aisp_run, drop_streams, outputs, redis_client
+
+PARTITIONS = 4
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[str]:
+    with tansu_broker() as bootstrap:
+        yield bootstrap
+
+
+def keyed_topic(broker: str, topic: str, lines: list[bytes]) -> None:
+    """A ``PARTITIONS``-partition topic of ``lines``, each user's events in one partition (as
+    keyed state needs); a line that is not an event goes to partition 0."""
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+    admin = AdminClient({"bootstrap.servers": broker})
+    for f in admin.create_topics([NewTopic(topic, PARTITIONS, 1)]).values():
+        f.result(10)
+    producer = Producer({"bootstrap.servers": broker, "enable.idempotence": True, "linger.ms": 5})
+    for line in lines:
+        try:
+            user = json.loads(line).get("user")
+        except ValueError:
+            user = None
+        partition = int(user[1:]) % PARTITIONS if isinstance(user, str) and user[1:].isdigit() else 0
+        producer.produce(topic, value=line, partition=partition)
+        producer.poll(0)
+    assert producer.flush(30) == 0
+
+
+def test_workers_of_a_group_move_state_through_changelogs_across_a_kill_a_join_and_a_return(
+    broker: str, tmp_path: Path
+) -> None:
+    """Workload F over a 4-partition topic: two workers, one SIGKILLed mid-run, a third joining
+    later, the killed one coming back (each with its own checkpoint directory): every input has
+    exactly one output (the Redis sink keeps one entry per event id) and the state-dependent
+    values (running count and mean per user) equal an uninterrupted single run."""
+    data = tmp_path / "events.jsonl"
+    write_events(data, 16_000, seed=43, bad_every=997)
+    ref = tmp_path / "ref.jsonl"
+    subprocess.run(aisp_run(data, ref), env=ENV, check=True, capture_output=True)
+    expected = outputs(ref)
+    name = uuid.uuid4().hex[:8]
+    src, dst, group = f"cin-{name}", f"aisp-test-cout-{name}", f"cg-{name}"
+    keyed_topic(broker, src, data.read_bytes().splitlines())
+
+    def worker(tag: str) -> subprocess.Popen[bytes]:
+        cmd = [
+            sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--no-live",
+            "--input", f"kafka://{broker}/{src}?group={group}&idle_stop_s=12",
+            "--output", f"redis://127.0.0.1:6379/{dst}", "--dead-letter", str(tmp_path / f"{tag}.dl"),
+            "--checkpoint-dir", str(tmp_path / tag / "chk"), "--partition-state", "changelog",
+            "--checkpoint-interval-s", "0.25", "--rate", "600",
+        ]  # fmt: skip
+        return subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    r: Any = redis_client()
+    try:
+        a, b = worker("a"), worker("b")
+        wait_for(lambda: r.xlen(dst) >= 3000, 90, "the first outputs")
+        a.send_signal(signal.SIGKILL)
+        a.communicate()
+        wait_for(lambda: r.xlen(dst) >= 5000, 90, "outputs after the kill")
+        c = worker("c")
+        wait_for(lambda: r.xlen(dst) >= 8000, 90, "outputs after the join")
+        a = worker("a")
+        summaries = []
+        for proc in (a, b, c):
+            _, err = proc.communicate(timeout=240)
+            assert proc.returncode == 0, err.decode()[-3000:]
+            summaries.append(err.decode())
+        assert all(" 0 in," not in s for s in summaries), summaries  # each took partitions over
+        rows = [json.loads(fields[b"data"]) for _, fields in r.xrange(dst)]
+        assert len(rows) == len({row["id"] for row in rows}), "an output was written twice"
+        assert sorted(rows, key=lambda row: row["id"]) == expected
+        dead = b"".join(
+            (tmp_path / f"{tag}.dl").read_bytes() for tag in "abc" if (tmp_path / f"{tag}.dl").exists()
+        )
+        assert dead.count(b"\n") >= len(data.read_bytes().splitlines()) - len(expected)
+    finally:
+        drop_streams(r, dst, dst)
+
+
+def wait_for(cond: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_a_restore_skips_records_of_a_checkpoint_whose_commit_never_landed(broker: str) -> None:
+    """A changelog record past the group's committed offset is not restored, and the next
+    checkpoint writes its key's restored value over it; a tombstone deletes a key."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    name = uuid.uuid4().hex[:8]
+    topic, group = f"clin-{name}", f"clg-{name}"
+    keyed_topic(broker, topic, [])
+    states = ChangelogStates(broker, group, topic, "p")
+    assert states.claim(1) is None  # nothing yet
+    spaces = {"stats": "user"}
+
+    def tables(keys: list[str], n: list[int]) -> dict[str, pa.Table]:
+        return {"keys.user": pa.table({"key": keys}), "op.stats": pa.table({"n": pa.array(n, pa.int64())})}
+
+    commit = Consumer({"bootstrap.servers": broker, "group.id": group})
+
+    def committed(offset: int) -> None:
+        commit.commit(offsets=[TopicPartition(topic, 1, offset)], asynchronous=False)
+
+    assert states.write(1, tables(["u1", "u2"], [1, 1]), {"offset": 10, "spaces": spaces})
+    committed(10)
+    assert states.write(1, tables(["u1", "u2", "u3"], [5, 1, 1]), {"offset": 20, "spaces": spaces})
+    assert states.written_records == 4  # u2 unchanged: not written again
+    states.release(1)  # the commit of offset 20 never lands
+
+    again = ChangelogStates(broker, group, topic, "p")
+    checkpoint = again.claim(1)
+    assert checkpoint is not None and checkpoint.meta["offset"] == 10
+    restored = checkpoint.tables["op.stats"].to_pydict()
+    assert dict(zip(restored["_key"], restored["n"], strict=True)) == {"u1": 1, "u2": 1}
+    # the replay changes nothing here; the stale u1 and u3 are written over all the same
+    assert again.write(1, tables(["u1", "u2"], [1, 1]), {"offset": 20, "spaces": spaces})
+    assert again.written_records == 2  # u1 again, u3 as a tombstone
+    committed(20)
+    again.release(1)
+
+    third = ChangelogStates(broker, group, topic, "p").claim(1)
+    assert third is not None and third.meta["offset"] == 20
+    restored = third.tables["op.stats"].to_pydict()
+    assert dict(zip(restored["_key"], restored["n"], strict=True)) == {"u1": 1, "u2": 1}
+    assert changelog_topic(group, topic, "stats") in again._topics().values()
+    commit.close()
