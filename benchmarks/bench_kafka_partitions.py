@@ -1,14 +1,16 @@
 """Scaling a Kafka pipeline over processes: one `aisp run` against two in one consumer group.
 
-Workload F (``--events``, keyed by user) fills a two-partition topic of a Tansu broker started
-here (each user always on the same partition). Then the fraud example reads it into a counting
-sink (``null:``), with ``--checkpoint-dir`` and ``--partition-state`` (keyed state checkpointed
-per partition every second): once with one process in the group, once with two started
-together. Throughput: every event read, over the time from the first event any process read to
-the last row any wrote (run summaries' ``active_from_ms`` and ``active_seconds``: process
-start-up, the group forming and the final idle wait are left out).
+Workload F (``--events``, keyed by user) fills a ``--partitions``-partition topic of a Tansu
+broker started here (each user always on the same partition). Then the fraud example reads it
+into a counting sink (``null:``), with ``--checkpoint-dir`` and ``--partition-state`` (keyed
+state checkpointed per partition every second, in changelog topics on the broker with
+``--state changelog``, else in a shared directory): once with one process in the group, once
+with two started together, alternating for ``--rounds`` rounds (a new group each time, which
+reads the topic from the start). Throughput: every event read, over the time from the first
+event any process read to the last row any wrote (run summaries' ``active_from_ms`` and
+``active_seconds``: process start-up, the group forming and the final idle wait are left out).
 
-    python benchmarks/bench_kafka_partitions.py [--events 400000]
+    python benchmarks/bench_kafka_partitions.py [--events 400000] [--state changelog] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,12 +36,12 @@ PIPELINE = ROOT / "examples" / "fraud" / "pipeline.py"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
 
 
-def fill(bootstrap: str, topic: str, data: Path) -> None:
+def fill(bootstrap: str, topic: str, data: Path, partitions: int) -> None:
     from confluent_kafka import Producer
     from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
-    for f in admin.create_topics([NewTopic(topic, 2, 1)]).values():
+    for f in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
         f.result(10)
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20, "batch.num.messages": 10000})
     for line in data.read_bytes().splitlines():
@@ -46,14 +49,14 @@ def fill(bootstrap: str, topic: str, data: Path) -> None:
         user = int(line[start : line.index(b'"', start)])
         while True:
             try:
-                producer.produce(topic, value=line, partition=user % 2)
+                producer.produce(topic, value=line, partition=user % partitions)
                 break
             except BufferError:
                 producer.poll(0.05)
     assert producer.flush(60) == 0
 
 
-def group_run(bootstrap: str, topic: str, processes: int, work: Path) -> dict[str, object]:
+def group_run(bootstrap: str, topic: str, processes: int, work: Path, state: str) -> dict[str, object]:
     group = f"g-{uuid.uuid4().hex[:6]}"
     procs, summaries = [], []
     for i in range(processes):
@@ -62,7 +65,8 @@ def group_run(bootstrap: str, topic: str, processes: int, work: Path) -> dict[st
             sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--no-live",
             "--input", f"kafka://{bootstrap}/{topic}?group={group}&idle_stop_s=3", "--output", "null:",
             "--checkpoint-dir", str(work / f"{group}-chk-{i}"),
-            "--partition-state", str(work / f"{group}-parts"), "--summary-json", str(summary),
+            "--partition-state", state if state == "changelog" else str(work / f"{group}-parts"),
+            "--summary-json", str(summary),
         ]  # fmt: skip
         procs.append(subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         summaries.append(summary)
@@ -84,17 +88,24 @@ def group_run(bootstrap: str, topic: str, processes: int, work: Path) -> dict[st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--events", type=int, default=400_000)
+    ap.add_argument("--partitions", type=int, default=2)
+    ap.add_argument("--state", choices=["dir", "changelog"], default="dir")
+    ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
+    ratios = []
     with tempfile.TemporaryDirectory() as d, tansu_broker() as bootstrap:
         work = Path(d)
         data = work / "events.jsonl"
         write_events(data, args.events, seed=3)
-        fill(bootstrap, "events", data)
-        results = [group_run(bootstrap, "events", n, work) for n in (1, 2)]
-    for r in results:
-        print(json.dumps(r))
-    one, two = (float(str(r["events_per_s"])) for r in results)
-    print(f"two processes / one: {two / one:.2f}x")
+        fill(bootstrap, "events", data, args.partitions)
+        for i in range(args.rounds):
+            order = (1, 2) if i % 2 == 0 else (2, 1)
+            results = {n: group_run(bootstrap, "events", n, work, args.state) for n in order}
+            for n in order:
+                print(json.dumps({"round": i, "state": args.state, **results[n]}), flush=True)
+            ratios.append(float(str(results[2]["events_per_s"])) / float(str(results[1]["events_per_s"])))
+    print(f"two processes / one, per round: {' '.join(f'{r:.2f}' for r in ratios)};"
+          f" median {statistics.median(ratios):.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

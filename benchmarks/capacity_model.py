@@ -5,8 +5,8 @@ split. So what one machine sustains (measured) and how unevenly keys fall on par
 skewed users, hashed to partitions as a keyed producer does) decide how many workers and
 partitions a rate needs; state size and the changelog's read rate decide how long a failover
 takes. This script computes both from its inputs, and with ``--measure`` first measures the
-changelog read rate here (a real Tansu broker: records of one key's state, produced to a
-topic, read back from the start by a consumer).
+restore rate here (a worker taking a partition over from its changelog topic on a real Tansu
+broker, ``bench_changelog_restore``).
 
 Inputs (defaults: the figures measured on this project's 2-vCPU VM, BENCHMARKS.md):
 
@@ -14,9 +14,10 @@ Inputs (defaults: the figures measured on this project's 2-vCPU VM, BENCHMARKS.m
 * ``--utilisation``: the share of it a worker may run at and keep p99 < 50 ms (0.8: workload F
   paced at 80% of its maximum had p99 15-25 ms);
 * ``--users``, ``--zipf``: keys and their skew (workload F: 100,000 users; Zipf 1.1 skewed);
-* ``--restore-rate``: changelog records/s a worker reads back (``--measure``: measured here);
-* ``--apply-rate``: records/s the state store takes (1.4M: 100k rows written in 70 ms, the
-  state store's benchmark); a restore runs at ``1 / (1/read + 1/apply)``;
+* ``--restore-rate``: records/s a worker restores a partition from its changelog, read and built
+  into state columns (129,388: 1M keys, ``bench_changelog_restore``; ``--measure``: measured here);
+* ``--apply-rate``: records/s the engine loads restored rows into its keyed state (1.4M, as the
+  state store takes them); a restore runs at ``1 / (1/restore + 1/apply)``;
 * ``--state-bytes``: bytes of state per key (the running count and mean: ~40 with its key);
 * ``--changed-share``: the share of keys a checkpoint interval changes (standby replicas
   restore only that tail).
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 import zlib
 from typing import Any
 
@@ -87,43 +87,16 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def measure_restore_rate(records: int, value_bytes: int) -> float:
-    """Changelog records/s read back from the start of a 1-partition topic of a Tansu broker
-    started here (as a worker restoring a partition does)."""
-    from confluent_kafka import Consumer, Producer
-    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
-
+def measure_restore_rate(records: int) -> float:
+    """Records/s a worker restores a partition from its changelog at a takeover, end to end
+    (``bench_changelog_restore``: ``records`` keys of workload F's state written, read back from
+    the start by a new worker of a Tansu broker started here, sorted by the committed offset and
+    built into state columns)."""
     from aisp.connectors.kafka import tansu_broker
+    from benchmarks.bench_changelog_restore import one_size
 
     with tansu_broker() as bootstrap:
-        admin = AdminClient({"bootstrap.servers": bootstrap})
-        for f in admin.create_topics(
-            [NewTopic("changelog", 1, 1, config={"cleanup.policy": "compact"})]
-        ).values():
-            f.result(10)
-        producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20, "batch.num.messages": 10000})
-        value = bytes(value_bytes)
-        for i in range(records):
-            while True:
-                try:
-                    producer.produce("changelog", key=f"u{i}".encode(), value=value)
-                    break
-                except BufferError:
-                    producer.poll(0.05)
-        assert producer.flush(60) == 0
-        settings = {"group.id": "restore", "auto.offset.reset": "earliest", "enable.auto.commit": False}
-        consumer = Consumer({"bootstrap.servers": bootstrap, **settings})
-        consumer.subscribe(["changelog"])
-        got, started = 0, None
-        deadline = time.monotonic() + 300
-        while got < records and time.monotonic() < deadline:
-            for message in consumer.consume(10_000, timeout=1.0):
-                if message.error() is None:
-                    started = started or time.monotonic()
-                    got += 1
-        consumer.close()
-        assert started is not None and got == records, f"read {got} of {records} records"
-        return got / (time.monotonic() - started)
+        return float(one_size(bootstrap, records, 1, 0.01)["cold_records_per_s"])  # type: ignore[arg-type]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--utilisation", type=float, default=0.8)
     parser.add_argument("--users", type=int, default=100_000)
     parser.add_argument("--zipf", type=float, default=1.1)
-    parser.add_argument("--restore-rate", type=float, default=182_000.0, help="changelog records/s read back")
+    parser.add_argument("--restore-rate", type=float, default=129_388.0, help="records/s a takeover restores")
     parser.add_argument("--apply-rate", type=float, default=1_400_000.0)
     parser.add_argument("--state-bytes", type=float, default=40.0)
     parser.add_argument("--changed-share", type=float, default=0.05)
@@ -141,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", type=int, default=200_000)
     args = parser.parse_args(argv)
     if args.measure:
-        args.restore_rate = measure_restore_rate(args.records, int(args.state_bytes))
+        args.restore_rate = measure_restore_rate(args.records)
     rows = plan(args)
     fits = [r for r in rows if r["sustained_events_per_s"] >= args.target]
     best = min(fits, key=lambda r: (r["workers"], r["partitions"])) if fits else None

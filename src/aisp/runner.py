@@ -25,10 +25,10 @@ from aisp.infer.versions import VersionWatcher
 from aisp.observe.clock import wall_ms
 from aisp.observe.stats import peak_rss_mb
 from aisp.schedule.anomaly import control_run
+from aisp.schedule.checkpoints import open_partition_states
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
 from aisp.schedule.watermarks import check_event_time_options
 from aisp.state.checkpoint import Checkpoint, CheckpointStore
-from aisp.state.partitions import PartitionStateStore
 
 if TYPE_CHECKING:
     from aisp.observe.latency import LatencyHistogram
@@ -61,9 +61,9 @@ class CheckpointOptions:
     the partitions when the consumer group rebalances (each process keeps its own ``dir``): in
     changelog topics on the input's broker when this is ``CHANGELOG`` (the workers share nothing
     but the broker), else in this directory, shared by the group's processes."""
-
-
-CHANGELOG = "changelog"
+    standby_replicas: int = 0
+    """With ``partition_state_dir=CHANGELOG``: keep warm copies of this many partitions the
+    process does not own (the ones after its own), so taking one over reads only the tail."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +138,9 @@ class RunSummary:
     """Wall-clock time (Unix ms) of the first event read, to line up several processes' runs."""
     state: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per key space: keys in memory at the end, keys evicted and read back (``state_max_keys``)."""
+    partitions: dict[str, float] = field(default_factory=dict)
+    """State that follows input partitions: partitions taken over, and how (``stats()`` of the
+    ``PartitionStateStore``)."""
 
     def to_json(self) -> bytes:
         return msgspec.json.format(msgspec.json.encode(self), indent=2)
@@ -161,6 +164,7 @@ def summarize(ex: LocalExecutor) -> RunSummary:
         stages=[s.as_dict() for s in st.stages.values()],
         models=models,
         state=ex.keyed.stats(),
+        partitions=ex.partition_states.stats() if ex.partition_states is not None else {},
         active_seconds=round(st.active_seconds(), 3),
         active_from_ms=wall_ms(st.first_read_ns) if st.first_read_ns is not None else 0,
     )
@@ -247,7 +251,9 @@ def _executor(
     res.callback(writer.close)
     partition_states = state_store = None
     if ck is not None and ck.partition_state_dir is not None:
-        partition_states = _partition_states(graph, ck.partition_state_dir, ck.keep)
+        partition_states = open_partition_states(
+            graph, ck.partition_state_dir, keep=ck.keep, standby_replicas=ck.standby_replicas
+        )
         res.callback(partition_states.close)
     if ck is not None and ck.state_max_keys and not ck.state_store:
         raise ConfigError("a bound on the keys in memory needs the state store (--state-store)")
@@ -267,25 +273,6 @@ def _executor(
         dead_letter=writer,
         options=execution,
     )
-
-
-def _partition_states(graph: Graph, where: str, keep: int) -> PartitionStateStore:
-    """Where keyed state that follows input partitions lives: ``changelog`` (changelog topics
-    on the broker of the pipeline's Kafka input), else a directory the group's processes share."""
-    if where != CHANGELOG:
-        from aisp.state.partitions import PartitionStates
-
-        return PartitionStates(where, keep=keep)
-    from aisp.connectors.kafka import KafkaSource
-    from aisp.connectors.kafka.changelog import ChangelogStates
-
-    sources = [n.spec for n in graph.nodes if n.kind == "source"]
-    if len(sources) != 1 or not isinstance(sources[0], KafkaSource):
-        raise ConfigError(
-            "state in changelog topics needs a single Kafka input (kafka://HOST:PORT/TOPIC?group=G)"
-        )
-    src = sources[0]
-    return ChangelogStates(src.bootstrap, src.group, src.topic, graph.name)
 
 
 def _observe(ex: LocalExecutor, opts: ObserveOptions, res: ExitStack) -> None:

@@ -73,6 +73,14 @@ def run(
             " there, shared by the group's processes."
         ),
     ] = None,
+    standby_replicas: Annotated[
+        int,
+        typer.Option(
+            help="With --partition-state changelog: keep warm copies of this many partitions this worker"
+            " does not own (the ones after its own), by tailing their changelogs, so a takeover reads"
+            " only the tail."
+        ),
+    ] = 0,
     state_max_keys: Annotated[
         int,
         typer.Option(
@@ -122,7 +130,12 @@ def run(
                     workers=workers or os.cpu_count() or 1,
                 ),
                 checkpoints=_checkpoints(
-                    checkpoint_dir, checkpoint_interval_s, state_store, state_max_keys, partition_state
+                    checkpoint_dir,
+                    checkpoint_interval_s,
+                    state_store,
+                    state_max_keys,
+                    partition_state,
+                    standby_replicas,
                 ),
                 observe=ObserveOptions(
                     live=show_live,
@@ -439,10 +452,12 @@ def _checkpoints(
     state_store: bool,
     state_max_keys: int,
     partition_state: str | None,
+    standby_replicas: int = 0,
 ) -> Any:
     """The checkpoint options of ``aisp run`` (None: no checkpoints), refusing state options that
     need a checkpoint directory without one."""
     from aisp.runner import CheckpointOptions
+    from aisp.schedule.checkpoints import CHANGELOG
 
     if directory is None:
         if state_store or state_max_keys:
@@ -450,12 +465,17 @@ def _checkpoints(
         if partition_state is not None:
             raise ConfigError("state that follows partitions is checkpointed: it needs --checkpoint-dir too")
         return None
+    if standby_replicas and partition_state != CHANGELOG:
+        raise ConfigError("standby replicas tail changelog topics: they need --partition-state changelog")
+    if standby_replicas < 0:
+        raise ConfigError(f"--standby-replicas must be 0 or more, not {standby_replicas}")
     return CheckpointOptions(
         dir=directory,
         interval_s=interval_s,
         state_store=state_store,
         state_max_keys=state_max_keys,
         partition_state_dir=partition_state,
+        standby_replicas=standby_replicas,
     )
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import pyarrow as pa
 
 from aisp.errors import ConfigError
+from aisp.graph import Graph
 from aisp.infer.batcher import DynamicBatcher
 from aisp.ingest.base import Source, SourcePartition
 from aisp.observe.stats import RunStats
@@ -38,7 +39,7 @@ from aisp.sinks.base import SinkPartition
 from aisp.sinks.deadletter import DeadLetterWriter
 from aisp.state.checkpoint import CheckpointStore
 from aisp.state.keyed import KeyIndex
-from aisp.state.partitions import PartitionStateStore
+from aisp.state.partitions import PartitionStates, PartitionStateStore
 from aisp.state.store import LmdbStateStore
 from aisp.transform.operators import Checkpointable, IncrementalState, LoggedState, Operator
 
@@ -288,3 +289,26 @@ class CheckpointCoordinator:
             self.partition_states.release(partition)
         log.info("input partitions %s revoked: their state is checkpointed and released", partitions)
         self.keyed.drop_partitions(partitions)
+
+
+CHANGELOG = "changelog"
+"""``--partition-state`` that keeps keyed state in changelog topics on the input's broker."""
+
+
+def open_partition_states(
+    graph: Graph, where: str, *, keep: int = 3, standby_replicas: int = 0
+) -> PartitionStateStore:
+    """Where keyed state that follows input partitions lives: ``CHANGELOG`` (changelog topics
+    on the broker of the pipeline's Kafka input), else a directory the group's processes share."""
+    if where != CHANGELOG:
+        return PartitionStates(where, keep=keep)
+    from aisp.connectors.kafka import KafkaSource
+    from aisp.connectors.kafka.changelog import ChangelogStates
+
+    sources = [n.spec for n in graph.nodes if n.kind == "source"]
+    if len(sources) != 1 or not isinstance(sources[0], KafkaSource):
+        raise ConfigError(
+            "state in changelog topics needs a single Kafka input (kafka://HOST:PORT/TOPIC?group=G)"
+        )
+    src = sources[0]
+    return ChangelogStates(src.bootstrap, src.group, src.topic, graph.name, standby_replicas=standby_replicas)

@@ -44,6 +44,10 @@ class PartitionStateStore(Protocol):
 
     def release(self, partition: int) -> None: ...
 
+    def stats(self) -> dict[str, float]:
+        """Counters for the run summary (``claimed``: partitions taken over, ...)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -57,6 +61,7 @@ class PartitionStates:
         self._claim_timeout_s = claim_timeout_s
         self._stores: dict[int, CheckpointStore] = {}
         self._lock = threading.Lock()  # writes and releases of one partition never interleave
+        self._claimed = 0
 
     @property
     def owned(self) -> list[int]:
@@ -81,7 +86,11 @@ class PartitionStates:
                 time.sleep(0.1)
         with self._lock:
             self._stores[partition] = store
+            self._claimed += 1
         return store.latest()
+
+    def stats(self) -> dict[str, float]:
+        return {"claimed": self._claimed}
 
     def write(self, partition: int, tables: dict[str, pa.Table], meta: dict[str, Any]) -> bool:
         """Checkpoint ``partition`` (when still owned; False when it was released meanwhile)."""

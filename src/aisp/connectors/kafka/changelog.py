@@ -4,8 +4,9 @@ Each keyed step writes the keys it changed to its changelog topic
 ``<group>-<input topic>-<step>-changelog`` (compacted, as many partitions as the input, the
 state of input partition ``p`` in changelog partition ``p``), at each checkpoint and when a
 partition is taken away, before the input offsets are committed. A record's key is the msgpack
-of the state key, its value the key's state row packed as the step's row layout (header ``l``,
-a key gone is a tombstone), and header ``o`` names the input offset the checkpoint covers.
+of the state key, its value the input offset the checkpoint covers (8 bytes, big-endian) and the
+key's state row packed in the step's row layout, which a record written before them gives; a key
+gone is a tombstone, with the covered offset in its header ``o``.
 
 A worker that is assigned a partition reads the partition of every changelog of the group and
 input from the start to an end marker it writes first (so it knows where the end is without
@@ -24,6 +25,7 @@ workers go to a sink that deduplicates by event id (Redis Streams, JetStream); s
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -37,13 +39,15 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from aisp.connectors.kafka.standby import COVERS, END, LAYOUT, ChangelogLog, Standby, ring
 from aisp.errors import ConfigError, StateError
 from aisp.state.checkpoint import Checkpoint
-from aisp.state.store import decode_keys, decode_rows, encode_names, encode_rows
+from aisp.state.store import decode_keys, encode_names, encode_rows
 
 __all__ = ["ChangelogStates", "changelog_topic"]
 
-_END = b"\x00aisp-end"  # the end marker's key: no msgpack of a single key encodes to it
+log = logging.getLogger("aisp.changelog")
+
 _LEGAL = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
@@ -82,6 +86,7 @@ class ChangelogStates:
         topic: str,
         pipeline: str,
         *,
+        standby_replicas: int = 0,
         restore_timeout_s: float = 300.0,
         options: dict[str, Any] | None = None,
     ) -> None:
@@ -109,11 +114,28 @@ class ChangelogStates:
         self._offsets = Consumer(  # reads the group's committed offsets; never joins the group
             {"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False}
         )
+        self._reader = Consumer(  # reads changelogs at takeovers (connected once: a new one takes ~0.5 s)
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"{group}-restore",
+                "enable.auto.commit": False,
+                "fetch.max.bytes": 64 << 20,
+                "fetch.wait.max.ms": 20,  # the end marker is there: no wait for more to come
+            }
+        )
         self._created: set[str] = set()
         self._owned: dict[int, _Owned] = {}
         self._lock = threading.Lock()
         self.restored_records = 0
         self.written_records = 0
+        self.restore_seconds = 0.0
+        self._counts = {"claimed": 0, "from_standby": 0, "restore_s": 0.0}
+        self._standby_replicas = standby_replicas
+        self._standby: Standby | None = None
+        if standby_replicas > 0:
+            self._standby = Standby(bootstrap, group, topic, self._topics)
+            self._standby.start()
+            self._want()
 
     @property
     def owned(self) -> list[int]:
@@ -153,45 +175,23 @@ class ChangelogStates:
         (tp,) = self._offsets.committed([TopicPartition(self._topic, partition)], timeout=30)
         return tp.offset if tp.offset >= 0 else None
 
-    def _read(self, name: str, partition: int, committed: int | None) -> tuple[dict[bytes, Any], set[bytes]]:
-        """Each key's last record at or before ``committed`` in ``name``/``partition`` ((value,
-        layout), value None for a tombstone), and the keys of records after it."""
-        from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+    def _tail(self, name: str, partition: int, copy: ChangelogLog) -> None:
+        """Read ``name``/``partition`` into ``copy`` from where it stands to an end marker
+        written now (see the module docstring)."""
+        from confluent_kafka import TopicPartition
 
         token = uuid.uuid4().hex.encode()
-        self._producer.produce(name, key=_END, value=token, partition=partition)
+        self._producer.produce(name, key=END, value=token, partition=partition)
         self._flush(name)
-        reader = Consumer(
-            {
-                "bootstrap.servers": self._bootstrap,
-                "group.id": f"aisp-restore-{token.decode()}",
-                "enable.auto.commit": False,
-                "fetch.max.bytes": 64 << 20,
-            }
-        )
-        latest: dict[bytes, Any] = {}
-        stale: set[bytes] = set()
+        reader = self._reader
         deadline = time.monotonic() + self._restore_timeout_s
         try:
-            reader.assign([TopicPartition(name, partition, OFFSET_BEGINNING)])
+            reader.assign([TopicPartition(name, partition, copy.next)])
             while time.monotonic() < deadline:
-                for m in reader.consume(num_messages=50_000, timeout=0.5):
-                    if m.error() is not None:
-                        continue
-                    key: Any = m.key()
-                    if key == _END:
-                        if m.value() == token:
-                            return latest, stale
-                        continue
-                    headers: Any = m.headers()
-                    (_, o), (_, layout) = headers
-                    if committed is None or int(o) > committed:
-                        stale.add(key)
-                    else:
-                        latest[key] = (m.value(), layout)
-                    self.restored_records += 1
+                if copy.add_messages(reader.consume(num_messages=50_000, timeout=0.05), token):
+                    return
         finally:
-            reader.close()
+            reader.unassign()
         raise StateError(
             f"changelog {name!r} partition {partition}: not read to its end in {self._restore_timeout_s:g} s"
         )
@@ -199,29 +199,39 @@ class ChangelogStates:
     def claim(self, partition: int) -> Checkpoint | None:
         """Restore ``partition`` from its changelogs (see the module docstring): its state, and
         its committed offset as where to start; None when it has neither."""
+        t0 = time.monotonic()
         committed = self._committed(partition)
+        warm = self._standby.take(partition) if self._standby is not None else {}
         owned = _Owned()
         tables: dict[str, pa.Table] = {}
+        read = 0
         for step, name in sorted(self._topics().items()):
-            latest, stale = self._read(name, partition, committed)
+            copy = warm.get(name) or ChangelogLog()
+            before = copy.records
+            copy.settle(committed)
+            self._tail(name, partition, copy)
+            read += copy.records - before
+            keys, values, stale = copy.resolve()
             self._created.add(name)
             owned.stale[step] = stale
-            live = [(k, v) for k, v in latest.items() if v[0] is not None]
-            layouts = {layout for _, (_, layout) in live}
-            if len(layouts) > 1:
-                raise StateError(
-                    f"changelog {name!r} holds rows of {len(layouts)} layouts: the state of step {step!r}"
-                    " changed shape; start a new group (or delete the changelog) to begin afresh"
-                )
-            if not live:
+            if not keys:
                 continue
-            descr = msgspec.json.decode(layouts.pop())
-            keys, columns = decode_rows(b"", [(k, v) for k, (v, _) in live], descr)
-            key_array = pa.array(keys)
+            columns = _rows(name, copy.layout, values)
+            key_array = pa.array(decode_keys(b"", keys))
             owned.base[step] = (key_array, columns)
             tables[f"op.{step}"] = pa.table({"_key": key_array, **columns})
         with self._lock:
             self._owned[partition] = owned
+        self.restored_records += read
+        self.restore_seconds = time.monotonic() - t0
+        self._counts["claimed"] += 1
+        self._counts["from_standby"] += bool(warm)
+        self._counts["restore_s"] += self.restore_seconds
+        log.info(
+            "input partition %d: changelogs read in %.3f s (%d records%s)", partition,
+            self.restore_seconds, read, ", the tail of a standby copy" if warm else "",
+        )  # fmt: skip
+        self._want()
         if committed is None:
             return None
         meta = {"pipeline": self._pipeline, "partition": partition, "offset": committed}
@@ -230,12 +240,14 @@ class ChangelogStates:
     # -- checkpoints --------------------------------------------------------------------------
     def write(self, partition: int, tables: dict[str, pa.Table], meta: dict[str, Any]) -> bool:
         """Write the keys of ``partition`` that changed since they were last written (see the
-        module docstring); False when the partition was released meanwhile."""
+        module docstring); False when the partition was released meanwhile. The tables are kept
+        to compare the next write with: the caller must not change them afterwards."""
         with self._lock:
             owned = self._owned.get(partition)
         if owned is None:
             return False
-        headers_o = ("o", str(int(meta["offset"])).encode())
+        covers = int(meta["offset"]).to_bytes(COVERS, "big")
+        tombstone_headers = [("o", str(int(meta["offset"])).encode())]
         names: list[str] = []
         for step, space in meta["spaces"].items():
             keys = tables[f"keys.{space}"].column("key").combine_chunks()
@@ -250,11 +262,11 @@ class ChangelogStates:
             picked = keys.filter(pa.array(changed)).to_pylist()
             rows = {c: col[changed] for c, col in columns.items()}
             record_keys, values, descr = encode_rows(b"", picked, rows)
-            headers = [headers_o, ("l", msgspec.json.encode(descr))]
+            self._produce(name, LAYOUT, msgspec.json.encode(descr), partition)
             for k, v in zip(record_keys, values, strict=True):
-                self._produce(name, k, v, partition, headers)
+                self._produce(name, k, covers + v, partition)
             for k in gone:
-                self._produce(name, k, None, partition, headers)
+                self._produce(name, k, None, partition, tombstone_headers)
             self.written_records += len(record_keys) + len(gone)
             owned.base[step] = (keys, columns)
             owned.stale.pop(step, None)
@@ -262,7 +274,9 @@ class ChangelogStates:
             self._flush(name)
         return True
 
-    def _produce(self, name: str, key: bytes, value: bytes | None, partition: int, headers: Any) -> None:
+    def _produce(
+        self, name: str, key: bytes, value: bytes | None, partition: int, headers: Any = None
+    ) -> None:
         while True:
             try:
                 self._producer.produce(
@@ -289,15 +303,35 @@ class ChangelogStates:
                 + (f"; {self._errors[0]}" if self._errors else "")
             )
 
+    def stats(self) -> dict[str, float]:
+        """Partitions taken over (from a standby copy), seconds spent restoring, changelog
+        records read to restore and written."""
+        return {
+            **self._counts,
+            "restore_s": round(self._counts["restore_s"], 3),
+            "records_read": self.restored_records,
+            "records_written": self.written_records,
+        }
+
     def release(self, partition: int) -> None:
         with self._lock:
             self._owned.pop(partition, None)
+        self._want()
+
+    def _want(self) -> None:
+        """Keep warm copies of the ``standby_replicas`` partitions after the owned ones."""
+        if self._standby is not None:
+            self._standby.want(ring(self.owned, self.partitions, self._standby_replicas))
 
     def close(self) -> None:
         with self._lock:
             self._owned.clear()
+        if self._standby is not None:
+            self._standby.stop()
+            self._standby.join(5)
         self._producer.flush(10)
         self._offsets.close()
+        self._reader.close()
 
 
 def _changes(
@@ -337,3 +371,19 @@ def _changes(
             changed |= np.asarray(stale_mask.to_numpy(zero_copy_only=False), dtype=bool)
         gone |= stale - present
     return changed, sorted(gone)
+
+
+def _rows(name: str, layout: bytes | None, values: list[bytes]) -> dict[str, npt.NDArray[Any]]:
+    """The state columns of live records' values (each the covered offset, then a packed row)."""
+    if layout is None:
+        raise StateError(f"changelog {name!r} has rows but no layout record")
+    descr = msgspec.json.decode(layout)
+    dtype = np.dtype([("_covers", ">u8"), *((str(n), str(code)) for n, code in descr)])
+    blob = b"".join(values)
+    if len(blob) != dtype.itemsize * len(values):
+        raise StateError(
+            f"changelog {name!r} holds rows of another layout than its last ({descr}): the step's state"
+            " changed shape; start a new group (or delete the changelog) to begin afresh"
+        )
+    rows = np.frombuffer(blob, dtype=dtype)
+    return {str(n): rows[str(n)].copy() for n, _ in descr}
