@@ -50,19 +50,27 @@ class Address:
 
 
 def options(url: str, allowed: dict[str, type]) -> dict[str, object]:
-    """The query options of ``url``, typed; an unknown one is an error naming the known ones.
+    """The query options of ``url``, typed (a ``bool`` is true/false, 1/0 or yes/no); an unknown
+    one is an error naming the known ones.
 
-    >>> options("redis://h/s?group=g&retry_s=2", {"group": str, "retry_s": float})
-    {'group': 'g', 'retry_s': 2.0}
+    >>> options("redis://h/s?group=g&retry_s=2&x=yes", {"group": str, "retry_s": float, "x": bool})
+    {'group': 'g', 'retry_s': 2.0, 'x': True}
     """
     out: dict[str, object] = {}
     for key, values in parse_qs(urlparse(url).query, strict_parsing=False).items():
         if key not in allowed:
             raise ConfigError(f"{url!r}: unknown option {key!r}; options are {sorted(allowed)}")
         try:
-            out[key] = allowed[key](values[-1])
+            out[key] = _flag(values[-1]) if allowed[key] is bool else allowed[key](values[-1])
         except ValueError:
             raise ConfigError(
                 f"{url!r}: option {key}={values[-1]!r} is not a {allowed[key].__name__}"
             ) from None
     return out
+
+
+def _flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("true", "1", "yes", "false", "0", "no"):
+        raise ValueError(text)
+    return value in ("true", "1", "yes")

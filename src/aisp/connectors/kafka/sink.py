@@ -12,6 +12,10 @@ reader sees an interval's outputs all at once and the consumer group's offsets m
 A restart fences the previous producer (``init_transactions``), which aborts its open
 transaction. Without checkpoints a transaction is committed every ``transaction_max_s``.
 
+With ``compact`` (several workers of a group writing one topic) the topic is compacted and
+nothing is skipped: each event id's record may appear more than once, always with the same
+value, and a reader keeps one per key (as compaction eventually does).
+
 After a restart from a checkpoint, the sink counts the records a ``read_committed`` reader finds
 in each partition after the checkpointed offset and skips that many of the rows it is then
 given for the partition: the replay regenerates those rows first, in the same order, as long as
@@ -61,6 +65,11 @@ class KafkaSink(Sink):
     transaction_max_s: float = 10.0
     """Commit an open transaction after this long even without a checkpoint (the broker aborts
     transactions older than ``transaction.timeout.ms``, 60 s by default)."""
+    compact: bool = False
+    """Create the topic compacted and count nothing at a restart: a replay writes its rows again
+    under the same keys (the event ids), which compaction and readers that keep one record per
+    key collapse. For several workers of a group writing one topic (each replaying what another
+    wrote), where counting records after a position cannot tell whose they are."""
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def open(self) -> SinkPartition:
@@ -109,7 +118,8 @@ class _KafkaWriter(SinkPartition):
         self._cfg = cfg
         admin = AdminClient({"bootstrap.servers": cfg.bootstrap})
         if cfg.topic not in admin.list_topics(timeout=10).topics:
-            for f in admin.create_topics([NewTopic(cfg.topic, cfg.partitions, 1)]).values():
+            config = {"cleanup.policy": "compact"} if cfg.compact else {}
+            for f in admin.create_topics([NewTopic(cfg.topic, cfg.partitions, 1, config=config)]).values():
                 try:
                     f.result(10)
                 except Exception as exc:
@@ -134,6 +144,9 @@ class _KafkaWriter(SinkPartition):
         self._skip: dict[int, int] = {}
         for p in range(cfg.partitions):
             start = (resume or {}).get(p, 0)
+            if cfg.compact:  # replays are written again, under the same keys
+                self._next[p] = start
+                continue
             found = _count_records(cfg.bootstrap, cfg.topic, p, start)
             self._next[p] = start + found
             if resume is not None:
