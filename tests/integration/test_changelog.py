@@ -20,7 +20,8 @@ import pytest
 from aisp.connectors.kafka import read_topic, tansu_broker
 from aisp.connectors.kafka.changelog import ChangelogStates, changelog_topic
 from benchmarks.workload import write_events
-from tests.integration.test_exactly_once import ENV, PIPELINE, aisp_run, drop_streams, outputs, redis_client
+from tests.integration.test_exactly_once import ENV, PIPELINE, aisp_run, drop_streams, redis_client
+from tests.integration.test_kafka import keyed_topic, reference_run
 
 PARTITIONS = 4
 
@@ -29,27 +30,6 @@ PARTITIONS = 4
 def broker() -> Iterator[str]:
     with tansu_broker() as bootstrap:
         yield bootstrap
-
-
-def keyed_topic(broker: str, topic: str, lines: list[bytes]) -> None:
-    """A ``PARTITIONS``-partition topic of ``lines``, each user's events in one partition (as
-    keyed state needs); a line that is not an event goes to partition 0."""
-    from confluent_kafka import Producer
-    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
-
-    admin = AdminClient({"bootstrap.servers": broker})
-    for f in admin.create_topics([NewTopic(topic, PARTITIONS, 1)]).values():
-        f.result(10)
-    producer = Producer({"bootstrap.servers": broker, "enable.idempotence": True, "linger.ms": 5})
-    for line in lines:
-        try:
-            user = json.loads(line).get("user")
-        except ValueError:
-            user = None
-        partition = int(user[1:]) % PARTITIONS if isinstance(user, str) and user[1:].isdigit() else 0
-        producer.produce(topic, value=line, partition=partition)
-        producer.poll(0)
-    assert producer.flush(30) == 0
 
 
 @pytest.mark.parametrize(
@@ -64,14 +44,10 @@ def test_workers_of_a_group_move_state_through_changelogs_across_a_kill_a_join_a
     (running count and mean per user) equal an uninterrupted single run. The Redis output keeps
     one entry per event id; the compacted Kafka output, keyed by event id, may hold a replayed
     record twice, always with the same value, and a reader keeps one per key."""
-    data = tmp_path / "events.jsonl"
-    write_events(data, 16_000, seed=43, bad_every=997)
-    ref = tmp_path / "ref.jsonl"
-    subprocess.run(aisp_run(data, ref), env=ENV, check=True, capture_output=True)
-    expected = outputs(ref)
+    data, expected = reference_run(tmp_path, 16_000, seed=43)
     name = uuid.uuid4().hex[:8]
     src, dst, group = f"cin-{name}", f"aisp-test-cout-{name}", f"cg-{name}"
-    keyed_topic(broker, src, data.read_bytes().splitlines())
+    keyed_topic(broker, src, data.read_bytes().splitlines(), PARTITIONS)
     out_url = f"redis://127.0.0.1:6379/{dst}" if output == "redis" else f"kafka://{broker}/{dst}?compact=true"
     if output == "kafka":  # made here, so that progress can be followed from the start
         from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
@@ -165,7 +141,7 @@ def test_a_restore_skips_records_of_a_checkpoint_whose_commit_never_landed(broke
 
     name = uuid.uuid4().hex[:8]
     topic, group = f"clin-{name}", f"clg-{name}"
-    keyed_topic(broker, topic, [])
+    keyed_topic(broker, topic, [], PARTITIONS)
     states = ChangelogStates(broker, group, topic, "p")
     assert states.claim(1) is None  # nothing yet
     spaces = {"stats": "user"}

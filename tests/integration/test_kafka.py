@@ -22,6 +22,37 @@ from tests.integration.test_exactly_once import ENV, PIPELINE, aisp_run, kill_an
 EVENTS = 20_000
 
 
+def keyed_topic(broker: str, topic: str, lines: list[bytes], partitions: int) -> None:
+    """A topic of ``lines`` with ``partitions`` partitions, each user's events in one partition
+    (as keyed state needs); a line that is not an event goes to partition 0."""
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+    admin = AdminClient({"bootstrap.servers": broker})
+    for f in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
+        f.result(10)
+    producer = Producer({"bootstrap.servers": broker, "enable.idempotence": True, "linger.ms": 5})
+    for line in lines:
+        try:
+            user = json.loads(line).get("user")
+        except ValueError:
+            user = None
+        partition = int(user[1:]) % partitions if isinstance(user, str) and user[1:].isdigit() else 0
+        producer.produce(topic, value=line, partition=partition)
+        producer.poll(0)
+    assert producer.flush(30) == 0
+
+
+def reference_run(tmp_path: Path, events: int, seed: int) -> tuple[Path, list[dict[str, object]]]:
+    """Workload F events (a malformed line now and then) and the outputs of one uninterrupted
+    run over them, sorted by id."""
+    data = tmp_path / "events.jsonl"
+    write_events(data, events, seed=seed, bad_every=997)
+    ref = tmp_path / "ref.jsonl"
+    subprocess.run(aisp_run(data, ref), env=ENV, check=True, capture_output=True)
+    return data, outputs(ref)
+
+
 @pytest.fixture(scope="module")
 def broker() -> Iterator[str]:
     with tansu_broker() as bootstrap:
@@ -173,27 +204,12 @@ def test_keyed_state_moves_with_partitions_between_the_processes_of_a_group(
     second, which takes the dead one's partition from its last partition checkpoint. The Redis
     output (one entry per event id) equals an uninterrupted single run, state-dependent values
     (running count and mean per user) included."""
-    from confluent_kafka import Producer
-    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
-
     from tests.integration.test_exactly_once import drop_streams, redis_client
 
-    data = tmp_path / "events.jsonl"
-    write_events(data, 24_000, seed=41, bad_every=997)
-    ref = tmp_path / "ref.jsonl"
-    subprocess.run(aisp_run(data, ref), env=ENV, check=True, capture_output=True)
-    expected = outputs(ref)
+    data, expected = reference_run(tmp_path, 24_000, seed=41)
     name = uuid.uuid4().hex[:8]
     src, dst = f"pin-{name}", f"aisp-test-pout-{name}"
-    admin = AdminClient({"bootstrap.servers": broker})
-    for f in admin.create_topics([NewTopic(src, 2, 1)]).values():
-        f.result(10)
-    producer = Producer({"bootstrap.servers": broker, "enable.idempotence": True, "linger.ms": 5})
-    for line in data.read_bytes().splitlines():  # partitioned by the key, as the state needs
-        user = json.loads(line).get("user") if line.startswith(b"{") and line.endswith(b"}") else None
-        producer.produce(src, value=line, partition=int(user[1:]) % 2 if isinstance(user, str) else 0)
-        producer.poll(0)
-    assert producer.flush(30) == 0
+    keyed_topic(broker, src, data.read_bytes().splitlines(), 2)
 
     def worker(tag: str) -> subprocess.Popen[bytes]:
         cmd = [
