@@ -180,7 +180,7 @@ def test_a_worker_that_dies_fails_the_run_clearly(tmp_path: Path) -> None:
 def test_metrics_and_the_dashboard_sum_the_workers(tmp_path: Path) -> None:
     data, out = tmp_path / "events.jsonl", tmp_path / "out.jsonl"
     write_events(data, 60_000, seed=2)
-    cmd = aisp_run(data, out, "--workers", "2", "--rate", "20000", "--metrics-port", "0", "--dashboard")
+    cmd = aisp_run(data, out, "--workers", "2", "--rate", "10000", "--metrics-port", "0", "--dashboard")
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
