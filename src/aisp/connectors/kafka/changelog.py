@@ -73,6 +73,8 @@ class _Owned:
 
     base: dict[str, tuple[pa.Array, dict[str, npt.NDArray[Any]]]] = field(default_factory=dict)
     stale: dict[str, set[bytes]] = field(default_factory=dict)
+    covers: int = -1
+    """The input offset last written or restored: an older capture is never written after it."""
 
 
 class ChangelogStates:
@@ -126,6 +128,7 @@ class ChangelogStates:
         self._created: set[str] = set()
         self._owned: dict[int, _Owned] = {}
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
         self.restored_records = 0
         self.written_records = 0
         self.restore_seconds = 0.0
@@ -220,6 +223,7 @@ class ChangelogStates:
             key_array = pa.array(decode_keys(b"", keys))
             owned.base[step] = (key_array, columns)
             tables[f"op.{step}"] = pa.table({"_key": key_array, **columns})
+        owned.covers = committed if committed is not None else -1
         with self._lock:
             self._owned[partition] = owned
         self.restored_records += read
@@ -242,10 +246,18 @@ class ChangelogStates:
         """Write the keys of ``partition`` that changed since they were last written (see the
         module docstring); False when the partition was released meanwhile. The tables are kept
         to compare the next write with: the caller must not change them afterwards."""
-        with self._lock:
-            owned = self._owned.get(partition)
-        if owned is None:
-            return False
+        with self._write_lock:  # writes never interleave, and never go back in offsets
+            with self._lock:
+                owned = self._owned.get(partition)
+            if owned is None or int(meta["offset"]) < owned.covers:
+                return False
+            owned.covers = int(meta["offset"])
+            self._write(partition, owned, tables, meta)
+            return True
+
+    def _write(
+        self, partition: int, owned: _Owned, tables: dict[str, pa.Table], meta: dict[str, Any]
+    ) -> None:
         covers = int(meta["offset"]).to_bytes(COVERS, "big")
         tombstone_headers = [("o", str(int(meta["offset"])).encode())]
         names: list[str] = []
@@ -272,7 +284,6 @@ class ChangelogStates:
             owned.stale.pop(step, None)
         for name in names:
             self._flush(name)
-        return True
 
     def _produce(
         self, name: str, key: bytes, value: bytes | None, partition: int, headers: Any = None

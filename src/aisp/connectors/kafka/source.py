@@ -21,6 +21,7 @@ error. Compatibility is tested against the Tansu broker (Kafka protocol), see th
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -104,6 +105,12 @@ class KafkaSourcePartition(SourcePartition):
             "enable.partition.eof": False,
             **cfg.options,
         }
+        self._owned: set[int] = set()  # partitions assigned now
+        self._committed: dict[int, int] = {}  # the highest offset committed (or started from)
+        self._pending: dict[int, int] = {}  # commits asked for by other threads
+        self._commit_lock = threading.Lock()
+        self._poll_thread: threading.Thread | None = None
+        self._in_callback: threading.Thread | None = None  # the thread in a rebalance callback
         self._consumer = Consumer(settings)
         self._consumer.subscribe([cfg.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
 
@@ -124,16 +131,26 @@ class KafkaSourcePartition(SourcePartition):
         for tp in partitions:
             if tp.partition in self._resume:
                 tp.offset = self._resume[tp.partition]
+                self._committed[tp.partition] = self._resume[tp.partition]
+            self._owned.add(tp.partition)
         consumer.assign(partitions)
         self._assigned = True
         self._idle_since = time.monotonic()
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
         if self._ctx.on_revoke is not None:
-            self._ctx.on_revoke([tp.partition for tp in partitions])
-        for tp in partitions:  # no longer this consumer's to commit
-            self._next.pop(tp.partition, None)
-            self._resume.pop(tp.partition, None)
+            self._in_callback = threading.current_thread()
+            try:
+                self._ctx.on_revoke([tp.partition for tp in partitions])
+            finally:
+                self._in_callback = None
+        with self._commit_lock:
+            for tp in partitions:  # no longer this consumer's to commit
+                self._next.pop(tp.partition, None)
+                self._resume.pop(tp.partition, None)
+                self._owned.discard(tp.partition)
+                self._committed.pop(tp.partition, None)
+                self._pending.pop(tp.partition, None)
 
     def _answers(self) -> bool:
         """Whether a broker answers a metadata request now (then the outage is over)."""
@@ -145,6 +162,11 @@ class KafkaSourcePartition(SourcePartition):
         return True
 
     def next_batch(self, max_rows: int) -> Batch | None:
+        self._poll_thread = threading.current_thread()
+        with self._commit_lock:
+            pending, self._pending = self._pending, {}
+        if pending:
+            self._commit_now(pending)
         msgs = self._consumer.consume(num_messages=max_rows, timeout=self._cfg.poll_timeout_s)
         if msgs:
             self._down_since = None
@@ -199,17 +221,41 @@ class KafkaSourcePartition(SourcePartition):
         return offsets, self._consumer.consumer_group_metadata()
 
     def commit(self, position: Any) -> None:
+        """Commit ``position``'s offsets: at once from the polling thread (a rebalance callback
+        included), else at the next poll, so that commits and rebalances never interleave: a
+        partition revoked meanwhile is not committed, and an offset never moves back."""
+        offsets = {int(p): int(o) for p, o in position["offsets"].items()}
+        me = threading.current_thread()
+        if self._poll_thread is None or me is self._poll_thread or me is self._in_callback:
+            self._commit_now(offsets)
+            return
+        with self._commit_lock:
+            for p, o in offsets.items():
+                self._pending[p] = max(o, self._pending.get(p, o))
+
+    def _commit_now(self, offsets: dict[int, int]) -> None:
         from confluent_kafka import KafkaException, TopicPartition
 
-        offsets = [TopicPartition(self._cfg.topic, int(p), int(o)) for p, o in position["offsets"].items()]
-        if not offsets:
+        with self._commit_lock:
+            ahead = {p: o for p, o in offsets.items()
+                     if p in self._owned and o > self._committed.get(p, -1)}  # fmt: skip
+        if not ahead:
             return
         try:
-            self._consumer.commit(offsets=offsets, asynchronous=False)
+            tps = [TopicPartition(self._cfg.topic, p, o) for p, o in sorted(ahead.items())]
+            self._consumer.commit(offsets=tps, asynchronous=False)
         except KafkaException:
             return  # the next checkpoint commits again; the checkpoint holds the positions
+        with self._commit_lock:
+            for p, o in ahead.items():
+                if p in self._owned:
+                    self._committed[p] = max(o, self._committed.get(p, o))
 
     def close(self) -> None:
+        with self._commit_lock:
+            pending, self._pending = self._pending, {}
+        if pending:
+            self._commit_now(pending)
         self._consumer.close()
 
 
