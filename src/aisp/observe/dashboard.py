@@ -24,6 +24,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from aisp.graph import split_ref
+from aisp.observe.clock import wall_ms
 from aisp.observe.diagnose import Scrape, diagnose
 from aisp.observe.latency import LatencyHistogram
 from aisp.observe.metrics import PipelineCollector
@@ -184,7 +185,7 @@ class DashboardState:
                 {
                     "stage": sid,
                     "watermark_ms": w.watermark if w.watermark > _NO_WATERMARK else None,
-                    "lag_s": round(max(0.0, time.time() - w.watermark / 1000), 3)
+                    "lag_s": round(max(0.0, (wall_ms() - w.watermark) / 1000), 3)
                     if w.watermark > _NO_WATERMARK
                     else None,
                     "open_windows": w.open_windows,

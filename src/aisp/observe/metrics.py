@@ -65,6 +65,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.utils import floatToGoString as _go_float
 
+from aisp.observe.clock import wall_ms
 from aisp.observe.latency import LatencyHistogram
 from aisp.observe.stats import AdmissionStats, StageStats
 from aisp.observe.view import PipelineView
@@ -327,7 +328,7 @@ class PipelineCollector:
         windows = self._ex.windows
         if not windows:
             return
-        now_s = time.time()
+        now_s = wall_ms() / 1000
         open_ = GaugeMetricFamily("aisp_window_open", "Windows open in a window step", labels=["stage"])
         late = CounterMetricFamily(
             "aisp_window_late_events", "Events that missed every window they belong to", labels=["stage"]
