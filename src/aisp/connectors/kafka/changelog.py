@@ -258,8 +258,8 @@ class ChangelogStates:
     def _write(
         self, partition: int, owned: _Owned, tables: dict[str, pa.Table], meta: dict[str, Any]
     ) -> None:
-        offset = int(meta["offset"])
-        tombstone_headers = [("o", str(offset).encode())]
+        covers = int(meta["offset"]).to_bytes(COVERS, "big")
+        tombstone_headers = [("o", str(int(meta["offset"])).encode())]
         names: list[str] = []
         for step, space in meta["spaces"].items():
             keys = tables[f"keys.{space}"].column("key").combine_chunks()
@@ -272,19 +272,18 @@ class ChangelogStates:
             name = self._ensure(step)
             names.append(name)
             picked = keys.filter(pa.array(changed)).to_pylist()
-            rows = {"_covers": np.full(len(picked), offset, dtype=f">u{COVERS}")}  # the value's prefix
-            rows.update({c: col[changed] for c, col in columns.items()})
+            rows = {c: col[changed] for c, col in columns.items()}
             record_keys, values, descr = encode_rows(b"", picked, rows)
-            self._produce(name, LAYOUT, msgspec.json.encode(descr[1:]), partition)
+            self._produce(name, LAYOUT, msgspec.json.encode(descr), partition)
             for k, v in zip(record_keys, values, strict=True):
-                self._produce(name, k, v, partition)
+                self._produce(name, k, covers + v, partition)
             for k in gone:
                 self._produce(name, k, None, partition, tombstone_headers)
             self.written_records += len(record_keys) + len(gone)
             owned.base[step] = (keys, columns)
             owned.stale.pop(step, None)
-        if names:  # one flush delivers every step's records
-            self._flush(", ".join(names))
+        for name in names:
+            self._flush(name)
 
     def _produce(
         self, name: str, key: bytes, value: bytes | None, partition: int, headers: Any = None
