@@ -252,8 +252,9 @@ def _executor(
     partition_states = state_store = None
     if ck is not None and ck.partition_state_dir is not None:
         partition_states = open_partition_states(
-            graph, ck.partition_state_dir, keep=ck.keep, standby_replicas=ck.standby_replicas
-        )
+            graph, ck.partition_state_dir, keep=ck.keep, standby_replicas=ck.standby_replicas,
+            local_dir=str(Path(ck.dir) / "changelog"),
+        )  # fmt: skip
         res.callback(partition_states.close)
     if ck is not None and ck.state_max_keys and not ck.state_store:
         raise ConfigError("a bound on the keys in memory needs the state store (--state-store)")

@@ -179,6 +179,63 @@ def test_a_restore_skips_records_of_a_checkpoint_whose_commit_never_landed(broke
     commit.close()
 
 
+def test_a_worker_with_a_local_copy_reads_only_what_others_wrote_after_it(
+    broker: str, tmp_path: Path
+) -> None:
+    """A worker that owned a partition takes it back from its local copy plus the changelog's
+    tail (another owner's records meanwhile); a copy past the committed offset is not used."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    name = uuid.uuid4().hex[:8]
+    topic, group = f"cloc-{name}", f"cgl-{name}"
+    keyed_topic(broker, topic, [], PARTITIONS)
+    spaces = {"stats": "user"}
+
+    def tables(state: dict[str, int]) -> dict[str, pa.Table]:
+        keys = sorted(state)
+        n = pa.array([state[k] for k in keys], pa.int64())
+        return {"keys.user": pa.table({"key": keys}), "op.stats": pa.table({"n": n})}
+
+    commit = Consumer({"bootstrap.servers": broker, "group.id": group})
+
+    def committed(offset: int) -> None:
+        commit.commit(offsets=[TopicPartition(topic, 1, offset)], asynchronous=False)
+
+    def restored(states: ChangelogStates) -> tuple[int, dict[str, int]]:
+        checkpoint = states.claim(1)
+        assert checkpoint is not None
+        table = checkpoint.tables["op.stats"].to_pydict()
+        return checkpoint.meta["offset"], dict(zip(table["_key"], table["n"], strict=True))
+
+    a = ChangelogStates(broker, group, topic, "p", local_dir=tmp_path / "a")
+    assert a.claim(1) is None
+    assert a.write(1, tables({"u1": 1, "u2": 1}), {"offset": 10, "spaces": spaces})
+    committed(10)
+    assert a.write(1, tables({"u1": 5, "u2": 1, "u3": 1}), {"offset": 20, "spaces": spaces})
+    committed(20)
+    a.close()  # releases the partition: its local copy covers offset 20
+
+    b = ChangelogStates(broker, group, topic, "p", local_dir=tmp_path / "b")
+    assert restored(b) == (20, {"u1": 5, "u2": 1, "u3": 1})
+    assert b.stats()["records_read"] == 4  # u1 and u2, then u1 and u3
+    assert b.write(1, tables({"u1": 5, "u3": 2}), {"offset": 30, "spaces": spaces})  # u2 deleted
+    committed(30)
+    b.close()
+
+    again = ChangelogStates(broker, group, topic, "p", local_dir=tmp_path / "a")
+    assert restored(again) == (30, {"u1": 5, "u3": 2})
+    assert again.stats()["from_local"] == 1
+    assert again.stats()["records_read"] == 2  # b's records only: u3 and u2's tombstone
+    assert again.write(1, tables({"u1": 6, "u3": 2}), {"offset": 40, "spaces": spaces})
+    again.close()  # the commit of offset 40 never lands: its copies are not used
+
+    last = ChangelogStates(broker, group, topic, "p", local_dir=tmp_path / "a")
+    assert restored(last) == (30, {"u1": 5, "u3": 2})
+    assert last.stats()["from_local"] == 0
+    last.close()
+    commit.close()
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

@@ -51,10 +51,13 @@ class SourceContext:
     step_id: str
     dead_letter: Callable[[list[DeadLetterRecord]], None]
     batch_rows: int = 2048
-    on_assign: Callable[[list[int]], dict[int, int]] | None = None
+    on_assign: Callable[[list[int]], None] | None = None
     """For a source whose partitions are assigned by a group (Kafka): called with partitions
-    newly assigned, before any of their records is read; returns the position to start each at
-    (partitions left out start where the group says)."""
+    newly assigned, whose state the engine then restores (in the background); the source reads
+    none of their records until ``restored`` hands them back."""
+    restored: Callable[[], dict[int, int | None]] | None = None
+    """Called by the source between batches while partitions are being restored: those restored
+    since, with the position to start each at (None: where the group says)."""
     on_revoke: Callable[[list[int]], None] | None = None
     """Called with partitions about to be taken away, after the last of their records was read."""
 

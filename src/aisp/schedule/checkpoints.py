@@ -15,7 +15,8 @@ it; ``CheckpointCoordinator`` uses it and owns what happens around it. A checkpo
 5. the sources are told (brokers acknowledge up to there).
 
 If the pipeline does not go quiet in time nothing is written. Partition handoff (a Kafka
-rebalance) drains what is in flight, then writes or loads one partition's state.
+rebalance): a partition taken away has what is in flight drained, then its state written; one
+assigned is restored in the background (``restores``) and loaded between batches.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ import pyarrow as pa
 from aisp.errors import ConfigError
 from aisp.graph import Graph
 from aisp.infer.batcher import DynamicBatcher
-from aisp.ingest.base import Source, SourcePartition
+from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
 from aisp.observe.stats import RunStats
 from aisp.schedule.keyed_state import KeyedStateKeeper
+from aisp.schedule.restores import Restores
 from aisp.schedule.watermarks import SourceClocks
 from aisp.sinks.base import SinkPartition
 from aisp.sinks.deadletter import DeadLetterWriter
@@ -152,6 +154,12 @@ class CheckpointCoordinator:
         self.state_store, self.partition_states = state_store, partition_states
         self._state_max_keys = state_max_keys
         self._clocks = clocks
+        self._loaded: set[int] = set()
+        self._restores = (
+            Restores(partition_states.claim, partition_states.release)
+            if partition_states is not None
+            else None
+        )
 
     def checkpoint(
         self, store: CheckpointStore, *, timeout_s: float = 10.0, checkpoint_id: int | None = None
@@ -196,9 +204,7 @@ class CheckpointCoordinator:
             ):
                 columns_of[sid] = op.snapshot()
         sources = {sid: part.snapshot() for sid, part in self._source_parts.items()}
-        partitions = (
-            self.keyed.capture_partitions(self.partition_states.owned) if self.partition_states else {}
-        )
+        partitions = self.keyed.capture_partitions(self.loaded) if self.partition_states else {}
         meta = {
             "pipeline": self.pipeline,
             "sources": sources,
@@ -259,25 +265,53 @@ class CheckpointCoordinator:
             raise ConfigError("keyed state that follows input partitions needs a single Kafka input")
         self.keyed.follow_partitions(partition_of)
 
-    def partitions_assigned(self, partitions: list[int]) -> dict[int, int]:
-        """Claim newly assigned partitions and load their state; where to start each."""
-        assert self.partition_states is not None
+    def source_context(
+        self, step_id: str, dead_letter: Callable[[list[DeadLetterRecord]], None], batch_rows: int
+    ) -> SourceContext:
+        """The context of a source whose partitions bring their state with them."""
+        return SourceContext(
+            step_id,
+            dead_letter,
+            batch_rows,
+            on_assign=self.partitions_assigned,
+            restored=self.partitions_restored,
+            on_revoke=self.partitions_revoked,
+        )
+
+    def partitions_assigned(self, partitions: list[int]) -> None:
+        """Restore newly assigned partitions in the background (``restores``)."""
+        assert self._restores is not None
+        log.info("input partitions %s assigned: restoring their state", partitions)
+        self._restores.start(partitions)
+
+    def partitions_restored(self) -> dict[int, int | None]:
+        """(The source thread, between batches) load the partitions restored since the last
+        call; where to start each (None: where the group says)."""
+        assert self._restores is not None
+        ready = self._restores.take_ready()
+        if not ready:
+            return {}
         self.flight.drain()
-        log.info("input partitions %s assigned", partitions)
-        offsets: dict[int, int] = {}
-        for partition in partitions:
-            checkpoint = self.partition_states.claim(partition)
-            if checkpoint is not None:
-                offsets[partition] = self.keyed.load_partition(partition, checkpoint)
+        offsets: dict[int, int | None] = {}
+        for partition, checkpoint in sorted(ready.items()):
+            offsets[partition] = self.keyed.load_partition(partition, checkpoint) if checkpoint else None
+            self._loaded.add(partition)
+        log.info("input partitions %s restored", sorted(ready))
         return offsets
+
+    @property
+    def loaded(self) -> list[int]:
+        """The partitions whose state is loaded (and checkpointed with the pipeline's)."""
+        return sorted(self._loaded)
 
     def partitions_revoked(self, partitions: list[int]) -> None:
         """Flush the state of partitions taken away (outputs first), release them, drop their
-        keys. A failed run (or a stop that cut the drain short) writes nothing: the last
-        checkpoint stands."""
-        assert self.partition_states is not None
+        keys; cancel the restores of those not loaded yet. A failed run (or a stop that cut the
+        drain short) writes nothing: the last checkpoint stands."""
+        assert self.partition_states is not None and self._restores is not None
+        self._restores.cancel(partitions)
         self.flight.drain()
-        owned = [p for p in partitions if p in self.partition_states.owned]
+        owned = [p for p in partitions if p in self._loaded]
         if self.flight.consistent():
             for sink in self._sink_parts.values():
                 sink.snapshot()  # the outputs their state covers are durable (a Kafka sink commits)
@@ -287,8 +321,14 @@ class CheckpointCoordinator:
             source.commit({"offsets": {p: o for p, o in offsets.items() if int(p) in owned}})
         for partition in owned:
             self.partition_states.release(partition)
+            self._loaded.discard(partition)
         log.info("input partitions %s revoked: their state is checkpointed and released", partitions)
         self.keyed.drop_partitions(partitions)
+
+    def close(self) -> None:
+        """Stop restoring (a claim under way ends when its store closes)."""
+        if self._restores is not None:
+            self._restores.close(timeout_s=5.0)
 
 
 CHANGELOG = "changelog"
@@ -296,10 +336,11 @@ CHANGELOG = "changelog"
 
 
 def open_partition_states(
-    graph: Graph, where: str, *, keep: int = 3, standby_replicas: int = 0
+    graph: Graph, where: str, *, keep: int = 3, standby_replicas: int = 0, local_dir: str | None = None
 ) -> PartitionStateStore:
     """Where keyed state that follows input partitions lives: ``CHANGELOG`` (changelog topics
-    on the broker of the pipeline's Kafka input), else a directory the group's processes share."""
+    on the broker of the pipeline's Kafka input, with local copies in ``local_dir``), else a
+    directory the group's processes share."""
     if where != CHANGELOG:
         return PartitionStates(where, keep=keep)
     from aisp.connectors.kafka import KafkaSource
@@ -311,4 +352,11 @@ def open_partition_states(
             "state in changelog topics needs a single Kafka input (kafka://HOST:PORT/TOPIC?group=G)"
         )
     src = sources[0]
-    return ChangelogStates(src.bootstrap, src.group, src.topic, graph.name, standby_replicas=standby_replicas)
+    return ChangelogStates(
+        src.bootstrap,
+        src.group,
+        src.topic,
+        graph.name,
+        standby_replicas=standby_replicas,
+        local_dir=local_dir,
+    )

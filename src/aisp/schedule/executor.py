@@ -311,11 +311,9 @@ class LocalExecutor:
                 spec = ProcessSource(inner=spec)
         position = self._restore.meta["sources"].get(node.step_id) if self._restore is not None else None
         if self.partition_states is not None:  # positions come with each partition's state
-            ctx = SourceContext(
-                node.step_id, self._source_dead_letters, self.options.source_batch_rows,
-                on_assign=self.checkpoints.partitions_assigned,
-                on_revoke=self.checkpoints.partitions_revoked,
-            )  # fmt: skip
+            ctx = self.checkpoints.source_context(
+                node.step_id, self._source_dead_letters, self.options.source_batch_rows
+            )
             return spec.open(ctx, resume_from=None)
         ctx = SourceContext(node.step_id, self._source_dead_letters, self.options.source_batch_rows)
         return spec.open(ctx, resume_from=position)
@@ -484,6 +482,7 @@ class LocalExecutor:
             finally:
                 for source in self._source_parts.values():
                     source.close()
+                self.checkpoints.close()
                 for part in self._sink_parts.values():
                     part.close()
                 self.dead_letter.flush()

@@ -15,8 +15,11 @@ whose offset is at most the group's committed offset for the partition: a record
 from a checkpoint whose commit never landed (its worker died in between), and is skipped. The
 keys of such records are written again at the worker's first checkpoint of the partition (their
 restored value, or a tombstone), so a later restore never takes the stale record once the
-committed offset has moved past it. A key's state is written only when it changed since it was
-last written or restored (a vectorised comparison of the rows).
+committed offset has moved past it. A worker that owned the partition before (at the previous
+rebalance, or before a restart) starts from its local copy and reads only what follows it
+(``local_copy``); one that keeps a standby copy reads only the tail after it (``standby``). A
+key's state is written only when it changed since it was last written or restored (a vectorised
+comparison of the rows).
 
 Replays are deterministic (a partition's records in offset order, one owner at a time), so the
 restored state and the committed offset always agree. Outputs that must be exactly-once across
@@ -39,7 +42,8 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from aisp.connectors.kafka.standby import COVERS, END, LAYOUT, ChangelogLog, Standby, ring
+from aisp.connectors.kafka.local_copy import LocalCopies, LocalCopy, Rows, merge_tail
+from aisp.connectors.kafka.standby import COVERS, END, LAYOUT, OFFSET_BEGINNING, ChangelogLog, Standby, ring
 from aisp.errors import ConfigError, StateError
 from aisp.state.checkpoint import Checkpoint
 from aisp.state.store import decode_keys, encode_names, encode_rows
@@ -90,6 +94,7 @@ class ChangelogStates:
         *,
         standby_replicas: int = 0,
         restore_timeout_s: float = 300.0,
+        local_dir: str | Path | None = None,
         options: dict[str, Any] | None = None,
     ) -> None:
         from confluent_kafka import Consumer, Producer
@@ -129,10 +134,14 @@ class ChangelogStates:
         self._owned: dict[int, _Owned] = {}
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
+        self._claiming = threading.Lock()  # held by a claim: close waits for it to stop
+        self._closing = threading.Event()
         self.restored_records = 0
         self.written_records = 0
         self.restore_seconds = 0.0
-        self._counts = {"claimed": 0, "from_standby": 0, "restore_s": 0.0}
+        self._counts = {"claimed": 0, "from_standby": 0, "from_local": 0, "restore_s": 0.0}
+        self._local = LocalCopies(local_dir) if local_dir is not None else None
+        self._ends: dict[tuple[str, int], int] = {}  # (changelog, partition) -> offset after the last known
         self._standby_replicas = standby_replicas
         self._standby: Standby | None = None
         if standby_replicas > 0:
@@ -190,39 +199,59 @@ class ChangelogStates:
         deadline = time.monotonic() + self._restore_timeout_s
         try:
             reader.assign([TopicPartition(name, partition, copy.next)])
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not self._closing.is_set():
                 if copy.add_messages(reader.consume(num_messages=50_000, timeout=0.05), token):
                     return
         finally:
             reader.unassign()
+        if self._closing.is_set():
+            raise StateError(f"changelog {name!r} partition {partition}: restore stopped (closing)")
         raise StateError(
             f"changelog {name!r} partition {partition}: not read to its end in {self._restore_timeout_s:g} s"
         )
 
     def claim(self, partition: int) -> Checkpoint | None:
-        """Restore ``partition`` from its changelogs (see the module docstring): its state, and
-        its committed offset as where to start; None when it has neither."""
+        """Restore ``partition`` from its changelogs (see the module docstring), from a standby
+        copy or a local copy when there is one: its state, and its committed offset as where to
+        start; None when it has neither."""
+        with self._claiming:
+            if self._closing.is_set():
+                raise StateError(f"input partition {partition}: not restored (closing)")
+            return self._claim(partition)
+
+    def _claim(self, partition: int) -> Checkpoint | None:
         t0 = time.monotonic()
         committed = self._committed(partition)
         warm = self._standby.take(partition) if self._standby is not None else {}
+        local = self._local.load(partition, committed) if self._local is not None and not warm else None
         owned = _Owned()
         tables: dict[str, pa.Table] = {}
         read = 0
         for step, name in sorted(self._topics().items()):
-            copy = warm.get(name) or ChangelogLog()
+            start = local.ends.get(name) if local is not None else None
+            from_local = start is not None
+            copy = warm.get(name) or ChangelogLog(next=start if start is not None else OFFSET_BEGINNING)
             before = copy.records
             copy.settle(committed)
             self._tail(name, partition, copy)
+            self._ends[(name, partition)] = copy.next
             read += copy.records - before
             keys, values, stale = copy.resolve()
             self._created.add(name)
+            rows: Rows | None = None
+            columns = _rows(name, copy.layout, values) if keys else {}
+            if from_local:
+                assert local is not None
+                gone = [k for k, (_, v) in copy.final.items() if v is None]
+                rows = merge_tail(name, local.steps.get(step), keys, columns, gone)
+                stale |= local.stale.get(step, set())
+            elif keys:
+                rows = pa.array(decode_keys(b"", keys)), columns
             owned.stale[step] = stale
-            if not keys:
+            if rows is None or not len(rows[0]):
                 continue
-            columns = _rows(name, copy.layout, values)
-            key_array = pa.array(decode_keys(b"", keys))
-            owned.base[step] = (key_array, columns)
-            tables[f"op.{step}"] = pa.table({"_key": key_array, **columns})
+            owned.base[step] = rows
+            tables[f"op.{step}"] = pa.table({"_key": rows[0], **rows[1]})
         owned.covers = committed if committed is not None else -1
         with self._lock:
             self._owned[partition] = owned
@@ -230,10 +259,12 @@ class ChangelogStates:
         self.restore_seconds = time.monotonic() - t0
         self._counts["claimed"] += 1
         self._counts["from_standby"] += bool(warm)
+        self._counts["from_local"] += local is not None
         self._counts["restore_s"] += self.restore_seconds
+        source = ", the tail of a standby copy" if warm else ", the tail after a local copy" if local else ""
         log.info(
-            "input partition %d: changelogs read in %.3f s (%d records%s)", partition,
-            self.restore_seconds, read, ", the tail of a standby copy" if warm else "",
+            "input partition %d: changelogs read in %.3f s (%d records%s)",
+            partition, self.restore_seconds, read, source,
         )  # fmt: skip
         self._want()
         if committed is None:
@@ -253,7 +284,19 @@ class ChangelogStates:
                 return False
             owned.covers = int(meta["offset"])
             self._write(partition, owned, tables, meta)
+            if self._local is not None and self._local.due(partition):
+                self._save(partition, owned)
             return True
+
+    def _save(self, partition: int, owned: _Owned) -> None:
+        """Keep a local copy of ``partition``'s state as last written (see ``local_copy``)."""
+        assert self._local is not None
+        names = {step: changelog_topic(self._group, self._topic, step) for step in owned.base}
+        names.update({step: changelog_topic(self._group, self._topic, step) for step in owned.stale})
+        ends = {n: self._ends[(n, partition)] for n in names.values() if (n, partition) in self._ends}
+        steps = {step: rows for step, rows in owned.base.items() if names[step] in ends}
+        stale = {step: keys for step, keys in owned.stale.items() if names[step] in ends}
+        self._local.save(partition, LocalCopy(owned.covers, ends, steps, stale))
 
     def _write(
         self, partition: int, owned: _Owned, tables: dict[str, pa.Table], meta: dict[str, Any]
@@ -305,6 +348,9 @@ class ChangelogStates:
     def _delivered(self, err: Any, msg: Any) -> None:
         if err is not None:
             self._errors.append(str(err))
+            return
+        where = (msg.topic(), msg.partition())
+        self._ends[where] = max(self._ends.get(where, 0), msg.offset() + 1)
 
     def _flush(self, name: str) -> None:
         left = self._producer.flush(60)
@@ -325,8 +371,11 @@ class ChangelogStates:
         }
 
     def release(self, partition: int) -> None:
-        with self._lock:
-            self._owned.pop(partition, None)
+        with self._write_lock:
+            with self._lock:
+                owned = self._owned.pop(partition, None)
+            if owned is not None and self._local is not None:
+                self._save(partition, owned)
         self._want()
 
     def _want(self) -> None:
@@ -335,8 +384,11 @@ class ChangelogStates:
             self._standby.want(ring(self.owned, self.partitions, self._standby_replicas))
 
     def close(self) -> None:
-        with self._lock:
-            self._owned.clear()
+        self._closing.set()
+        with self._claiming:  # a claim under way stops
+            pass
+        for partition in self.owned:
+            self.release(partition)
         if self._standby is not None:
             self._standby.stop()
             self._standby.join(5)

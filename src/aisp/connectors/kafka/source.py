@@ -12,11 +12,13 @@ offset if the checkpoint has it, else at the group's committed offset, else at t
 The position is the next offset per partition after the records handed to the pipeline;
 ``commit(position)`` commits those offsets to the group once the checkpoint holding them is
 durable. Several processes of one group need keyed state that moves with the partitions (``aisp
-run --partition-state DIR``): the engine then says where each newly assigned partition starts
-(``SourceContext.on_assign``, from the partition's own checkpoint) and flushes the state of
-revoked ones (``on_revoke``). While every broker is unreachable the source waits (librdkafka
-reconnects) and does not count the time as idle input; after ``retry_s`` it fails with a clear
-error. Compatibility is tested against the Tansu broker (Kafka protocol), see the README.
+run --partition-state``): a newly assigned partition is then paused while the engine restores
+its state in the background (``SourceContext.on_assign``), and starts where the restored state
+says once it is loaded (``restored``, asked between batches; the other partitions flow and the
+group is polled meanwhile); a revoked one has its state flushed (``on_revoke``). While every
+broker is unreachable the source waits (librdkafka reconnects) and does not count the time as
+idle input; after ``retry_s`` it fails with a clear error. Compatibility is tested against the
+Tansu broker (Kafka protocol), see the README.
 """
 
 from __future__ import annotations
@@ -105,7 +107,9 @@ class KafkaSourcePartition(SourcePartition):
             "enable.partition.eof": False,
             **cfg.options,
         }
-        self._owned: set[int] = set()  # partitions assigned now
+        self._owned: set[int] = set()  # partitions assigned now (and restored)
+        self._restoring: set[int] = set()  # assigned, paused until the engine restored their state
+        self._skipped: dict[int, int] = {}  # a restoring partition's first record fetched anyway
         self._committed: dict[int, int] = {}  # the highest offset committed (or started from)
         self._pending: dict[int, int] = {}  # commits asked for by other threads
         self._commit_lock = threading.Lock()
@@ -125,17 +129,41 @@ class KafkaSourcePartition(SourcePartition):
             self._down_since = time.monotonic()
 
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
-        if self._ctx.on_assign is not None:  # the engine says where (state moves with partitions)
-            for p, offset in self._ctx.on_assign([tp.partition for tp in partitions]).items():
-                self._resume[p] = offset
+        self._assigned = True
+        self._idle_since = time.monotonic()
+        if self._ctx.on_assign is not None:  # state moves with partitions: restored first
+            consumer.assign(partitions)
+            consumer.pause(partitions)
+            self._restoring.update(tp.partition for tp in partitions)
+            self._ctx.on_assign([tp.partition for tp in partitions])
+            return
         for tp in partitions:
             if tp.partition in self._resume:
                 tp.offset = self._resume[tp.partition]
                 self._committed[tp.partition] = self._resume[tp.partition]
             self._owned.add(tp.partition)
         consumer.assign(partitions)
-        self._assigned = True
-        self._idle_since = time.monotonic()
+
+    def _resume_restored(self) -> None:
+        """Start the partitions whose state the engine has restored, where it says (else where
+        the group says: the first record fetched before the pause took, if any)."""
+        from confluent_kafka import TopicPartition
+
+        assert self._ctx.restored is not None
+        ready = {p: o for p, o in self._ctx.restored().items() if p in self._restoring}
+        for p, offset in sorted(ready.items()):
+            start = offset if offset is not None else self._skipped.get(p)
+            tp = TopicPartition(self._cfg.topic, p)
+            if start is not None:
+                self._consumer.seek(TopicPartition(self._cfg.topic, p, start))
+            self._consumer.resume([tp])
+            with self._commit_lock:
+                self._restoring.discard(p)
+                self._skipped.pop(p, None)
+                self._owned.add(p)
+                if offset is not None:
+                    self._resume[p] = self._committed[p] = offset
+        self._idle_since = time.monotonic()  # a restore is not idle input
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
         if self._ctx.on_revoke is not None:
@@ -146,6 +174,8 @@ class KafkaSourcePartition(SourcePartition):
                 self._in_callback = None
         with self._commit_lock:
             for tp in partitions:  # no longer this consumer's to commit
+                self._restoring.discard(tp.partition)
+                self._skipped.pop(tp.partition, None)
                 self._next.pop(tp.partition, None)
                 self._resume.pop(tp.partition, None)
                 self._owned.discard(tp.partition)
@@ -167,6 +197,8 @@ class KafkaSourcePartition(SourcePartition):
             pending, self._pending = self._pending, {}
         if pending:
             self._commit_now(pending)
+        if self._restoring:
+            self._resume_restored()
         msgs = self._consumer.consume(num_messages=max_rows, timeout=self._cfg.poll_timeout_s)
         if msgs:
             self._down_since = None
@@ -180,7 +212,9 @@ class KafkaSourcePartition(SourcePartition):
         records = []
         for m in msgs:
             err = m.error()
-            if err is None:
+            if err is None and m.partition() in self._restoring:  # read again once restored
+                self._skipped.setdefault(m.partition() or 0, m.offset() or 0)
+            elif err is None:
                 records.append(m)
             elif err.fatal() or not err.retriable():
                 raise SourceError(f"kafka {self._cfg.bootstrap} topic {self._cfg.topic!r}: {err}")
