@@ -8,7 +8,10 @@ group commits its offset. Then, alternating for ``--rounds`` rounds:
 * cold: a new worker takes partition 0 over and reads its changelog from the start;
 * standby: a worker that keeps a standby replica of partition 0 (``standby_replicas=1``) has
   tailed the changelog; the owner writes one more checkpoint (``--tail`` of the keys changed)
-  and commits, and the standby worker takes the partition over, reading only the tail.
+  and commits, and the standby worker takes the partition over, reading only the tail;
+* local: a worker restarted with the checkpoint directory it had when it last owned partition 0
+  (a local copy of the state then) takes it over after the owner wrote one more checkpoint: it
+  loads the copy and reads only the changelog records after it.
 
 Restore time is from the takeover call to the state in hand (tables built), median of the
 rounds; each taking worker was started at least a second before (as a running worker was, when
@@ -23,6 +26,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -70,9 +74,31 @@ def one_size(bootstrap: str, keys: int, rounds: int, tail: float) -> dict[str, o
     write_s = time.perf_counter() - t0
     offset = keys
     commit(bootstrap, group, topic, offset)
-    cold, warm, tails = [], [], []
+    cold, warm, local, tails = [], [], [], []
+    kinds = ("cold", "standby", "local")
     for r in range(rounds):
-        for kind in ("cold", "standby") if r % 2 == 0 else ("standby", "cold"):
+        for kind in kinds[r % 3 :] + kinds[: r % 3]:
+            if kind == "local":
+                with tempfile.TemporaryDirectory() as tmp:
+                    before = ChangelogStates(bootstrap, group, topic, "fraud", local_dir=tmp)
+                    before.claim(0)
+                    before.close()  # its local copy covers the state until now
+                    changed = int(keys * tail)
+                    n[:changed] += 1
+                    offset += changed
+                    owner.write(0, tables(key_array, n, mean), {"offset": offset, "spaces": SPACES})
+                    commit(bootstrap, group, topic, offset)
+                    worker = ChangelogStates(bootstrap, group, topic, "fraud", local_dir=tmp)
+                    time.sleep(1.0)  # as for the cold worker
+                    t0 = time.perf_counter()
+                    checkpoint = worker.claim(0)
+                    local.append(time.perf_counter() - t0)
+                    assert checkpoint is not None and worker.stats()["from_local"] == 1
+                    restored = checkpoint.tables["op.user_stats"]
+                    total = int(pa.compute.sum(restored.column("n")).as_py())
+                    assert restored.num_rows == keys and total == int(n.sum())
+                    worker.close()
+                continue
             if kind == "cold":
                 worker = ChangelogStates(bootstrap, group, topic, "fraud")
                 time.sleep(1.0)  # a running worker: its clients connected when it started
@@ -116,6 +142,9 @@ def one_size(bootstrap: str, keys: int, rounds: int, tail: float) -> dict[str, o
         "standby_median_s": round(statistics.median(warm), 3),
         "standby_tail_records": tails,
         "cold_over_standby": round(statistics.median(cold) / statistics.median(warm), 1),
+        "local_restore_s": [round(x, 3) for x in local],
+        "local_median_s": round(statistics.median(local), 3),
+        "cold_over_local": round(statistics.median(cold) / statistics.median(local), 1),
     }
 
 

@@ -62,8 +62,9 @@ class CheckpointOptions:
     changelog topics on the input's broker when this is ``CHANGELOG`` (the workers share nothing
     but the broker), else in this directory, shared by the group's processes."""
     standby_replicas: int = 0
-    """With ``partition_state_dir=CHANGELOG``: keep warm copies of this many partitions the
-    process does not own (the ones after its own), so taking one over reads only the tail."""
+    """With ``partition_state_dir=CHANGELOG``: keep warm copies of this many times as many
+    partitions as the process owns (the ones after its own), so taking one over reads only the
+    tail (see ``aisp.connectors.kafka.standby.ring``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

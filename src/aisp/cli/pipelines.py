@@ -76,9 +76,9 @@ def run(
     standby_replicas: Annotated[
         int,
         typer.Option(
-            help="With --partition-state changelog: keep warm copies of this many partitions this worker"
-            " does not own (the ones after its own), by tailing their changelogs, so a takeover reads"
-            " only the tail."
+            help="With --partition-state changelog: keep K warm copies of each partition in the group"
+            " (each worker copies K times as many partitions as it owns, the ones after its own) by"
+            " tailing their changelogs, so a takeover reads only the tail."
         ),
     ] = 0,
     state_max_keys: Annotated[

@@ -101,18 +101,23 @@ class ChangelogLog:
 
 
 def ring(owned: list[int], partitions: int, k: int) -> set[int]:
-    """The ``k`` partitions after the owned ones in ring order that are not owned (from 0 when
-    none is owned): the partitions a worker keeps warm copies of.
+    """The partitions a worker keeps warm copies of: ``k`` times as many as it owns (``k`` when
+    it owns none), the first ones after its own in ring order that it does not own. When the
+    workers own equal runs of partitions (a range assignment) or every n-th one (round robin),
+    each partition then has ``k`` copies on the ``k`` workers before its owner.
 
-    >>> sorted(ring([0, 1], 4, 1)), sorted(ring([2, 3], 4, 2)), sorted(ring([], 4, 2))
-    ([2], [0, 1], [0, 1])
+    >>> sorted(ring([0, 1], 4, 1)), sorted(ring([2, 3], 4, 1)), sorted(ring([0, 2], 4, 1))
+    ([2, 3], [0, 1], [1, 3])
+    >>> sorted(ring([2, 3], 8, 2)), sorted(ring([], 4, 2)), sorted(ring([0], 3, 5))
+    ([4, 5, 6, 7], [0, 1], [1, 2])
     """
+    want = k * len(owned) if owned else k
     start = max(owned) + 1 if owned else 0
     mine = set(owned)
     out: set[int] = set()
     for i in range(partitions):
         p = (start + i) % partitions
-        if len(out) >= k:
+        if len(out) >= want:
             break
         if p not in mine:
             out.add(p)
