@@ -35,6 +35,8 @@ class ServedModel:
         repository: the model repository.
         name: the model's directory name.
         version: the version to serve first; the newest one its version policy allows by default.
+        pin: serve ``version`` only: ``refresh`` never moves it to a newer one (a pipeline step or
+            server slot addressed to one version).
         providers: ONNX Runtime execution providers (see ``OnnxRuntime``).
         intra_op_threads: ONNX Runtime threads per operator.
     """
@@ -45,9 +47,12 @@ class ServedModel:
         name: str,
         *,
         version: int | None = None,
+        pin: bool = False,
         providers: Sequence[str] | None = None,
         intra_op_threads: int = 1,
     ) -> None:
+        if pin and version is None:
+            raise ModelError(f"model {name!r}: a pinned model needs the version to serve")
         if not isinstance(repository, ModelRepository):
             repository = ModelRepository(repository)
         self.repository = repository
@@ -58,6 +63,7 @@ class ServedModel:
         self._lock = threading.Lock()
         self.last_error: str | None = None
         self.swaps = 0
+        self.pinned = pin
         self._failed: dict[int, float] = {}  # version -> model file mtime when its load failed
         first = version if version is not None else self._newest()
         self._current = self._build(first)  # warmed up by the batcher that serves it
@@ -124,7 +130,10 @@ class ServedModel:
         return new.version
 
     def refresh(self) -> bool:
-        """Serve the newest allowed version if it changed on disk; False if nothing changed or it failed."""
+        """Serve the newest allowed version if it changed on disk; False if nothing changed or it
+        failed, or the model is pinned to its version."""
+        if self.pinned:
+            return False
         try:
             newest = self._newest()
         except ModelError as exc:

@@ -324,9 +324,19 @@ class ModelRoutes:
         return str(name)
 
     async def load(self, request: Request) -> Response:
-        name = self._control(request, await _read_body(request, _SMALL_BODY))
+        """Load a model; ``{"parameters": {"version": N}}`` loads version N beside the ones its
+        version policy serves (instead of them when it serves one: a hot swap)."""
+        body = await _read_body(request, _SMALL_BODY)
+        name = self._control(request, body, frozenset({"version"}))
+        params = _decode(body, _LoadRequest, "request").parameters or {} if body.strip() else {}
+        version = params.get("version")
+        if version is not None and not (
+            (isinstance(version, int) and not isinstance(version, bool) and version >= 0)
+            or (isinstance(version, str) and version.isdigit())
+        ):
+            raise BadRequest(f"parameter 'version' must be a version number, got {str(version)[:40]!r}")
         try:
-            await run_in_threadpool(self.models.load, name)
+            await run_in_threadpool(self.models.load, name, None if version is None else int(version))
         except NotFound:
             raise
         except ModelError as exc:

@@ -27,6 +27,7 @@ from aisp.infer.config import BatcherConfig
 from aisp.infer.repository import ModelRepository, check_model_name
 from aisp.infer.versions import ServedModel
 from aisp.serve.model_stats import ModelStats
+from aisp.serve.model_versions import ModelVersions, wanted_versions
 from aisp.serve.oip import Signature, TensorSignature, check_arrays
 from aisp.serve.served import InferResult, Pending, RequestFailed, Served, wake
 from aisp.serve.tensors import (
@@ -81,8 +82,9 @@ class ModelServer:
             repository if isinstance(repository, ModelRepository) else ModelRepository(repository)
         )
         self._initial = list(models) if models is not None else None
-        self._served: dict[str, Served] = {}
+        self._served: dict[str, ModelVersions] = {}
         self._lock = threading.Lock()
+        self._loading = threading.Lock()  # loads and unloads one at a time
         self._pending: dict[int, Pending] = {}
         self._ids = itertools.count(1)
         self.started_ns = time.monotonic_ns()
@@ -96,48 +98,56 @@ class ModelServer:
         with self._lock:
             served, self._served = self._served, {}
         for s in served.values():
-            s.batcher.close()
+            s.close()
 
     # -- repository ---------------------------------------------------------------------------
     def load(self, name: str, version: int | None = None) -> str:
-        """Load ``name`` (or switch it to ``version``: a hot swap between batches). ``name`` is
+        """Load ``name``: serve the versions its version policy selects (``version`` too, or
+        instead when the policy serves one: a hot swap), each behind its own batcher; versions
+        no longer selected are retired (``ModelVersions``). The newest live version. ``name`` is
         one path segment inside the repository (``BadRequest`` otherwise)."""
         check_model_name(name)
-        with self._lock:
+        with self._loading:
+            selected = self.repository.serving_versions(name, self.repository.config(name))
             current = self._served.get(name)
-        if current is not None:
-            return current.model.load(version)
-        model = ServedModel(self.repository, name, version=version)
-        served = Served(
+            versions = current or ModelVersions(name, lambda v: self._make(name, v))
+            latest = versions.reconcile(wanted_versions(selected, version))
+            if current is None:
+                with self._lock:
+                    self._served[name] = versions
+            return latest
+
+    def _make(self, name: str, version: int) -> Served:
+        model = ServedModel(self.repository, name, version=version, pin=True)
+        return Served(
             model,
             self._batching.get(name),
             emit=self._complete,
             dead_letter=self._fail,
             on_batch=self._batched,
         )
-        with self._lock:
-            self._served[name] = served
-        return model.version
 
     def unload(self, name: str) -> None:
         check_model_name(name)
-        with self._lock:
-            served = self._served.pop(name, None)
-        if served is None:
-            raise NotFound(f"Request for unknown model: {name!r} is not loaded")
-        served.batcher.close()
+        with self._loading:
+            with self._lock:
+                served = self._served.pop(name, None)
+            if served is None:
+                raise NotFound(f"Request for unknown model: {name!r} is not loaded")
+            served.close()
 
     def index(self) -> list[dict[str, str]]:
         out = []
         for name in self.repository.models():
             served = self._served.get(name)
+            live = set(served.by_version) if served is not None else set()
             try:
                 versions = self.repository.versions(name) or [0]
             except AispError:
                 versions = [0]  # a config that does not parse: listed, not loadable
             for v in versions:
-                ready = served is not None and served.model.version == str(v)
-                out.append({"name": name, "version": str(v), "state": "READY" if ready else "UNAVAILABLE"})
+                state = "READY" if str(v) in live else "UNAVAILABLE"
+                out.append({"name": name, "version": str(v), "state": state})
         return out
 
     def _get(self, name: str, version: str | None = None) -> Served:
@@ -145,9 +155,7 @@ class ModelServer:
         if s is None:
             check_model_name(name)  # a name that could never be a model is a bad request
             raise NotFound(f"Request for unknown model: {name!r} is not found")
-        if version and version != s.model.version:
-            raise NotFound(f"Request for unknown model: {name!r} version {version} is not found")
-        return s
+        return s.get(version)
 
     def served(self, name: str, version: str | None = None) -> ServedModel:
         """The serving model ``name`` (at ``version``, if given); ``NotFound`` otherwise."""
@@ -166,7 +174,7 @@ class ModelServer:
         def tensors(ts: Sequence[TensorSignature]) -> list[dict[str, Any]]:
             return [{"name": t.name, "datatype": t.datatype, "shape": [-1, *t.dims]} for t in ts]
 
-        versions = [str(v) for v in self.repository.serving_versions(cfg.name, cfg)]
+        versions = self._served[name].versions
         return {
             "name": cfg.name,
             "versions": versions,
@@ -421,9 +429,9 @@ class ModelServer:
                 raise NotFound(f"Request for unknown model: {name!r} is not found")
             served = {name: served[name]}
         out = []
-        for _, s in sorted(served.items()):
-            versions = [version] if version else sorted(set(s.stats) | {s.model.version}, key=int)
-            out += [s.stats_of(v).to_dict() for v in versions]
+        for _, versions in sorted(served.items()):
+            for s in [versions.get(version)] if version else list(versions.by_version.values()):
+                out += [s.stats_of(v).to_dict() for v in sorted(set(s.stats) | {s.model.version}, key=int)]
         return out
 
     def tier_of(self, name: str, priority: int) -> int:
@@ -432,7 +440,8 @@ class ModelServer:
 
     def queue_rows(self) -> dict[str, int]:
         with self._lock:
-            return {name: s.batcher.queued_rows for name, s in self._served.items()}
+            served = dict(self._served)
+        return {name: sum(s.batcher.queued_rows for s in v.by_version.values()) for name, v in served.items()}
 
     # -- batcher callbacks (dispatcher threads) -----------------------------------------------
     def _batched(self, model: str, rows: int) -> None:

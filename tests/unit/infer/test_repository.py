@@ -131,6 +131,15 @@ def test_served_model_loads_newest_and_swaps(tmp_path: Path) -> None:
     np.testing.assert_allclose(old.run({"features": x})["score"][:, 0], expected_score(x, 0.1), rtol=1e-6)
 
 
+def test_a_pinned_model_serves_its_version_whatever_arrives(tmp_path: Path) -> None:
+    fraud_repository(tmp_path, {1: 0.1, 2: 0.2})
+    model = ServedModel(tmp_path, "fraud", version=1, pin=True)
+    linear_model(tmp_path / "fraud" / "3" / "model.onnx", 0.3)
+    assert model.refresh() is False and model.version == "1" and model.swaps == 0
+    with pytest.raises(ModelError, match="needs the version"):
+        ServedModel(tmp_path, "fraud", pin=True)
+
+
 def test_failed_load_keeps_the_old_version(tmp_path: Path) -> None:
     fraud_repository(tmp_path, {1: 0.1})
     model = ServedModel(tmp_path, "fraud")
