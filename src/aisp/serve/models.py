@@ -21,14 +21,14 @@ import numpy as np
 import numpy.typing as npt
 
 from aisp.batch import Batch
-from aisp.errors import AispError, BadRequest, NotFound
+from aisp.errors import AispError, BadRequest
 from aisp.infer.batcher import BatcherClosed, QueueFull
 from aisp.infer.config import BatcherConfig
-from aisp.infer.repository import ModelRepository, check_model_name
+from aisp.infer.repository import ModelRepository
 from aisp.infer.versions import ServedModel
+from aisp.serve.model_control import ModelControl
 from aisp.serve.model_stats import ModelStats
-from aisp.serve.model_versions import ModelVersions, wanted_versions
-from aisp.serve.oip import Signature, TensorSignature, check_arrays
+from aisp.serve.oip import check_arrays
 from aisp.serve.served import InferResult, Pending, RequestFailed, Served, wake
 from aisp.serve.tensors import (
     REQ,
@@ -47,7 +47,7 @@ __all__ = ["InferResult", "ModelServer", "ModelStats", "RequestFailed"]
 log = logging.getLogger("aisp.serve")
 
 
-class ModelServer:
+class ModelServer(ModelControl):
     """Serves the models of a repository (see the module docstring).
 
     Args:
@@ -82,9 +82,7 @@ class ModelServer:
             repository if isinstance(repository, ModelRepository) else ModelRepository(repository)
         )
         self._initial = list(models) if models is not None else None
-        self._served: dict[str, ModelVersions] = {}
-        self._lock = threading.Lock()
-        self._loading = threading.Lock()  # loads and unloads one at a time
+        super().__init__()
         self._pending: dict[int, Pending] = {}
         self._ids = itertools.count(1)
         self.started_ns = time.monotonic_ns()
@@ -100,23 +98,6 @@ class ModelServer:
         for s in served.values():
             s.close()
 
-    # -- repository ---------------------------------------------------------------------------
-    def load(self, name: str, version: int | None = None) -> str:
-        """Load ``name``: serve the versions its version policy selects (``version`` too, or
-        instead when the policy serves one: a hot swap), each behind its own batcher; versions
-        no longer selected are retired (``ModelVersions``). The newest live version. ``name`` is
-        one path segment inside the repository (``BadRequest`` otherwise)."""
-        check_model_name(name)
-        with self._loading:
-            selected = self.repository.serving_versions(name, self.repository.config(name))
-            current = self._served.get(name)
-            versions = current or ModelVersions(name, lambda v: self._make(name, v))
-            latest = versions.reconcile(wanted_versions(selected, version))
-            if current is None:
-                with self._lock:
-                    self._served[name] = versions
-            return latest
-
     def _make(self, name: str, version: int) -> Served:
         model = ServedModel(self.repository, name, version=version, pin=True)
         return Served(
@@ -126,77 +107,6 @@ class ModelServer:
             dead_letter=self._fail,
             on_batch=self._batched,
         )
-
-    def unload(self, name: str) -> None:
-        check_model_name(name)
-        with self._loading:
-            with self._lock:
-                served = self._served.pop(name, None)
-            if served is None:
-                raise NotFound(f"Request for unknown model: {name!r} is not loaded")
-            served.close()
-
-    def index(self) -> list[dict[str, str]]:
-        out = []
-        for name in self.repository.models():
-            served = self._served.get(name)
-            live = set(served.by_version) if served is not None else set()
-            try:
-                versions = self.repository.versions(name) or [0]
-            except AispError:
-                versions = [0]  # a config that does not parse: listed, not loadable
-            for v in versions:
-                state = "READY" if str(v) in live else "UNAVAILABLE"
-                out.append({"name": name, "version": str(v), "state": state})
-        return out
-
-    def _get(self, name: str, version: str | None = None) -> Served:
-        s = self._served.get(name)  # one dict read: atomic; writers hold the lock
-        if s is None:
-            check_model_name(name)  # a name that could never be a model is a bad request
-            raise NotFound(f"Request for unknown model: {name!r} is not found")
-        return s.get(version)
-
-    def served(self, name: str, version: str | None = None) -> ServedModel:
-        """The serving model ``name`` (at ``version``, if given); ``NotFound`` otherwise."""
-        return self._get(name, version).model
-
-    def signature(self, name: str, version: str | None = None) -> Signature:
-        """What requests to model ``name`` are checked against; ``NotFound`` if not loaded."""
-        return self._get(name, version).signature
-
-    def metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
-        """OIP v2 model metadata: name, serving versions, platform, inputs/outputs with the batch
-        dimension as -1 and OIP datatypes."""
-        served = self._get(name, version)
-        cfg, sig = served.model.config, served.signature
-
-        def tensors(ts: Sequence[TensorSignature]) -> list[dict[str, Any]]:
-            return [{"name": t.name, "datatype": t.datatype, "shape": [-1, *t.dims]} for t in ts]
-
-        versions = self._served[name].versions
-        return {
-            "name": cfg.name,
-            "versions": versions,
-            "platform": cfg.platform,
-            "inputs": tensors(sig.inputs),
-            "outputs": tensors(sig.outputs),
-        }
-
-    def ready(self, name: str, version: str | None = None) -> bool:
-        try:
-            self._get(name, version)
-        except (NotFound, BadRequest):
-            return False
-        return True
-
-    @property
-    def models(self) -> list[str]:
-        with self._lock:
-            return sorted(self._served)
-
-    def is_loaded(self, name: str) -> bool:
-        return name in self._served
 
     # -- inference ----------------------------------------------------------------------------
     def _admit(
@@ -418,30 +328,6 @@ class ModelServer:
         if pending.error is not None:
             raise RequestFailed(f"model {name!r}: {pending.error}", reason=pending.error)
         return InferResult(name, pending.version, pending.outputs)
-
-    def statistics(self, name: str | None = None, version: str | None = None) -> list[dict[str, Any]]:
-        """Triton statistics (``$model_stat`` objects) of the loaded models, or of one model
-        (and version); a model not loaded raises ``NotFound``."""
-        with self._lock:
-            served = dict(self._served)
-        if name is not None:
-            if name not in served:
-                raise NotFound(f"Request for unknown model: {name!r} is not found")
-            served = {name: served[name]}
-        out = []
-        for _, versions in sorted(served.items()):
-            for s in [versions.get(version)] if version else list(versions.by_version.values()):
-                out += [s.stats_of(v).to_dict() for v in sorted(set(s.stats) | {s.model.version}, key=int)]
-        return out
-
-    def tier_of(self, name: str, priority: int) -> int:
-        """The tier a request with OIP/Triton ``priority`` gets on model ``name``."""
-        return self.served(name).config.tier(priority)
-
-    def queue_rows(self) -> dict[str, int]:
-        with self._lock:
-            served = dict(self._served)
-        return {name: sum(s.batcher.queued_rows for s in v.by_version.values()) for name, v in served.items()}
 
     # -- batcher callbacks (dispatcher threads) -----------------------------------------------
     def _batched(self, model: str, rows: int) -> None:
