@@ -40,6 +40,34 @@ def linear_model(path: Path, scale: float, *, width: int = 18, input_name: str =
     return path
 
 
+def slow_linear_model(path: Path, scale: float, *, work: int = 1200, width: int = 18) -> Path:
+    """``linear_model``'s scores, after a ``work`` x ``work`` matrix product per model call that
+    depends on the input (so it is not folded away) and adds nothing to the score: a version that
+    is slower per batch, whatever the batch size."""
+    w = numpy_helper.from_array(np.full((width, 1), scale, dtype=np.float32), "w")
+    big = numpy_helper.from_array(np.full((work, work), 1e-9, dtype=np.float32), "big")
+    shape = numpy_helper.from_array(np.array([work, work], dtype=np.int64), "shape")
+    zero = numpy_helper.from_array(np.zeros((), dtype=np.float32), "zero")
+    nodes = [
+        helper.make_node("MatMul", ["features", "w"], ["z"]),
+        helper.make_node("Sigmoid", ["z"], ["p"]),
+        helper.make_node("ReduceSum", ["features"], ["s"], keepdims=0),
+        helper.make_node("Expand", ["s", "shape"], ["square"]),
+        helper.make_node("MatMul", ["square", "big"], ["product"]),
+        helper.make_node("ReduceSum", ["product"], ["busy"], keepdims=0),
+        helper.make_node("Mul", ["busy", "zero"], ["nothing"]),
+        helper.make_node("Add", ["p", "nothing"], ["score"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "slow_linear",
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info("score", TensorProto.FLOAT, ["batch", 1])],
+        initializer=[w, big, shape, zero],
+    )
+    return _save(graph, path)
+
+
 def fraud_repository(root: Path, versions: dict[int, float], config: str = FRAUD_CONFIG) -> Path:
     """``root/fraud/config.pbtxt`` and one linear model per version (version -> scale)."""
     (root / "fraud").mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,7 @@ class Admitted(msgspec.Struct, frozen=True):
     priority: int
     tier: int | None
     timeout_s: float | None
+    key: str | None = None
 
 
 def infer_admitted(models: ModelServer, name: str, a: Admitted) -> Coroutine[Any, Any, InferResult]:
@@ -51,6 +52,7 @@ def infer_admitted(models: ModelServer, name: str, a: Admitted) -> Coroutine[Any
         tier=a.tier,
         timeout_s=a.timeout_s,
         checked=True,
+        key=a.key,
     )
 
 
@@ -74,7 +76,7 @@ def admit_infer(
         wait = limiter.admit(api_key, level, rows)
         if wait:
             raise Overloaded(f"rate limit: retry in {wait:.3f} s", retry_after_s=wait)
-    return Admitted(check_request(req, sig), version, req.priority, tier, timeout_s)
+    return Admitted(check_request(req, sig), version, req.priority, tier, timeout_s, req.rollout_key)
 
 
 def _pauses() -> Iterator[float]:

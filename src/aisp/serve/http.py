@@ -55,7 +55,7 @@ class _Auth:
         ):
             await self.app(scope, receive, send)
             return
-        changes_policy = scope["path"].endswith("/anomaly") and scope.get("method") != "GET"
+        changes_policy = scope["path"].endswith(("/anomaly", "/rollout")) and scope.get("method") != "GET"
         needed: Scope = "admin" if scope["path"].startswith(_ADMIN_PATHS) or changes_policy else "infer"
         status = self.tokens.check(Headers.of(scope).get("authorization"), needed)
         if status == 200:

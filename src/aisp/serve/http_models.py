@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from aisp.errors import BadRequest, Forbidden, ModelError, NotFound, PayloadTooLarge
+from aisp.errors import BadRequest, ConfigError, Forbidden, ModelError, NotFound, PayloadTooLarge
 from aisp.infer.repository import check_model_name
 from aisp.schedule.ratelimit import Limiter
 from aisp.serve.admission import admit_infer, infer_admitted
@@ -33,6 +33,7 @@ from aisp.serve.http_errors import error_response, guarded
 from aisp.serve.metrics import ServerMetrics
 from aisp.serve.models import ModelServer
 from aisp.serve.oip_http import HEADER_LENGTH, encode_response, parse_request
+from aisp.serve.rollout import RolloutPolicy
 from aisp.serve.shm import CUDA_SHM_UNSUPPORTED, NO_REGIONS, SharedMemoryRegions
 
 __all__ = ["MODEL_CONTROL_OFF", "InferFastPath", "ModelRoutes", "config_json"]
@@ -218,6 +219,7 @@ class ModelRoutes:
             # {model:path}: a name with separators must reach the name check (400), not miss the route
             Route("/v2/repository/models/{model:path}/load", guarded(self.load), methods=["POST"]),
             Route("/v2/repository/models/{model:path}/unload", guarded(self.unload), methods=["POST"]),
+            Route("/v2/models/{model}/rollout", guarded(self.rollout), methods=["GET", "POST", "DELETE"]),
         ]
 
     async def metadata(self, request: Request) -> Response:
@@ -342,6 +344,32 @@ class ModelRoutes:
         except ModelError as exc:
             raise BadRequest(f"load failed for model {name!r}: {exc}") from exc
         return Response(status_code=200)
+
+    async def rollout(self, request: Request) -> Response:
+        """``GET``: the model's rollout status and decisions; ``POST`` (model control) with a
+        rollout policy (``aisp.serve.rollout.RolloutPolicy`` as JSON) starts one; ``DELETE``
+        rolls the one under way back."""
+        name = request.path_params["model"]
+        if request.method == "GET":
+            return JSONResponse(self.models.rollout(name))
+        body = await _read_body(request, _SMALL_BODY)
+        if not self.model_control:
+            raise Forbidden(MODEL_CONTROL_OFF)
+        if request.method == "DELETE":
+            return JSONResponse(self.models.abort_rollout(name))
+        try:
+            policy = RolloutPolicy.parse(msgspec.json.decode(body))
+        except msgspec.DecodeError as exc:
+            raise BadRequest(f"the body is not JSON: {exc}") from None
+        except ConfigError as exc:
+            raise BadRequest(str(exc)) from None
+        try:
+            status = await run_in_threadpool(self.models.start_rollout, name, policy)
+        except ModelError as exc:
+            raise BadRequest(
+                f"rollout of model {name!r} failed to load version {policy.version}: {exc}"
+            ) from exc
+        return JSONResponse(status)
 
     async def unload(self, request: Request) -> Response:
         body = await _read_body(request, _SMALL_BODY)

@@ -38,6 +38,43 @@ class _QueueCollector:
         yield g
 
 
+class _RolloutCollector:
+    """Each model's rollout: the candidate's traffic share, the state, decisions by kind."""
+
+    def __init__(self, models: ModelServer | None) -> None:
+        self._models = models
+
+    def collect(self) -> Iterator[Any]:
+        if self._models is None:
+            return
+        share = GaugeMetricFamily(
+            "aisp_rollout_candidate_share",
+            "Share of the traffic the rollout's candidate version takes",
+            labels=["model", "candidate"],
+        )
+        state = GaugeMetricFamily(
+            "aisp_rollout_state",
+            "1 for the state the model's rollout is in",
+            labels=["model", "candidate", "state"],
+        )
+        decisions = CounterMetricFamily(
+            "aisp_rollout_decisions",
+            "Rollout decisions (start, wait, pass, promote, rollback)",
+            labels=["model", "decision"],
+        )
+        for name, status in self._models.rollouts().items():
+            share.add_metric([name, status["candidate"]], status["share"])
+            state.add_metric([name, status["candidate"], status["state"]], 1)
+            counts: dict[str, int] = {}
+            for d in status["decisions"]:
+                counts[d["decision"]] = counts.get(d["decision"], 0) + 1
+            for decision, n in sorted(counts.items()):
+                decisions.add_metric([name, decision], n)
+        yield share
+        yield state
+        yield decisions
+
+
 class ServerMetrics:
     """The server's metrics. ``batch_metric`` names the served models' batch-size histogram
     (default ``aisp_batch_size_rows``; a served pipeline exports that name per stage).
@@ -55,6 +92,7 @@ class ServerMetrics:
         self._batches: dict[str, LatencyHistogram] = {}
         self._batch_metric = batch_metric or "aisp_batch_size_rows"
         self.registry.register(_QueueCollector(models))
+        self.registry.register(_RolloutCollector(models))
         self.registry.register(_RequestCollector(self))
         if models is not None:
             models.on_batch = self._batched

@@ -17,6 +17,7 @@ from aisp.infer.repository import ModelRepository, check_model_name
 from aisp.infer.versions import ServedModel
 from aisp.serve.model_versions import ModelVersions, wanted_versions
 from aisp.serve.oip import Signature, TensorSignature
+from aisp.serve.rollout import RolloutPolicy
 from aisp.serve.served import Served
 
 __all__ = ["ModelControl"]
@@ -35,6 +36,52 @@ class ModelControl:
 
     def _make(self, name: str, version: int) -> Served:
         raise NotImplementedError
+
+    # -- rollouts -----------------------------------------------------------------------------
+    def start_rollout(self, name: str, policy: RolloutPolicy) -> dict[str, Any]:
+        """Roll ``policy.version`` of ``name`` out (loading it beside the serving version)."""
+        with self._loading:
+            versions = self._versions(name)
+            if policy.version not in self.repository.versions(name):
+                raise NotFound(f"model {name!r} has no version {policy.version} in the repository")
+            return versions.start_rollout(policy).status()
+
+    def rollout(self, name: str) -> dict[str, Any]:
+        """The status of ``name``'s rollout (the last one, when none is under way)."""
+        rollout = self._versions(name).rollout
+        if rollout is None:
+            raise NotFound(f"model {name!r} has had no rollout")
+        return rollout.status()
+
+    def abort_rollout(self, name: str) -> dict[str, Any]:
+        """Roll ``name``'s rollout back now."""
+        rollout = self._versions(name).rollout
+        if rollout is None or not rollout.active:
+            raise NotFound(f"model {name!r} has no rollout under way")
+        rollout.abort("stopped by an operator")
+        return rollout.status()
+
+    def rollouts(self) -> dict[str, dict[str, Any]]:
+        """Every model's rollout status, for metrics and the dashboard."""
+        with self._lock:
+            served = dict(self._served)
+        return {name: v.rollout.status() for name, v in sorted(served.items()) if v.rollout is not None}
+
+    def _versions(self, name: str) -> ModelVersions:
+        versions = self._served.get(name)  # one dict read: atomic; writers hold the lock
+        if versions is None:
+            check_model_name(name)  # a name that could never be a model is a bad request
+            raise NotFound(f"Request for unknown model: {name!r} is not found")
+        return versions
+
+    def _route(self, name: str, version: str | None, key: str | None) -> tuple[Served, Served | None]:
+        """The version that answers a request, and the one a shadow copy goes to."""
+        return self._versions(name).route(version, key)
+
+    def _observe(self, name: str, served: Served, ok: bool, latency_ns: int, outputs: Any) -> None:
+        versions = self._served.get(name)
+        if versions is not None:
+            versions.observe(served, ok, latency_ns, outputs)
 
     # -- repository ---------------------------------------------------------------------------
     def load(self, name: str, version: int | None = None) -> str:
@@ -77,11 +124,7 @@ class ModelControl:
         return out
 
     def _get(self, name: str, version: str | None = None) -> Served:
-        s = self._served.get(name)  # one dict read: atomic; writers hold the lock
-        if s is None:
-            check_model_name(name)  # a name that could never be a model is a bad request
-            raise NotFound(f"Request for unknown model: {name!r} is not found")
-        return s.get(version)
+        return self._versions(name).get(version)
 
     def served(self, name: str, version: str | None = None) -> ServedModel:
         """The serving model ``name`` (at ``version``, if given); ``NotFound`` otherwise."""

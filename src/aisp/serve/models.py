@@ -10,6 +10,8 @@ honours; rows that time out or are shed fail their request with that reason.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import itertools
 import logging
 import threading
@@ -83,6 +85,8 @@ class ModelServer(ModelControl):
         )
         self._initial = list(models) if models is not None else None
         super().__init__()
+        self._shadows: set[asyncio.Future[None]] = set()
+        self._shadow_threads: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: dict[int, Pending] = {}
         self._ids = itertools.count(1)
         self.started_ns = time.monotonic_ns()
@@ -118,13 +122,15 @@ class ModelServer(ModelControl):
         tier: int | None,
         timeout_s: float | None,
         checked: bool,
-    ) -> tuple[Served, int, int, int | None]:
-        """Check a request: (its model, rows, tier, deadline ns)."""
-        served = self._get(name, version)
+        key: str | None,
+    ) -> tuple[Served, Served | None, int, int, int | None]:
+        """Check a request: (its model version, the version a shadow copy goes to, rows, tier,
+        deadline ns)."""
+        served, shadow = self._route(name, version, key)
         n = int(next(iter(inputs.values())).shape[0]) if checked else check_arrays(served.signature, inputs)
         tier = served.model.config.tier(priority) if tier is None else tier
         deadline = None if timeout_s is None else time.monotonic_ns() + int(timeout_s * 1e9)
-        return served, n, tier, deadline
+        return served, shadow, n, tier, deadline
 
     def infer(
         self,
@@ -136,12 +142,18 @@ class ModelServer(ModelControl):
         tier: int | None = None,
         timeout_s: float | None = None,
         checked: bool = False,
+        key: str | None = None,
     ) -> InferResult:
         """Run ``inputs`` (arrays with the batch dimension first) through the model's batcher,
         from a thread (blocks until answered). Asyncio callers use ``infer_async``. The inputs
         are checked first (``BadRequest`` names what does not fit the model), unless
-        ``checked`` says the caller has run ``oip.check_request`` on them against this model."""
-        served, n, tier, deadline = self._admit(name, inputs, version, priority, tier, timeout_s, checked)
+        ``checked`` says the caller has run ``oip.check_request`` on them against this model.
+        ``key`` places the request during a rollout (``aisp.serve.rollout``)."""
+        served, shadow, n, tier, deadline = self._admit(
+            name, inputs, version, priority, tier, timeout_s, checked, key
+        )
+        if shadow is not None:
+            self._shadow_pool().submit(self._shadow_copy, name, shadow, inputs, timeout_s)
         if has_empty(inputs):
             return self._run_empty(served, inputs)
         req = next(self._ids)
@@ -168,10 +180,9 @@ class ModelServer(ModelControl):
         finally:
             with self._lock:
                 self._pending.pop(req, None)
-            ok = pending.error is None
-            served.stats_of(pending.version or served.model.version).request(
-                ok, time.perf_counter_ns() - started
-            )
+            ok, took = pending.error is None, time.perf_counter_ns() - started
+            served.stats_of(pending.version or served.model.version).request(ok, took)
+            self._observe(name, served, ok, took, pending.outputs)
         return self._result(name, pending, timeout_s)
 
     async def infer_async(
@@ -184,13 +195,20 @@ class ModelServer(ModelControl):
         tier: int | None = None,
         timeout_s: float | None = None,
         checked: bool = False,
+        key: str | None = None,
     ) -> InferResult:
         """``infer`` for asyncio: the requests that arrive in one turn of the event loop are
         answered together. When their model is idle and cheap (``inline_max_us``) one model call
         made in the loop answers them (numpy arrays in and out); otherwise they go to the batcher
         as one Arrow batch per input shape, and their answers come back to the loop in one call
         per model batch."""
-        served, n, tier, deadline = self._admit(name, inputs, version, priority, tier, timeout_s, checked)
+        served, shadow, n, tier, deadline = self._admit(
+            name, inputs, version, priority, tier, timeout_s, checked, key
+        )
+        if shadow is not None and len(self._shadows) < 64:  # a copy the candidate answers, answer discarded
+            task = asyncio.ensure_future(self._shadow_async(name, shadow, inputs, timeout_s))
+            self._shadows.add(task)
+            task.add_done_callback(self._shadows.discard)
         if has_empty(inputs):
             return await asyncio.to_thread(self._run_empty, served, inputs)
         loop = asyncio.get_running_loop()
@@ -215,11 +233,33 @@ class ModelServer(ModelControl):
             pending.error = "timeout"
         finally:
             self._pending.pop(req, None)  # where the queue's path registered it (one atomic dict op)
+            took = time.perf_counter_ns() - started
             if not pending.counted:
-                served.stats_of(pending.version or served.model.version).request(
-                    pending.error is None, time.perf_counter_ns() - started
-                )
+                served.stats_of(pending.version or served.model.version).request(pending.error is None, took)
+            self._observe(name, served, pending.error is None, took, pending.outputs)
         return self._result(name, pending, timeout_s)
+
+    def _shadow_copy(
+        self, name: str, shadow: Served, inputs: Mapping[str, npt.NDArray[Any]], timeout_s: float | None
+    ) -> None:
+        """(A worker thread) a rollout's shadow copy of a request: answered by the candidate,
+        observed by the rollout, its answer discarded."""
+        with contextlib.suppress(AispError):  # the rollout counts the failure
+            self.infer(name, inputs, version=shadow.model.version, timeout_s=timeout_s, checked=True)
+
+    async def _shadow_async(
+        self, name: str, shadow: Served, inputs: Mapping[str, npt.NDArray[Any]], timeout_s: float | None
+    ) -> None:
+        """``_shadow_copy`` on the event loop (the same path as the request it copies)."""
+        with contextlib.suppress(AispError):
+            await self.infer_async(
+                name, inputs, version=shadow.model.version, timeout_s=timeout_s, checked=True
+            )
+
+    def _shadow_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._shadow_threads is None:
+            self._shadow_threads = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="aisp-shadow")
+        return self._shadow_threads
 
     def _run_empty(self, served: Served, inputs: Mapping[str, npt.NDArray[Any]]) -> InferResult:
         """A request with a tensor of no elements, computed alone (batches cannot hold one).

@@ -178,6 +178,7 @@ class InferRequest(msgspec.Struct):
     priority: int = 0
     timeout_us: int | None = None
     binary_output: bool = False
+    rollout_key: str | None = None  # sticks the request to one version during a rollout
 
 
 # -- shapes and data --------------------------------------------------------------------------

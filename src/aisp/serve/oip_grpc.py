@@ -98,7 +98,18 @@ def parse_request(request: Any, sig: Signature, shm: SharedMemoryRegions = NO_RE
         id=request.id or None,
         priority=_uint_param(params, "priority", 2**64 - 1) or 0,
         timeout_us=_uint_param(params, "timeout", MAX_TIMEOUT_US),
+        rollout_key=_rollout_key(params),
     )
+
+
+def _rollout_key(params: Any) -> str | None:
+    if "rollout_key" not in params:
+        return None
+    p = params["rollout_key"]
+    choice = p.WhichOneof("parameter_choice")
+    if choice not in ("string_param", "int64_param", "uint64_param"):
+        raise BadRequest("parameter 'rollout_key' must be a string or an integer")
+    return str(getattr(p, choice))
 
 
 def _typed(t: Any, shape: tuple[int, ...], filled: list[str], model: str) -> npt.NDArray[Any]:

@@ -196,7 +196,18 @@ def _request(msg: Any, inputs: list[InferInput], shm: SharedMemoryRegions) -> In
         priority=_check_uint(params.get("priority", 0), "parameter 'priority'"),
         timeout_us=None if timeout is None else _check_uint(timeout, "parameter 'timeout'", MAX_TIMEOUT_US),
         binary_output=_flag(params, "binary_data_output", "request"),
+        rollout_key=_rollout_key(params.get("rollout_key")),
     )
+
+
+def _rollout_key(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise BadRequest(
+            f"parameter 'rollout_key' must be a string or an integer, got {type(value).__name__}"
+        )
+    return str(value)
 
 
 def _header_length(value: str, body_bytes: int) -> int:

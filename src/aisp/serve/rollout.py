@@ -1,0 +1,272 @@
+"""Canary rollout of a new model version with automatic rollback.
+
+A rollout moves the requests that name no version from the stable version to a candidate in
+steps. First, optionally, **shadow**: every request is answered by the stable version and a copy
+goes to the candidate, whose answer is discarded (its latency, errors and scores are kept).
+Then the candidate takes a share of the traffic at each step (``steps``, e.g. 1% -> 10% -> 50%
+-> 100%), chosen by the hash of the request's ``rollout_key`` parameter when it has one (a key
+sticks to one version) or at random.
+
+Each step lasts at least ``window_s`` and until both versions have ``min_samples`` requests in
+it (at 100% the stable version's last full window stands for it). Then the candidate's window
+is compared with the stable one's: p99 latency (a breach above ``p99_ratio`` times the stable
+p99 plus ``p99_slack_ms``), error rate (errors and timeouts; a breach ``max_error_rate`` above
+the stable rate) and the distribution of the first output's values (PSI over the stable
+values' deciles, a breach above ``max_psi``; the KS statistic is reported beside it). A breach
+rolls back at once: the traffic returns to the stable version and the candidate is retired (or
+kept, addressable by number only, for inspection). A pass moves to the next step; a pass of the
+last step promotes the candidate and retires the old stable version. Every decision is kept with
+its evidence (the windows' figures) and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from aisp.errors import ConfigError
+from aisp.observe.clock import wall_ms
+from aisp.observe.drift import ks_statistic, psi
+
+__all__ = ["Rollout", "RolloutPolicy"]
+
+log = logging.getLogger("aisp.rollout")
+
+_SCORES_KEPT = 20_000  # output values kept per version and step
+
+
+class RolloutPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a candidate version is rolled out (see the module docstring)."""
+
+    version: int
+    steps: tuple[float, ...] = (0.01, 0.1, 0.5, 1.0)
+    shadow: bool = True
+    window_s: float = 30.0
+    min_samples: int = 200
+    p99_ratio: float = 1.5
+    p99_slack_ms: float = 5.0
+    max_error_rate: float = 0.01
+    max_psi: float = 0.2
+    keep_on_rollback: bool = False
+
+    def __post_init__(self) -> None:
+        steps = self.steps
+        if not steps or any(not 0 < s <= 1 for s in steps) or list(steps) != sorted(set(steps)):
+            raise ConfigError(f"rollout steps must rise within (0, 1], got {list(steps)}")
+        if steps[-1] != 1:
+            raise ConfigError(f"the last rollout step must be 1 (all the traffic), got {steps[-1]}")
+        if self.window_s <= 0 or self.min_samples < 1 or self.p99_ratio < 1 or self.max_psi <= 0:
+            raise ConfigError("rollout window_s, min_samples, p99_ratio >= 1 and max_psi must be positive")
+
+    @classmethod
+    def parse(cls, data: Any) -> RolloutPolicy:
+        """A policy from decoded JSON or TOML; ``ConfigError`` says what is wrong."""
+        try:
+            return msgspec.convert(data, cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"rollout policy: {exc}") from exc
+
+
+class _Window:
+    """One version's requests during a step."""
+
+    def __init__(self) -> None:
+        self.latencies_ms: list[float] = []
+        self.errors = 0
+        self.scores: list[npt.NDArray[np.float64]] = []
+        self.kept = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.latencies_ms) + self.errors
+
+    def add(self, ok: bool, latency_ms: float, scores: npt.NDArray[Any] | None) -> None:
+        if not ok:
+            self.errors += 1
+            return
+        self.latencies_ms.append(latency_ms)
+        if scores is not None and self.kept < _SCORES_KEPT:
+            values = np.asarray(scores, dtype=np.float64).ravel()[: _SCORES_KEPT - self.kept]
+            self.scores.append(values)
+            self.kept += values.size
+
+    def figures(self) -> dict[str, Any]:
+        lat = np.asarray(self.latencies_ms)
+        return {
+            "requests": self.n,
+            "p99_ms": round(float(np.percentile(lat, 99)), 3) if lat.size else None,
+            "mean_ms": round(float(lat.mean()), 3) if lat.size else None,
+            "error_rate": round(self.errors / self.n, 4) if self.n else 0.0,
+        }
+
+    def values(self) -> npt.NDArray[np.float64]:
+        return np.concatenate(self.scores) if self.scores else np.empty(0)
+
+
+def _distribution(stable: npt.NDArray[np.float64], canary: npt.NDArray[np.float64]) -> dict[str, float]:
+    """PSI of ``canary`` over the deciles of ``stable``, and the two-sample KS statistic."""
+    if stable.size < 10 or canary.size < 10:
+        return {}
+    edges = np.unique(np.quantile(stable, np.linspace(0, 1, 11)[1:-1]))
+    ref = np.bincount(np.searchsorted(edges, stable, side="right"), minlength=edges.size + 1) / stable.size
+    now = np.bincount(np.searchsorted(edges, canary, side="right"), minlength=edges.size + 1) / canary.size
+    ks = ks_statistic(np.sort(stable)[:, None], canary[:, None])
+    return {"psi": round(float(psi(ref[None], now[None])[0]), 4), "ks": round(float(ks[0]), 4)}
+
+
+class Rollout:
+    """A rollout of ``policy.version`` over ``stable`` for model ``model`` (see the module
+    docstring). ``finish(decision)`` is called once, with "promote" or "rollback"."""
+
+    def __init__(
+        self,
+        model: str,
+        stable: str,
+        policy: RolloutPolicy,
+        finish: Callable[[str], None],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model, self.stable, self.policy = model, stable, policy
+        self.candidate = str(policy.version)
+        self._finish, self._clock = finish, clock
+        self._stages = ([0.0] if policy.shadow else []) + list(policy.steps)
+        self._stage = 0
+        self.state = "shadow" if policy.shadow else "canary"
+        self.decisions: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._windows = {stable: _Window(), self.candidate: _Window()}
+        self._reference: _Window | None = None
+        self._since = clock()
+        self._waiting_logged = False
+        self._rng = random.Random()
+        self._decide("start", {}, [])
+
+    @property
+    def active(self) -> bool:
+        return self.state in ("shadow", "canary")
+
+    @property
+    def share(self) -> float:
+        """The candidate's share of the traffic now (0 while shadowing)."""
+        if self.state == "promoted":
+            return 1.0
+        return self._stages[self._stage] if self.active else 0.0
+
+    def route(self, key: str | None) -> tuple[str, bool]:
+        """The version a request without one goes to, and whether a shadow copy goes to the
+        candidate."""
+        state = self.state
+        if state == "shadow":
+            return self.stable, True
+        if state == "canary":
+            share = self._stages[self._stage]
+            pick = (zlib.crc32(key.encode()) % 10_000) / 10_000 if key is not None else self._rng.random()
+            return (self.candidate if pick < share else self.stable), False
+        return (self.candidate if state == "promoted" else self.stable), False
+
+    def observe(self, version: str, ok: bool, latency_ns: int, outputs: Mapping[str, Any] | None) -> None:
+        """A request answered (or failed) by ``version``."""
+        if not self.active:
+            return
+        scores = next(iter(outputs.values())) if outputs else None
+        with self._lock:
+            window = self._windows.get(version) if self.active else None  # (decided meanwhile)
+            if window is None:
+                return
+            window.add(ok, latency_ns / 1e6, scores)
+            if self._clock() - self._since >= self.policy.window_s:
+                self._evaluate()
+
+    def abort(self, reason: str) -> None:
+        """Roll back now (an operator's call)."""
+        with self._lock:
+            if self.active:
+                self._rollback({"reason": reason}, ["aborted"])
+
+    def _evaluate(self) -> None:
+        stable_window = self._windows[self.stable]
+        stable = stable_window if stable_window.n >= self.policy.min_samples else self._reference
+        canary = self._windows[self.candidate]
+        if stable is None or canary.n < self.policy.min_samples:
+            if not self._waiting_logged:
+                have = {"stable": stable_window.n, "candidate": canary.n}
+                self._decide("wait", {"samples": have, "needed": self.policy.min_samples}, [])
+                self._waiting_logged = True
+            return
+        p = self.policy
+        s, c = stable.figures(), canary.figures()
+        evidence: dict[str, Any] = {
+            "stable": s,
+            "candidate": c,
+            **_distribution(stable.values(), canary.values()),
+        }
+        breaches = []
+        if (
+            c["p99_ms"] is not None
+            and s["p99_ms"] is not None
+            and c["p99_ms"] > s["p99_ms"] * p.p99_ratio + p.p99_slack_ms
+        ):
+            breaches.append("p99 latency")
+        if c["error_rate"] - s["error_rate"] > p.max_error_rate:
+            breaches.append("error rate")
+        if evidence.get("psi", 0.0) > p.max_psi:
+            breaches.append("output distribution")
+        if breaches:
+            self._rollback(evidence, breaches)
+            return
+        if stable is stable_window:
+            self._reference = stable_window
+        if self._stage + 1 == len(self._stages):
+            self.state = "promoted"
+            self._decide("promote", evidence, [])
+            self._finish("promote")
+            return
+        self._decide("pass", evidence, [])
+        self._stage += 1
+        self.state = "canary"
+        self._windows = {self.stable: _Window(), self.candidate: _Window()}
+        self._since = self._clock()
+        self._waiting_logged = False
+
+    def _rollback(self, evidence: dict[str, Any], breaches: list[str]) -> None:
+        self.state = "rolled_back"
+        self._decide("rollback", evidence, breaches)
+        self._finish("rollback")
+
+    def _decide(self, decision: str, evidence: dict[str, Any], breaches: list[str]) -> None:
+        stage = "shadow" if self._stages[self._stage] == 0.0 else f"{self._stages[self._stage]:g}"
+        entry = {
+            "at_ms": wall_ms(),
+            "decision": decision,
+            "stage": stage,
+            "breaches": breaches,
+            "evidence": evidence,
+        }
+        self.decisions.append(entry)
+        log.info(
+            "model %s: rollout of version %s over %s: %s at %s%s %s", self.model, self.candidate,
+            self.stable, decision, stage, f" ({', '.join(breaches)})" if breaches else "", evidence,
+        )  # fmt: skip
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "model": self.model,
+                "stable": self.stable,
+                "candidate": self.candidate,
+                "state": self.state,
+                "share": self.share,
+                "steps": ["shadow" if s == 0 else s for s in self._stages],
+                "policy": msgspec.to_builtins(self.policy),
+                "decisions": list(self.decisions),
+            }
