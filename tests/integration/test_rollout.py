@@ -15,7 +15,13 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.support.models import expected_score, fraud_repository, linear_model, slow_linear_model
+from tests.support.models import (
+    FRAUD_CONFIG,
+    expected_score,
+    fraud_repository,
+    linear_model,
+    slow_linear_model,
+)
 from tests.support.serving import aisp_serve
 
 SCALES = {1: 0.1, 2: 0.1, 3: 0.1, 4: 0.6}  # 2: healthy (the same model), 3: slow, 4: shifted
@@ -153,3 +159,23 @@ def test_rollout_requests_that_cannot_work_get_clear_errors(served: tuple[str, P
         r = client.delete("/v2/models/fraud/rollout")
         assert r.status_code == 404 and "no rollout under way" in r.json()["error"]
         assert client.get("/v2/models/ghost/rollout").status_code == 404
+
+
+def test_a_rollout_in_the_serve_config_starts_with_the_server(tmp_path: Path) -> None:
+    specific = FRAUD_CONFIG.replace("latest: { num_versions: 1 }", "specific: { versions: [ 1 ] }")
+    repo = fraud_repository(tmp_path / "repo", {1: SCALES[1], 2: SCALES[2]}, config=specific)
+    config = tmp_path / "serve.toml"
+    config.write_text("[rollout.fraud]\nversion = 2\nsteps = [0.1, 1.0]\nwindow_s = 60\n")
+    with aisp_serve(repo, http=True, grpc=False, extra_args=("--config", str(config))) as (addresses, _):
+        client = httpx.Client(base_url=f"http://{addresses['http']}")
+        status = client.get("/v2/models/fraud/rollout").json()
+        assert (status["stable"], status["candidate"], status["state"]) == ("1", "2", "shadow")
+        assert status["steps"] == ["shadow", 0.1, 1.0]
+        assert client.get("/v2/models/fraud").json()["versions"] == ["1", "2"]
+        # without model control a rollout cannot be changed
+        assert client.delete("/v2/models/fraud/rollout").status_code == 403
+        client.close()
+    config.write_text("[rollout.ghost]\nversion = 2\n")
+    ghost = aisp_serve(repo, http=True, grpc=False, extra_args=("--config", str(config)))
+    with pytest.raises(RuntimeError, match="unknown model: 'ghost'"), ghost:
+        pass

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from aisp.errors import ConfigError
 from aisp.pipeline import Pipeline
 
 __all__ = ["app", "err", "load_pipeline", "main"]
@@ -84,3 +85,29 @@ def _bind(p: Pipeline, input: str | None, output: str | None) -> None:  # noqa: 
 
 def main() -> None:
     app()
+
+
+def _limits(config: str | None) -> Any:
+    """``[limits]`` of the TOML config (rows/s per API key and per tier), or None."""
+    import tomllib
+
+    from aisp.schedule.ratelimit import RateLimits
+    from aisp.transform.operators import DEFAULT_TIERS
+
+    if config is None:
+        return None
+    section = tomllib.loads(Path(config).read_text()).get("limits")
+    return RateLimits.from_config(section, DEFAULT_TIERS) if section else None
+
+
+def _tables(config: str | None, section: str) -> dict[str, Any]:
+    """``[SECTION.NAME]`` tables of the TOML config: a served pipeline's anomaly policy
+    (``anomaly``), a model's rollout policy (``rollout``)."""
+    import tomllib
+
+    if config is None:
+        return {}
+    tables = tomllib.loads(Path(config).read_text()).get(section, {})
+    if not isinstance(tables, dict) or not all(isinstance(v, dict) for v in tables.values()):
+        raise ConfigError(f"[{section}]: give one table per name, [{section}.NAME]")
+    return tables

@@ -18,7 +18,9 @@ from aisp.cli.common import (
     TraceMaxPerS,
     TraceSample,
     _bind,
+    _limits,
     _params,
+    _tables,
     _trace_config,
     app,
     err,
@@ -179,31 +181,6 @@ class _GracefulServerMixin:
                 signal.signal(s, h)
 
 
-def _limits(config: str | None) -> Any:
-    """``[limits]`` of the TOML config (rows/s per API key and per tier), or None."""
-    import tomllib
-
-    from aisp.schedule.ratelimit import RateLimits
-    from aisp.transform.operators import DEFAULT_TIERS
-
-    if config is None:
-        return None
-    section = tomllib.loads(Path(config).read_text()).get("limits")
-    return RateLimits.from_config(section, DEFAULT_TIERS) if section else None
-
-
-def _anomaly(config: str | None) -> dict[str, Any]:
-    """``[anomaly.NAME]`` tables of the TOML config: a served pipeline's anomaly policy."""
-    import tomllib
-
-    if config is None:
-        return {}
-    section = tomllib.loads(Path(config).read_text()).get("anomaly", {})
-    if not isinstance(section, dict) or not all(isinstance(v, dict) for v in section.values()):
-        raise ConfigError("[anomaly]: give one table per served pipeline, [anomaly.NAME]")
-    return section
-
-
 def _tls_pair(cert: str | None, key: str | None) -> tuple[bytes, bytes] | None:
     if cert is None or key is None:
         return None
@@ -235,7 +212,8 @@ def serve(
         typer.Option(
             "--config",
             help="TOML config: [auth] tokens, admin_tokens; [limits] per_key_rps, tiers;"
-            " [anomaly.PIPELINE] an anomaly policy (aisp.schedule.anomaly).",
+            " [anomaly.PIPELINE] an anomaly policy (aisp.schedule.anomaly); [rollout.MODEL] a canary"
+            " rollout policy (aisp.serve.rollout).",
         ),
     ] = None,
     tls_cert: Annotated[
@@ -302,8 +280,9 @@ def serve(
         trace = _trace_config(trace_sample, trace_endpoint, trace_max_per_s)
         served = _ServeTargets.start(
             target, model_repository, _params(param), admission_rows, admission_wait_ms, dead_letter,
-            decode_process, trace, _anomaly(config),
+            decode_process, trace, _tables(config, "anomaly"),
         )  # fmt: skip
+        served.roll_out(_tables(config, "rollout"))
     except AispError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
@@ -403,6 +382,16 @@ class _ServeTargets:
                 PipelineCollector(service.executor, service.admission, anomaly=lambda s=service: s.control)
             )
         return cls(pipelines, models, metrics)
+
+    def roll_out(self, policies: dict[str, Any]) -> None:
+        """Start the rollouts of the config's ``[rollout.MODEL]`` tables."""
+        from aisp.serve.rollout import RolloutPolicy
+
+        if policies and self.models is None:
+            raise ConfigError("[rollout] applies to served models; this serves no model repository")
+        for name, table in policies.items():
+            assert self.models is not None
+            self.models.start_rollout(name, RolloutPolicy.parse(table))
 
     def close(self) -> None:
         for service in self.pipelines.values():
