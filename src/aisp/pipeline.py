@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import numpy.typing as npt
+import pyarrow as pa
 
 from aisp.batch import TIER, Batch
 from aisp.connectors import connector_for
@@ -63,6 +64,15 @@ class Pipeline:
         self.output_columns = list(output_columns) if output_columns is not None else None
         self.anomaly: AnomalyPolicy | None = None
         """Sliding-window anomaly control of the admitted rate when served (``anomaly_control``)."""
+        self.migrations: dict[str, Callable[[pa.Table], pa.Table]] = {}
+        """Per step, how its state changes when this pipeline replaces a running version of
+        itself (``migrate``, ``aisp.serve.topology``)."""
+
+    def migrate(self, step_id: str, fn: Callable[[pa.Table], pa.Table]) -> None:
+        """Declare how the state of ``step_id`` saved by the running version of this pipeline
+        becomes this version's (a table of the step's state columns, one row per key, in and
+        out), for a topology update of a served pipeline (``aisp.serve.topology``)."""
+        self.migrations[step_id] = fn
 
     def source(
         self,

@@ -20,6 +20,18 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="AISP: AI-nat
 err = Console(stderr=True)
 
 
+def _reloader(target: str, params: dict[str, Any]) -> Any:
+    """Loads the served pipeline file again (or another): a served pipeline's topology update."""
+
+    def reload(path: str | None = None) -> Any:
+        try:
+            return load_pipeline(path or target, **params)
+        except typer.BadParameter as exc:
+            raise ConfigError(str(exc)) from exc
+
+    return reload
+
+
 def load_pipeline(path: str, **params: Any) -> Pipeline:
     """Import a pipeline file and return its pipeline.
 

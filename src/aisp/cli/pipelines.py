@@ -20,6 +20,7 @@ from aisp.cli.common import (
     _bind,
     _limits,
     _params,
+    _reloader,
     _tables,
     _trace_config,
     app,
@@ -283,6 +284,8 @@ def serve(
             decode_process, trace, _tables(config, "anomaly"),
         )  # fmt: skip
         served.roll_out(_tables(config, "rollout"))
+        if served.pipelines:  # SIGHUP: each served pipeline file is reloaded as a topology update
+            signal.signal(signal.SIGHUP, lambda *_: served.update_in_background())
     except AispError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
@@ -343,7 +346,7 @@ class _ServeTargets:
     ) -> _ServeTargets:
         from aisp.observe.metrics import PipelineCollector
         from aisp.schedule.anomaly import AnomalyPolicy
-        from aisp.serve.metrics import ServerMetrics
+        from aisp.serve.metrics import PipelineGraphCollector, ServerMetrics
         from aisp.serve.models import ModelServer
         from aisp.serve.pipelines import PipelineService
 
@@ -365,6 +368,7 @@ class _ServeTargets:
                 trace=trace,
                 anomaly=AnomalyPolicy.from_config(policy) if policy is not None else None,
             )
+            service.reload = _reloader(target, params)
             pipelines[service.name] = service
             repository = model_repository
         elif anomaly:
@@ -379,9 +383,21 @@ class _ServeTargets:
         metrics = ServerMetrics(models, batch_metric="aisp_model_batch_size_rows" if pipelines else None)
         for service in pipelines.values():  # the pipeline's stages on the same /metrics
             metrics.registry.register(
-                PipelineCollector(service.executor, service.admission, anomaly=lambda s=service: s.control)
+                PipelineCollector(service.view, service.admission, anomaly=lambda s=service: s.control)
             )
+        metrics.registry.register(PipelineGraphCollector(pipelines))
         return cls(pipelines, models, metrics)
+
+    def update_in_background(self) -> None:
+        """Reload every served pipeline's file as a topology update (failures are logged)."""
+        import threading
+
+        def update() -> None:
+            for service in self.pipelines.values():
+                with contextlib.suppress(Exception):  # reported in the log and the graph status
+                    service.update()
+
+        threading.Thread(target=update, name="aisp-update", daemon=True).start()
 
     def roll_out(self, policies: dict[str, Any]) -> None:
         """Start the rollouts of the config's ``[rollout.MODEL]`` tables."""

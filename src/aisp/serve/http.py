@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
-from aisp.errors import BadRequest, ConfigError, NotFound
+from aisp.errors import AispError, BadRequest, ConfigError, Forbidden, GraphError, NotFound
 from aisp.schedule.ratelimit import Limiter, RateLimits
 from aisp.serve.auth import Scope, Tokens
 from aisp.serve.headers import DEADLINE_HEADER, TIER_HEADER, Headers
@@ -55,7 +55,9 @@ class _Auth:
         ):
             await self.app(scope, receive, send)
             return
-        changes_policy = scope["path"].endswith(("/anomaly", "/rollout")) and scope.get("method") != "GET"
+        changes_policy = (
+            scope["path"].endswith(("/anomaly", "/rollout", "/graph")) and scope.get("method") != "GET"
+        )
         needed: Scope = "admin" if scope["path"].startswith(_ADMIN_PATHS) or changes_policy else "infer"
         status = self.tokens.check(Headers.of(scope).get("authorization"), needed)
         if status == 200:
@@ -157,6 +159,11 @@ def create_app(
                 _anomaly_endpoint(served_pipelines),
                 methods=["GET", "PUT"],
             ),
+            Route(
+                "/v1/pipelines/{pipeline}/graph",
+                _graph_endpoint(served_pipelines, model_control),
+                methods=["GET", "POST"],
+            ),
             *_dashboard_routes(served_pipelines),
         ]
     app: Any = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
@@ -194,6 +201,45 @@ def _anomaly_endpoint(pipelines: Mapping[str, PipelineService]) -> Any:
     return anomaly
 
 
+def _graph_endpoint(pipelines: Mapping[str, PipelineService], control: bool) -> Any:
+    """``GET /v1/pipelines/{p}/graph``: the running graph's version, steps, latency bound and
+    the updates so far; ``POST`` (admin, model control on) replaces it by the served file
+    reloaded, or by ``{"path": FILE}`` (``aisp.serve.topology``): the update's report, or the
+    reason it failed (the running graph stays)."""
+    from starlette.concurrency import run_in_threadpool
+
+    @guarded
+    async def graph(request: Request) -> Response:
+        name = request.path_params["pipeline"]
+        service = pipelines.get(name)
+        if service is None:
+            raise NotFound(f"no pipeline {name!r}; serving {sorted(pipelines)}")
+        if request.method == "GET":
+            return JSONResponse(service.graph_status())
+        if not control:
+            raise Forbidden("topology updates are off; start the server with --allow-model-control")
+        body = await request.body()
+        try:
+            path = msgspec.json.decode(body, type=_GraphUpdate).path if body.strip() else None
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise BadRequest(f'the body must be {{"path": "PIPELINE.py"}} or empty: {exc}') from None
+        try:
+            report = await run_in_threadpool(lambda: service.update(path=path))
+        except (ConfigError, GraphError) as exc:
+            raise BadRequest(f"topology update refused, the running graph stays: {exc}") from None
+        except AispError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the new pipeline file failed to load: its own error
+            raise BadRequest(f"the new pipeline failed to load, the running graph stays: {exc!r}") from None
+        return JSONResponse(report)
+
+    return graph
+
+
+class _GraphUpdate(msgspec.Struct, forbid_unknown_fields=True):
+    path: str | None = None
+
+
 def _dashboard_routes(pipelines: Mapping[str, PipelineService]) -> list[Route]:
     """The live dashboard of the served pipelines: ``/dashboard`` (the page),
     ``/dashboard/state`` (JSON) and ``/dashboard/events`` (server-sent events), each for
@@ -203,7 +249,7 @@ def _dashboard_routes(pipelines: Mapping[str, PipelineService]) -> list[Route]:
 
     from aisp.observe.dashboard import DashboardState, page
 
-    states = {n: DashboardState(p.executor, admission=p.admission) for n, p in pipelines.items()}
+    states = {n: DashboardState(p.view, admission=p.admission) for n, p in pipelines.items()}
 
     def pick(request: Request) -> DashboardState:
         state = states.get(request.query_params.get("pipeline") or min(states))

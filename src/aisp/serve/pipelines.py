@@ -51,6 +51,16 @@ _encode = msgspec.json.Encoder().encode
 log = logging.getLogger("aisp.serve")
 
 
+class _Live:
+    """The service's running executor, looked up at each use (it changes at topology updates)."""
+
+    def __init__(self, service: PipelineService) -> None:
+        self._service = service
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._service.executor, name)
+
+
 class InboxClosed(Unavailable):
     """The service is shutting down and takes no more events (503 / UNAVAILABLE)."""
 
@@ -189,17 +199,78 @@ class PipelineService:
         if self.control is not None:
             self.tracker.observe = self.control.observe
         self.dead_letters: DeadLetterWriter = DeadLetterSink(path=dead_letter).open()
-        self.executor = LocalExecutor(
-            graph,
-            dead_letter=self.dead_letters,
-            options=ExecutorOptions(source_batch_rows=batch_rows, offload_sources=False, offload_sinks=False),
-            lineage=self.tracker,
-        )
+        self._batch_rows = batch_rows
+        self.executor = self.new_executor(graph)
+        self.view: Any = _Live(self)
+        """The running executor, whichever it is after topology updates (metrics, dashboard)."""
+        self.graph_version = 1
+        self.updates: list[dict[str, Any]] = []
+        """Topology updates, applied or failed, with their reports (``aisp.serve.topology``)."""
+        self.reload: Callable[[str | None], Pipeline] | None = None
+        """Loads the pipeline file served again, or another file (set by ``aisp serve``)."""
+        self._switching = threading.Lock()
         self._ids = 0
         self._ids_lock = threading.Lock()
         self.rejected_lines = 0
         self.admission = AdmissionStats()
         """Events accepted or refused (queue full, rate limited), for ``/metrics``."""
+
+    def new_executor(self, graph: Any) -> LocalExecutor:
+        """An executor of ``graph`` reading the inbox and answering through the tracker."""
+        return LocalExecutor(
+            graph,
+            dead_letter=self.dead_letters,
+            options=ExecutorOptions(
+                source_batch_rows=self._batch_rows, offload_sources=False, offload_sinks=False
+            ),
+            lineage=self.tracker,
+        )
+
+    def update(self, pipeline: Pipeline | None = None, *, path: str | None = None) -> dict[str, Any]:
+        """Replace the running graph by ``pipeline``'s (default: the pipeline file at ``path``,
+        else the served file, reloaded) at a barrier, carrying the state of the steps it keeps
+        (``aisp.serve.topology.switch``); the update's report. A failed update leaves the
+        running graph as it was, reports why and raises."""
+        from aisp.serve.topology import switch
+
+        with self._switching:
+            try:
+                report = switch(self, pipeline if pipeline is not None else self._reloaded(path))
+            except Exception as exc:
+                self.updates.append({"version": self.graph_version, "failed": f"{type(exc).__name__}: {exc}"})
+                log.warning(
+                    "pipeline %r: topology update failed, the running graph stays: %s", self.name, exc
+                )
+                raise
+            self.graph_version += 1
+            report = {"version": self.graph_version, **report}
+            self.updates.append(report)
+            log.info("pipeline %r: graph version %d running: %s", self.name, self.graph_version, report)
+            return report
+
+    def _reloaded(self, path: str | None) -> Pipeline:
+        if self.reload is None:
+            raise ConfigError(f"pipeline {self.name!r} was not served from a file: give the new one")
+        return self.reload(path)
+
+    def adopt(self, pipeline: Pipeline, executor: LocalExecutor) -> None:
+        """(``topology.switch``, at the barrier) make ``executor`` the running graph's."""
+        graph = executor.graph
+        primary = [n.step_id for n in graph.nodes if n.kind == "sink"]
+        self.tracker.switch("out" if "out" in primary else primary[0], RowEncoder(pipeline.output_columns))
+        executor.tracer = self.executor.tracer
+        self.pipeline, self.executor = pipeline, executor
+
+    def graph_status(self) -> dict[str, Any]:
+        """The running graph's version, steps and latency bound, and the updates so far."""
+        graph = self.executor.graph
+        return {
+            "pipeline": self.name,
+            "version": self.graph_version,
+            "steps": [n.step_id for n in graph.nodes],
+            "latency_bound_ms": graph.latency_bound_ms(),
+            "updates": list(self.updates),
+        }
 
     def set_anomaly(self, changes: dict[str, Any]) -> None:
         """Change the anomaly policy at run time (``AnomalyControl.update``), or install one."""

@@ -78,6 +78,11 @@ class ResultTracker:
         self.observe: Callable[[Batch], None] | None = None
         """Called with each batch of results (the anomaly monitor)."""
 
+    def switch(self, result_step: str, encoder: RowEncoder) -> None:
+        """(At a topology update's barrier) results come from ``result_step`` from now on."""
+        with self._lock:
+            self.result_step, self._encoder = result_step, encoder
+
     @property
     def open_chunks(self) -> int:
         return len(self._chunks)
