@@ -179,18 +179,15 @@ class CheckpointCoordinator:
             self.flight.resume()
         return self._write(store, *captured, checkpoint_id=checkpoint_id)
 
-    def savepoint(self, timeout_s: float) -> dict[str, pa.Table] | None:
-        """Pause the sources, wait for the rows in flight, and return the operators' state and
-        key spaces as tables (``op.<step>``, ``keys.<space>``), leaving the sources paused (what
-        a topology update carries to the next graph); None, resumed, when the pipeline did not
-        go quiet within ``timeout_s``."""
+    def savepoint(self, timeout_s: float) -> dict[str, dict[str, Any]] | None:
+        """Pause the sources, wait for the rows in flight, and return each operator's state
+        columns (rows in key code order for keyed steps), leaving the sources paused: what a
+        topology update carries to the next graph, which shares the key indexes; None,
+        resumed, when the pipeline did not go quiet within ``timeout_s``."""
         if not self.flight.quiesce(timeout_s):
             self.flight.resume()
             return None
-        columns_of, key_views, *_ = self._capture()
-        tables = {f"keys.{space}": pa.table({"key": view()}) for space, view in key_views.items()}
-        tables.update({f"op.{sid}": pa.table(columns) for sid, columns in columns_of.items()})
-        return tables
+        return {sid: op.snapshot() for sid, op in self._ops.items() if isinstance(op, Checkpointable)}
 
     def _capture(self) -> tuple[Any, ...]:
         """(Under the pause) copies, or views that stay valid; conversions come after."""

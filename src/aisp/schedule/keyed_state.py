@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,18 @@ class KeyedStateKeeper:
         self._window_log = WindowLog(state_store) if state_store is not None else None
         self.partition_states = partition_states
         self.max_keys = max_keys
+
+    @property
+    def spaces(self) -> list[str]:
+        """The key spaces (each a ``key_by`` step id)."""
+        return sorted(self._indexes)
+
+    def share(self, other: KeyedStateKeeper, spaces: Iterable[str]) -> None:
+        """(Before this executor builds its operators) use ``other``'s key indexes for
+        ``spaces``: a topology update's new graph takes the keys over without copying them, and
+        its operators' rows follow the same key codes (``aisp.serve.topology``)."""
+        for space in spaces:
+            self._indexes[space] = other._indexes[space]
 
     def _keyed(self, space: str | None = None) -> list[tuple[str, IncrementalState]]:
         return [(sid, op) for sid, op in self._ops.items()

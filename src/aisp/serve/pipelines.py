@@ -38,6 +38,7 @@ from aisp.pipeline import Pipeline
 from aisp.schedule.anomaly import AnomalyControl, AnomalyPolicy
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
 from aisp.serve.results import Chunk, ResultTracker
+from aisp.serve.topology import short_gil_slices, switch
 from aisp.sinks.base import RowEncoder
 from aisp.sinks.deadletter import DeadLetterSink, DeadLetterWriter
 from aisp.sinks.memory import NullSink
@@ -231,11 +232,12 @@ class PipelineService:
         else the served file, reloaded) at a barrier, carrying the state of the steps it keeps
         (``aisp.serve.topology.switch``); the update's report. A failed update leaves the
         running graph as it was, reports why and raises."""
-        from aisp.serve.topology import switch
-
-        with self._switching:
+        with self._switching, short_gil_slices():
             try:
-                report = switch(self, pipeline if pipeline is not None else self._reloaded(path))
+                t0 = time.monotonic()
+                new = pipeline if pipeline is not None else self._reloaded(path)
+                loaded = time.monotonic() - t0
+                report = {"load_ms": round(loaded * 1000, 3), **switch(self, new)}
             except Exception as exc:
                 self.updates.append({"version": self.graph_version, "failed": f"{type(exc).__name__}: {exc}"})
                 log.warning(

@@ -10,11 +10,12 @@ the steps it keeps.
    up, threads waiting, while the old graph still serves;
 3. at a barrier the old graph's source pauses and the rows in flight finish; the state of its
    steps is captured (``CheckpointCoordinator.savepoint``);
-4. the state of each stateful step goes to the step with the same id in the new graph when its
-   state columns (names and types) are the same, or through the migration the new pipeline
-   declares for that step (``Pipeline.migrate``); a key space goes with its ``key_by`` step id;
-   new steps start empty; the state of steps the new graph lacks, or cannot take, is dropped
-   with a warning;
+4. a key space goes with its ``key_by`` step id: the new graph was built on the old graph's key
+   index itself (nothing copied, whatever the number of keys); the state of each stateful step
+   goes to the step with the same id in the new graph when its state columns (names and types)
+   are the same, or through the migration the new pipeline declares for that step
+   (``Pipeline.migrate``); new steps start empty; the state of steps the new graph lacks, or
+   cannot take, is dropped with a warning;
 5. the new graph's source resumes, reading the inbox where the old one stopped; the old
    executor stops (it has nothing left in flight).
 
@@ -25,10 +26,12 @@ and raises the reason.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +49,7 @@ if TYPE_CHECKING:
     from aisp.pipeline import Pipeline
     from aisp.serve.pipelines import PipelineService
 
-__all__ = ["carry_state", "switch"]
+__all__ = ["carry_state", "short_gil_slices", "switch"]
 
 log = logging.getLogger("aisp.serve")
 
@@ -58,11 +61,14 @@ def _layout(columns: Mapping[str, Any]) -> dict[str, str]:
 
 
 def carry_state(
-    tables: Mapping[str, pa.Table], graph: Graph, migrations: Mapping[str, Migration]
+    state: Mapping[str, Mapping[str, Any]],
+    graph: Graph,
+    migrations: Mapping[str, Migration],
+    shared: Iterable[str],
 ) -> tuple[dict[str, pa.Table], dict[str, list[str]]]:
-    """The part of ``tables`` (a savepoint: ``op.<step>`` and ``keys.<space>``) that ``graph``
-    takes (see the module docstring), and what happened to each step: carried, migrated, new,
-    dropped."""
+    """The part of ``state`` (a savepoint: each step's state columns) that ``graph`` takes, as
+    ``op.<step>`` tables, given the key spaces it shares with the old graph (see the module
+    docstring); and what happened to each step: carried, migrated, new, dropped."""
     kept: dict[str, pa.Table] = {}
     report: dict[str, list[str]] = {"carried": [], "migrated": [], "new": [], "dropped": []}
     spaces: dict[str, str] = {}
@@ -76,40 +82,30 @@ def carry_state(
             space = getattr(op, "space", None)
             if space is not None:
                 spaces[node.step_id] = space
-    for name, table in tables.items():
-        kind, _, target = name.partition(".")
-        if kind != "op":
+    shared = set(shared)
+    for step, columns in state.items():
+        layout = expected.get(step)
+        space = spaces.get(step)
+        if layout is None or (space is not None and space not in shared):  # keyed rows need their keys
+            report["dropped"].append(step)
             continue
-        layout = expected.get(target)
-        if layout is None:
-            report["dropped"].append(target)
-            continue
-        space = spaces.get(target)
-        if space is not None and f"keys.{space}" not in tables:
-            report["dropped"].append(target)  # its keys are not carried: its rows mean nothing
-            continue
-        migrate = migrations.get(target)
+        migrate = migrations.get(step)
         if migrate is not None:
-            table = migrate(table)
-            report["migrated"].append(target)
-        elif _layout({c: table.column(c).to_numpy() for c in table.column_names}) != layout:
-            report["dropped"].append(target)
+            table = migrate(pa.table(dict(columns)))
+            columns = {c: table.column(c).to_numpy() for c in table.column_names}
+            if _layout(columns) != layout:
+                raise ConfigError(
+                    f"step {step!r}: its migration gives state columns {_layout(columns)},"
+                    f" the step keeps {layout}"
+                )
+            report["migrated"].append(step)
+        elif _layout(columns) != layout:
+            report["dropped"].append(step)
             continue
         else:
-            report["carried"].append(target)
-        if _layout({c: table.column(c).to_numpy() for c in table.column_names}) != layout:
-            raise ConfigError(
-                f"step {target!r}: its migration gives state columns {table.schema.names}"
-                f" ({_layout({c: table.column(c).to_numpy() for c in table.column_names})}), the step"
-                f" keeps {layout}"
-            )
-        kept[name] = table
-    used = {spaces[s] for s in (*report["carried"], *report["migrated"]) if s in spaces}
-    for name, table in tables.items():
-        kind, _, space = name.partition(".")
-        if kind == "keys" and space in used:
-            kept[name] = table
-    report["new"] = sorted(set(expected) - {t.partition(".")[2] for t in tables if t.startswith("op.")})
+            report["carried"].append(step)
+        kept[f"op.{step}"] = pa.table(dict(columns))
+    report["new"] = sorted(set(expected) - set(state))
     if report["dropped"]:
         log.warning("topology update: the state of steps %s is dropped", report["dropped"])
     return kept, report
@@ -122,11 +118,11 @@ def _same_schema(a: type[msgspec.Struct] | None, b: type[msgspec.Struct] | None)
     return [(f.name, f.type) for f in fields(a)] == [(f.name, f.type) for f in fields(b)]
 
 
-def _savepoint(executor: Any, name: str, timeout_s: float) -> dict[str, pa.Table]:
-    tables = executor.checkpoints.savepoint(timeout_s)
-    if tables is None:
+def _savepoint(executor: Any, name: str, timeout_s: float) -> dict[str, dict[str, Any]]:
+    state = executor.checkpoints.savepoint(timeout_s)
+    if state is None:
         raise Unavailable(f"pipeline {name!r} did not go quiet in {timeout_s:g} s; nothing changed")
-    return dict(tables)
+    return dict(state)
 
 
 def switch(service: PipelineService, pipeline: Pipeline, *, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -149,13 +145,43 @@ def switch(service: PipelineService, pipeline: Pipeline, *, timeout_s: float = 1
     graph = pipeline.build()
     bound = graph.latency_bound_ms()
     new = service.new_executor(graph)
+    shared = sorted({n.step_id for n in graph.nodes if n.kind == "key_by"} & set(old.keyed.spaces))
+    new.keyed.share(old.keyed, shared)  # the keys stay where they are: nothing to copy
     new.flight.pause()
     new.start()  # operators built, batchers warmed up; the source waits
+    return _at_the_barrier(service, pipeline, graph, old, new, shared, timeout_s, t0, bound)
+
+
+@contextlib.contextmanager
+def short_gil_slices(seconds: float = 0.0005) -> Iterator[None]:
+    """Lower the interpreter's thread switch interval (5 ms by default) while an update loads,
+    builds and starts the new graph beside the serving one: that work holds the GIL in long
+    stretches, and a request's thread waiting for it would otherwise wait up to a full slice
+    each time."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
     try:
-        tables = _savepoint(old, service.name, timeout_s)
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _at_the_barrier(
+    service: PipelineService,
+    pipeline: Pipeline,
+    graph: Graph,
+    old: Any,
+    new: Any,
+    shared: list[str],
+    timeout_s: float,
+    t0: float,
+    bound: float,
+) -> dict[str, Any]:
+    try:
+        state = _savepoint(old, service.name, timeout_s)
         paused_at = time.monotonic()
         try:
-            carried, report = carry_state(tables, graph, pipeline.migrations)
+            carried, report = carry_state(state, graph, pipeline.migrations, shared)
             new.keyed.restore(Checkpoint(0, Path("topology-update"), {}, carried))
         except BaseException:
             old.flight.resume()
