@@ -27,6 +27,7 @@ from aisp.observe.stats import peak_rss_mb
 from aisp.schedule.anomaly import control_run
 from aisp.schedule.checkpoints import open_partition_states
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
+from aisp.schedule.savepoints import from_savepoint, restore_point
 from aisp.schedule.watermarks import check_event_time_options
 from aisp.state.checkpoint import Checkpoint, CheckpointStore
 
@@ -65,6 +66,9 @@ class CheckpointOptions:
     """With ``partition_state_dir=CHANGELOG``: keep warm copies of this many times as many
     partitions as the process owns (the ones after its own), so taking one over reads only the
     tail (see ``aisp.connectors.kafka.standby.ring``)."""
+    from_savepoint: str | None = None
+    """When ``dir`` has no checkpoint yet: start from the newest one in this directory, taken by
+    another version of the pipeline (``aisp.schedule.savepoints``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,7 +214,9 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
             store = CheckpointStore(ck.dir, keep=ck.keep)
             store.lock()  # one process per checkpoint directory
             resources.callback(store.unlock)
-        latest = _restore_point(graph, store)
+        latest = restore_point(graph, store)
+        if latest is None and ck is not None and ck.from_savepoint is not None:
+            latest, _ = from_savepoint(ck.from_savepoint, graph, pipeline.migrations)
         ex = _executor(graph, opts, store, latest, resources)
         if pipeline.anomaly is not None:  # sources read no faster than the controlled rate
             control_run(ex, graph, pipeline.anomaly)
@@ -224,20 +230,6 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
     if ex.errors:
         raise ex.errors[0]
     return _summary(ex, graph, opts, latest, stopped_early)
-
-
-def _restore_point(graph: Graph, store: CheckpointStore | None, workers: int = 1) -> Checkpoint | None:
-    latest = store.latest() if store is not None else None
-    if latest is not None and latest.meta.get("pipeline") != graph.name:
-        raise ConfigError(
-            f"checkpoint {latest.path} is of pipeline {latest.meta.get('pipeline')!r}, not {graph.name!r}"
-        )
-    if latest is not None and latest.meta.get("workers", 1) != workers:
-        raise ConfigError(
-            f"checkpoint {latest.path} was taken with --workers {latest.meta.get('workers', 1)}; restart with"
-            f" the same number (keyed state is split by it), not {workers}"
-        )
-    return latest
 
 
 def _executor(
@@ -361,7 +353,7 @@ def _run_workers(graph: Graph, opts: RunOptions) -> RunSummary:
             store = CheckpointStore(ck.dir, keep=ck.keep)
             store.lock()
             resources.callback(store.unlock)
-        latest = _restore_point(graph, store, n)
+        latest = restore_point(graph, store, n)
         writer = dead_letter_sink(opts.dead_letter).open(
             latest.meta.get("dead_letter_bytes") if latest is not None else None
         )
@@ -410,6 +402,7 @@ def _check_worker_options(opts: RunOptions) -> None:
     unsupported = {
         "--state-store": ck is not None and ck.state_store,
         "--partition-state": ck is not None and ck.partition_state_dir is not None,
+        "--from-savepoint": ck is not None and ck.from_savepoint is not None,
         "--trace-sample": obs.trace is not None,
     }
     named = [name for name, used in unsupported.items() if used]

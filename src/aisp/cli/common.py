@@ -123,3 +123,40 @@ def _tables(config: str | None, section: str) -> dict[str, Any]:
     if not isinstance(tables, dict) or not all(isinstance(v, dict) for v in tables.values()):
         raise ConfigError(f"[{section}]: give one table per name, [{section}.NAME]")
     return tables
+
+
+def _checkpoints(
+    directory: str | None,
+    interval_s: float,
+    state_store: bool,
+    state_max_keys: int,
+    partition_state: str | None,
+    standby_replicas: int = 0,
+    from_savepoint: str | None = None,
+) -> Any:
+    """The checkpoint options of ``aisp run`` (None: no checkpoints), refusing state options that
+    need a checkpoint directory without one."""
+    from aisp.runner import CheckpointOptions
+    from aisp.schedule.checkpoints import CHANGELOG
+
+    if directory is None:
+        if state_store or state_max_keys:
+            raise ConfigError("a state store needs --checkpoint-dir (it lives there)")
+        if partition_state is not None:
+            raise ConfigError("state that follows partitions is checkpointed: it needs --checkpoint-dir too")
+        if from_savepoint is not None:
+            raise ConfigError("--from-savepoint starts a run that checkpoints: it needs --checkpoint-dir too")
+        return None
+    if standby_replicas and partition_state != CHANGELOG:
+        raise ConfigError("standby replicas tail changelog topics: they need --partition-state changelog")
+    if standby_replicas < 0:
+        raise ConfigError(f"--standby-replicas must be 0 or more, not {standby_replicas}")
+    return CheckpointOptions(
+        dir=directory,
+        interval_s=interval_s,
+        state_store=state_store,
+        state_max_keys=state_max_keys,
+        partition_state_dir=partition_state,
+        standby_replicas=standby_replicas,
+        from_savepoint=from_savepoint,
+    )

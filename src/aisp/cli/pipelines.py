@@ -18,6 +18,7 @@ from aisp.cli.common import (
     TraceMaxPerS,
     TraceSample,
     _bind,
+    _checkpoints,
     _limits,
     _params,
     _reloader,
@@ -63,6 +64,13 @@ def run(
         ),
     ] = None,
     checkpoint_interval_s: Annotated[float, typer.Option(help="Seconds between checkpoints.")] = 1.0,
+    from_savepoint: Annotated[
+        str | None,
+        typer.Option(
+            help="With --checkpoint-dir still empty: start from the newest checkpoint in this directory,"
+            " taken by another version of the pipeline (the state of the steps it keeps is carried)."
+        ),
+    ] = None,
     state_store: Annotated[
         bool,
         typer.Option(help="Keep keyed state in an LMDB store in --checkpoint-dir, written incrementally."),
@@ -139,6 +147,7 @@ def run(
                     state_max_keys,
                     partition_state,
                     standby_replicas,
+                    from_savepoint,
                 ),
                 observe=ObserveOptions(
                     live=show_live,
@@ -449,39 +458,6 @@ def _wait_for_a_signal() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-
-
-def _checkpoints(
-    directory: str | None,
-    interval_s: float,
-    state_store: bool,
-    state_max_keys: int,
-    partition_state: str | None,
-    standby_replicas: int = 0,
-) -> Any:
-    """The checkpoint options of ``aisp run`` (None: no checkpoints), refusing state options that
-    need a checkpoint directory without one."""
-    from aisp.runner import CheckpointOptions
-    from aisp.schedule.checkpoints import CHANGELOG
-
-    if directory is None:
-        if state_store or state_max_keys:
-            raise ConfigError("a state store needs --checkpoint-dir (it lives there)")
-        if partition_state is not None:
-            raise ConfigError("state that follows partitions is checkpointed: it needs --checkpoint-dir too")
-        return None
-    if standby_replicas and partition_state != CHANGELOG:
-        raise ConfigError("standby replicas tail changelog topics: they need --partition-state changelog")
-    if standby_replicas < 0:
-        raise ConfigError(f"--standby-replicas must be 0 or more, not {standby_replicas}")
-    return CheckpointOptions(
-        dir=directory,
-        interval_s=interval_s,
-        state_store=state_store,
-        state_max_keys=state_max_keys,
-        partition_state_dir=partition_state,
-        standby_replicas=standby_replicas,
-    )
 
 
 @app.command()

@@ -31,84 +31,25 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
-import pyarrow as pa
 
 from aisp.errors import ConfigError, Unavailable
 from aisp.graph import Graph
 from aisp.observe.clock import wall_ms
+from aisp.schedule.savepoints import carry_state
 from aisp.state.checkpoint import Checkpoint
-from aisp.transform.operators import Checkpointable, OperatorContext
 
 if TYPE_CHECKING:
     from aisp.pipeline import Pipeline
     from aisp.serve.pipelines import PipelineService
 
-__all__ = ["carry_state", "short_gil_slices", "switch"]
+__all__ = ["short_gil_slices", "switch"]
 
 log = logging.getLogger("aisp.serve")
-
-Migration = Callable[[pa.Table], pa.Table]
-
-
-def _layout(columns: Mapping[str, Any]) -> dict[str, str]:
-    return {name: np.asarray(col).dtype.str for name, col in columns.items()}
-
-
-def carry_state(
-    state: Mapping[str, Mapping[str, Any]],
-    graph: Graph,
-    migrations: Mapping[str, Migration],
-    shared: Iterable[str],
-) -> tuple[dict[str, pa.Table], dict[str, list[str]]]:
-    """The part of ``state`` (a savepoint: each step's state columns) that ``graph`` takes, as
-    ``op.<step>`` tables, given the key spaces it shares with the old graph (see the module
-    docstring); and what happened to each step: carried, migrated, new, dropped."""
-    kept: dict[str, pa.Table] = {}
-    report: dict[str, list[str]] = {"carried": [], "migrated": [], "new": [], "dropped": []}
-    spaces: dict[str, str] = {}
-    expected: dict[str, dict[str, str]] = {}
-    for node in graph.nodes:
-        if node.kind in ("source", "sink", "infer"):
-            continue
-        op = node.spec.build(OperatorContext(node.step_id, lambda *_: None, {}))
-        if isinstance(op, Checkpointable):
-            expected[node.step_id] = _layout(op.snapshot())
-            space = getattr(op, "space", None)
-            if space is not None:
-                spaces[node.step_id] = space
-    shared = set(shared)
-    for step, columns in state.items():
-        layout = expected.get(step)
-        space = spaces.get(step)
-        if layout is None or (space is not None and space not in shared):  # keyed rows need their keys
-            report["dropped"].append(step)
-            continue
-        migrate = migrations.get(step)
-        if migrate is not None:
-            table = migrate(pa.table(dict(columns)))
-            columns = {c: table.column(c).to_numpy() for c in table.column_names}
-            if _layout(columns) != layout:
-                raise ConfigError(
-                    f"step {step!r}: its migration gives state columns {_layout(columns)},"
-                    f" the step keeps {layout}"
-                )
-            report["migrated"].append(step)
-        elif _layout(columns) != layout:
-            report["dropped"].append(step)
-            continue
-        else:
-            report["carried"].append(step)
-        kept[f"op.{step}"] = pa.table(dict(columns))
-    report["new"] = sorted(set(expected) - set(state))
-    if report["dropped"]:
-        log.warning("topology update: the state of steps %s is dropped", report["dropped"])
-    return kept, report
 
 
 def _same_schema(a: type[msgspec.Struct] | None, b: type[msgspec.Struct] | None) -> bool:
