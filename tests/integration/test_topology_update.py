@@ -96,6 +96,9 @@ def test_a_new_topology_under_load_continues_the_keyed_state_and_answers_every_e
         updater.join()
         status = httpx.get(f"{base}/v1/pipelines/fraud/graph").json()
         metrics = httpx.get(f"{base}/metrics").text
+        dashboard = httpx.get(f"{base}/dashboard/state").json()
+    assert dashboard["graph_version"] == 2 and dashboard["graph_updates"][-1]["carried"] == ["user_stats"]
+    assert "plausible" in [n["id"] for n in dashboard["graph"]["nodes"]]
     assert 'aisp_pipeline_graph_version{pipeline="fraud"} 2.0' in metrics
     assert 'aisp_pipeline_graph_updates_total{outcome="failed",pipeline="fraud"} 1.0' in metrics
 

@@ -157,6 +157,8 @@ class DashboardState:
         recent = self._window(st.e2e, ("", "e2e"))
         return {
             "pipeline": self._ex.graph.name,
+            "graph_version": getattr(self._ex, "graph_version", 1),  # a served pipeline's updates
+            "graph_updates": list(getattr(self._ex, "graph_updates", ()))[-5:],
             "time_s": round(st.seconds(), 2),
             "events_in_per_s": round((counts["events_in"] - before["events_in"]) / seconds, 1),
             "events_out_per_s": round((counts["events_out"] - before["events_out"]) / seconds, 1),

@@ -61,6 +61,14 @@ class _Live:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._service.executor, name)
 
+    @property
+    def graph_version(self) -> int:
+        return self._service.graph_version
+
+    @property
+    def graph_updates(self) -> list[dict[str, Any]]:
+        return self._service.updates
+
 
 class InboxClosed(Unavailable):
     """The service is shutting down and takes no more events (503 / UNAVAILABLE)."""
