@@ -28,6 +28,8 @@ from aisp.connectors import connector_for
 from aisp.errors import ConfigError, GraphError
 from aisp.graph import DEFAULT_PORT, Graph, Node
 from aisp.infer.batcher import BatcherConfig
+from aisp.infer.model_steps import expand_rollout
+from aisp.infer.rollout import Rollout, RolloutPolicy
 from aisp.infer.runtime import Runtime
 from aisp.infer.stage import InferSpec
 from aisp.ingest.base import Source
@@ -64,6 +66,8 @@ class Pipeline:
         self.output_columns = list(output_columns) if output_columns is not None else None
         self.anomaly: AnomalyPolicy | None = None
         """Sliding-window anomaly control of the admitted rate when served (``anomaly_control``)."""
+        self.rollouts: dict[str, Rollout] = {}
+        """The model rollouts of ``Stream.infer_rollout`` steps, by step id."""
         self.migrations: dict[str, Callable[[pa.Table], pa.Table]] = {}
         """Per step, how its state changes when this pipeline replaces a running version of
         itself (``migrate``, ``aisp.serve.topology``)."""
@@ -318,31 +322,37 @@ class Stream:
         ``{step_id}.default``) -> ``{step_id}`` (a union). Each row's ``model`` column names the
         model that scored it.
         """
+        infer: dict[str, Any] = dict(
+            inputs=inputs, outputs=outputs, batcher=batcher, latency_budget_ms=latency_budget_ms
+        )
         names = [f"tier{t}" for t in variants]
         predicates = {f"tier{t}": _tier_is(t) for t in variants}
         routed = self.route(f"{step_id}.route", [*names, "default"], predicates=predicates, default="default")
-        scored = [
-            routed[f"tier{t}"].infer(
-                f"{step_id}.tier{t}",
-                rt,
-                inputs=inputs,
-                outputs=outputs,
-                batcher=batcher,
-                latency_budget_ms=latency_budget_ms,
-            )
-            for t, rt in variants.items()
-        ]
-        scored.append(
-            routed["default"].infer(
-                f"{step_id}.default",
-                default,
-                inputs=inputs,
-                outputs=outputs,
-                batcher=batcher,
-                latency_budget_ms=latency_budget_ms,
-            )
-        )
+        scored = [routed[f"tier{t}"].infer(f"{step_id}.tier{t}", rt, **infer) for t, rt in variants.items()]
+        scored.append(routed["default"].infer(f"{step_id}.default", default, **infer))
         return self.pipeline.union(step_id, *scored)
+
+    def infer_rollout(
+        self,
+        step_id: str,
+        stable: Runtime,
+        candidate: Runtime,
+        policy: RolloutPolicy,
+        *,
+        inputs: Mapping[str, str],
+        outputs: Mapping[str, str],
+        batcher: BatcherConfig | None = None,
+        latency_budget_ms: float = 10.0,
+    ) -> Stream:
+        """A model step that rolls ``candidate`` out over ``stable`` in the steps of ``policy``
+        (shadow, then traffic shares by key), rolling back on a measured regression
+        (``aisp.infer.model_steps``). The rollout's status: ``pipeline.rollouts[step_id]``."""
+        infer: dict[str, Any] = dict(
+            inputs=inputs, outputs=outputs, batcher=batcher, latency_budget_ms=latency_budget_ms
+        )
+        united, rollout = expand_rollout(self, step_id, stable, candidate, policy, infer=infer)
+        self.pipeline.rollouts[step_id] = rollout
+        return united  # type: ignore[no-any-return]
 
     def route(
         self,

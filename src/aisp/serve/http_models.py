@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from aisp.errors import BadRequest, ConfigError, Forbidden, ModelError, NotFound, PayloadTooLarge
 from aisp.infer.repository import check_model_name
+from aisp.infer.rollout import RolloutPolicy
 from aisp.schedule.ratelimit import Limiter
 from aisp.serve.admission import admit_infer, infer_admitted
 from aisp.serve.auth import api_key
@@ -33,7 +34,6 @@ from aisp.serve.http_errors import error_response, guarded
 from aisp.serve.metrics import ServerMetrics
 from aisp.serve.models import ModelServer
 from aisp.serve.oip_http import HEADER_LENGTH, encode_response, parse_request
-from aisp.serve.rollout import RolloutPolicy
 from aisp.serve.shm import CUDA_SHM_UNSUPPORTED, NO_REGIONS, SharedMemoryRegions
 
 __all__ = ["MODEL_CONTROL_OFF", "InferFastPath", "ModelRoutes", "config_json"]
@@ -347,7 +347,7 @@ class ModelRoutes:
 
     async def rollout(self, request: Request) -> Response:
         """``GET``: the model's rollout status and decisions; ``POST`` (model control) with a
-        rollout policy (``aisp.serve.rollout.RolloutPolicy`` as JSON) starts one; ``DELETE``
+        rollout policy (``aisp.infer.rollout.RolloutPolicy`` as JSON) starts one; ``DELETE``
         rolls the one under way back."""
         name = request.path_params["model"]
         if request.method == "GET":

@@ -3,7 +3,7 @@
 ``ModelControl`` loads and unloads models (each a ``ModelVersions``: the versions its policy
 selects, live at once), and answers the repository index, metadata, readiness and statistics;
 ``ModelServer`` (``aisp.serve.models``) adds inference on top. Rollouts of a new version
-(``aisp.serve.rollout``) start, report and stop here.
+(``aisp.infer.rollout``) start, report and stop here.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 
 from aisp.errors import AispError, BadRequest, NotFound
 from aisp.infer.repository import ModelRepository, check_model_name
+from aisp.infer.rollout import RolloutPolicy
 from aisp.infer.versions import ServedModel
 from aisp.serve.model_versions import ModelVersions, wanted_versions
 from aisp.serve.oip import Signature, TensorSignature
-from aisp.serve.rollout import RolloutPolicy
 from aisp.serve.served import Served
 
 __all__ = ["ModelControl"]

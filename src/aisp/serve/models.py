@@ -148,7 +148,7 @@ class ModelServer(ModelControl):
         from a thread (blocks until answered). Asyncio callers use ``infer_async``. The inputs
         are checked first (``BadRequest`` names what does not fit the model), unless
         ``checked`` says the caller has run ``oip.check_request`` on them against this model.
-        ``key`` places the request during a rollout (``aisp.serve.rollout``)."""
+        ``key`` places the request during a rollout (``aisp.infer.rollout``)."""
         served, shadow, n, tier, deadline = self._admit(
             name, inputs, version, priority, tier, timeout_s, checked, key
         )

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from aisp.errors import ConfigError
-from aisp.serve.rollout import Rollout, RolloutPolicy
+from aisp.infer.rollout import Rollout, RolloutPolicy
 
 
 class Clock:

@@ -45,9 +45,10 @@ _SCORES_KEPT = 20_000  # output values kept per version and step
 
 
 class RolloutPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How a candidate version is rolled out (see the module docstring)."""
+    """How a candidate version is rolled out (see the module docstring). ``version``: the
+    candidate's version number (a served model's; a pipeline step's is informative)."""
 
-    version: int
+    version: int = 0
     steps: tuple[float, ...] = (0.01, 0.1, 0.5, 1.0)
     shadow: bool = True
     window_s: float = 30.0
@@ -77,30 +78,32 @@ class RolloutPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 
 class _Window:
-    """One version's requests during a step."""
+    """One version's requests (or rows) during a step."""
 
     def __init__(self) -> None:
-        self.latencies_ms: list[float] = []
+        self.latencies_ms: list[npt.NDArray[np.float64]] = []
+        self.answered = 0
         self.errors = 0
         self.scores: list[npt.NDArray[np.float64]] = []
         self.kept = 0
 
     @property
     def n(self) -> int:
-        return len(self.latencies_ms) + self.errors
+        return self.answered + self.errors
 
-    def add(self, ok: bool, latency_ms: float, scores: npt.NDArray[Any] | None) -> None:
-        if not ok:
-            self.errors += 1
+    def add(self, errors: int, latencies_ms: npt.NDArray[Any], scores: npt.NDArray[Any] | None) -> None:
+        self.errors += errors
+        if not latencies_ms.size:
             return
-        self.latencies_ms.append(latency_ms)
+        self.latencies_ms.append(np.asarray(latencies_ms, dtype=np.float64))
+        self.answered += latencies_ms.size
         if scores is not None and self.kept < _SCORES_KEPT:
             values = np.asarray(scores, dtype=np.float64).ravel()[: _SCORES_KEPT - self.kept]
             self.scores.append(values)
             self.kept += values.size
 
     def figures(self) -> dict[str, Any]:
-        lat = np.asarray(self.latencies_ms)
+        lat = np.concatenate(self.latencies_ms) if self.latencies_ms else np.empty(0)
         return {
             "requests": self.n,
             "p99_ms": round(float(np.percentile(lat, 99)), 3) if lat.size else None,
@@ -134,10 +137,11 @@ class Rollout:
         policy: RolloutPolicy,
         finish: Callable[[str], None],
         *,
+        candidate: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model, self.stable, self.policy = model, stable, policy
-        self.candidate = str(policy.version)
+        self.candidate = candidate if candidate is not None else str(policy.version)
         self._finish, self._clock = finish, clock
         self._stages = ([0.0] if policy.shadow else []) + list(policy.steps)
         self._stage = 0
@@ -178,12 +182,27 @@ class Rollout:
         """A request answered (or failed) by ``version``."""
         if not self.active:
             return
-        scores = next(iter(outputs.values())) if outputs else None
+        scores = next(iter(outputs.values())) if outputs and ok else None
+        latencies = np.array([latency_ns / 1e6]) if ok else np.empty(0)
+        self.observe_rows(version, latencies, scores, errors=0 if ok else 1)
+
+    def observe_rows(
+        self,
+        version: str,
+        latencies_ms: npt.NDArray[Any],
+        scores: npt.NDArray[Any] | None,
+        *,
+        errors: int = 0,
+    ) -> None:
+        """Rows (a pipeline's) answered by ``version``, with their latencies and scores, and
+        ``errors`` that failed."""
+        if not self.active:
+            return
         with self._lock:
             window = self._windows.get(version) if self.active else None  # (decided meanwhile)
             if window is None:
                 return
-            window.add(ok, latency_ns / 1e6, scores)
+            window.add(errors, latencies_ms, scores)
             if self._clock() - self._since >= self.policy.window_s:
                 self._evaluate()
 

@@ -1,0 +1,92 @@
+"""Model steps of a pipeline that expand into several steps of its graph: a rollout of a
+candidate model over the stable one (``Stream.infer_rollout``), with the steps, comparisons and
+decisions of ``aisp.infer.rollout``.
+
+The step expands into a few steps of the graph:
+
+* ``{step}.route`` sends each row to ``{step}.stable`` or ``{step}.candidate`` (two infer
+  steps): to the candidate when the hash of its key (the key code of the preceding ``key_by``,
+  else the event id) falls under the candidate's traffic share, so a key sticks to one model;
+* while the rollout shadows, ``{step}.shadow`` (an infer step of the candidate) also scores a
+  copy of every row, observed and then dropped (``{step}.shadow.drop``, into
+  ``{step}.shadow.sink``);
+* after each model, ``{step}.stable.observe`` / ``{step}.candidate.observe`` hand the rollout
+  the rows' latency so far (from their ingest) and the first output's values;
+* ``{step}`` unites the two branches; each row's ``model_variant`` says which model scored it.
+
+A rollback sends every row to the stable model again, a promotion every row to the candidate;
+the decisions are in the run's log and ``Rollout.status()``. Rows a model step dead-letters are
+not counted as errors of the rollout (its error rate compares request failures when served).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from aisp.batch import ID, INGEST_NS, KEY, Batch
+from aisp.infer.rollout import Rollout, RolloutPolicy
+from aisp.sinks.memory import NullSink
+
+__all__ = ["expand_rollout"]
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _buckets(batch: Batch) -> Any:
+    """Each row's bucket in [0, 10000): the hash of its key code (after ``key_by``) or id."""
+    keys = batch.numpy(KEY) if KEY in batch.column_names else batch.numpy(ID)
+    with np.errstate(over="ignore"):
+        mixed = keys.astype(np.uint64) * _GOLDEN
+    return (mixed >> np.uint64(40)) % np.uint64(10_000)
+
+
+def expand_rollout(
+    stream: Any,
+    step_id: str,
+    stable: Any,
+    candidate: Any,
+    policy: RolloutPolicy,
+    *,
+    infer: Mapping[str, Any],
+    on_decision: Callable[[str], None] | None = None,
+) -> tuple[Any, Rollout]:
+    """The steps of a rollout model step after ``stream`` (see the module docstring); the
+    united stream and the ``Rollout``. ``infer``: the infer steps' keyword arguments."""
+    rollout = Rollout(step_id, "stable", policy, on_decision or (lambda _: None), candidate="candidate")
+
+    def to_candidate(batch: Batch) -> Any:
+        if rollout.state == "promoted":
+            return np.ones(batch.num_rows, dtype=bool)
+        return _buckets(batch) < int(rollout.share * 10_000)
+
+    def observe(variant: str) -> Callable[[Batch], Batch]:
+        first = next(iter(infer["outputs"].values()))
+
+        def look(batch: Batch) -> Batch:
+            if rollout.active and batch.num_rows:
+                latency_ms = (time.monotonic_ns() - batch.numpy(INGEST_NS)) / 1e6
+                rollout.observe_rows(variant, latency_ms, batch.numpy(first))
+            return batch.with_columns({"model_variant": np.full(batch.num_rows, variant)})
+
+        return look
+
+    routed = stream.route(
+        f"{step_id}.route", ["candidate", "stable"], predicates={"candidate": to_candidate}, default="stable"
+    )
+    branches = []
+    for variant, runtime in (("stable", stable), ("candidate", candidate)):
+        scored = routed[variant].infer(f"{step_id}.{variant}", runtime, **infer)
+        branches.append(scored.map_batch(f"{step_id}.{variant}.observe", observe(variant)))
+    if policy.shadow:
+        copies = stream.filter(
+            f"{step_id}.shadow.take", lambda b: np.full(b.num_rows, rollout.state == "shadow")
+        )
+        shadowed = copies.infer(f"{step_id}.shadow", candidate, **infer)
+        seen = shadowed.map_batch(f"{step_id}.shadow.observe", observe("candidate"))
+        dropped = seen.filter(f"{step_id}.shadow.drop", lambda b: np.zeros(b.num_rows, dtype=bool))
+        dropped.sink(f"{step_id}.shadow.sink", NullSink())
+    return stream.pipeline.union(step_id, *branches), rollout

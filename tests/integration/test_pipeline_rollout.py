@@ -1,0 +1,73 @@
+"""A pipeline's model step rolls a candidate model out over the stable one (``infer_rollout``):
+a healthy candidate is promoted through shadow and every traffic share, one with shifted scores
+or 20 ms slower per batch is rolled back; every event is scored once either way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from aisp import BatcherConfig, CollectSink, ExecutorOptions, OnnxRuntime, Pipeline, WorkloadFSource
+from aisp.infer.rollout import RolloutPolicy
+from benchmarks.workload import load_fraud_example
+from tests.support.models import linear_model, slow_linear_model
+
+EVENTS = 60_000
+
+
+def rolled_out(tmp_path: Path, candidate: Path) -> tuple[Pipeline, CollectSink]:
+    fraud = load_fraud_example()
+    stable = linear_model(tmp_path / "stable.onnx", 0.1)
+    policy = RolloutPolicy(steps=(0.5, 1.0), window_s=0.3, min_samples=300, p99_slack_ms=10.0)
+    p = Pipeline("fraud")
+    out = CollectSink(columns=["id", "user", "model_variant"])
+    stats = (
+        p.source("events", WorkloadFSource(events=EVENTS, seed=4))
+        .key_by("by_user", "user")
+        .running_stats("user_stats", "amount", count="n", mean="mean_amount")
+    )
+    scored = stats.map_batch("features", fraud.features).infer_rollout(
+        "score",
+        OnnxRuntime(str(stable), name="fraud"),
+        OnnxRuntime(str(candidate), name="fraud"),
+        policy,
+        inputs={"features": "features"},
+        outputs={"score": "score"},
+        batcher=BatcherConfig(max_batch_size=256, max_queue_delay_ms=1.0),
+    )
+    scored.sink("out", out)
+    return p, out
+
+
+@pytest.mark.parametrize(
+    ("candidate", "outcome", "breach"),
+    [("healthy", "promoted", None), ("shifted", "rolled_back", "output distribution"),
+     ("slow", "rolled_back", "p99 latency")],
+)  # fmt: skip
+def test_a_pipeline_rollout_promotes_or_rolls_back_and_scores_every_event_once(
+    tmp_path: Path, candidate: str, outcome: str, breach: str | None
+) -> None:
+    model = tmp_path / f"{candidate}.onnx"
+    if candidate == "slow":
+        slow_linear_model(model, 0.1)
+    else:
+        linear_model(model, 0.1 if candidate == "healthy" else 0.6)
+    p, out = rolled_out(tmp_path, model)
+    p.run(execution=ExecutorOptions(rate_events_per_s=20_000))  # 3 s: time for every window
+    status = p.rollouts["score"].status()
+    assert status["state"] == outcome, status["decisions"]
+    decisions = [d["decision"] for d in status["decisions"] if d["decision"] != "wait"]
+    if breach is None:
+        assert decisions == ["start", "pass", "pass", "promote"]
+    else:
+        assert decisions[-1] == "rollback" and breach in status["decisions"][-1]["breaches"]
+    ids = [r["id"] for r in out.rows]
+    assert len(ids) == EVENTS and len(set(ids)) == EVENTS  # each event scored once
+    variants = {r["model_variant"] for r in out.rows}
+    if breach is None:
+        assert variants == {"stable", "candidate"}
+    elif status["decisions"][-1]["stage"] == "shadow":  # the candidate never answered a row
+        assert variants == {"stable"}
+    else:
+        assert "stable" in variants
