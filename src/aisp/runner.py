@@ -143,6 +143,8 @@ class RunSummary:
     """Wall-clock time (Unix ms) of the first event read, to line up several processes' runs."""
     state: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per key space: keys in memory at the end, keys evicted and read back (``state_max_keys``)."""
+    rollouts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Model rollouts (``Stream.infer_rollout``) by step: their state and decisions."""
     partitions: dict[str, float] = field(default_factory=dict)
     """State that follows input partitions: partitions taken over, and how (``stats()`` of the
     ``PartitionStateStore``)."""
@@ -229,7 +231,8 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
         stopped_early = ex.stopping  # before the resources close (which stop the executor)
     if ex.errors:
         raise ex.errors[0]
-    return _summary(ex, graph, opts, latest, stopped_early)
+    rollouts = {sid: rollout.status() for sid, rollout in pipeline.rollouts.items()}
+    return _summary(ex, graph, opts, latest, stopped_early, rollouts)
 
 
 def _executor(
@@ -423,10 +426,15 @@ def _finish_summary(summary: RunSummary, e2e: LatencyHistogram, graph: Graph, op
 
 
 def _summary(
-    ex: LocalExecutor, graph: Graph, opts: RunOptions, latest: Checkpoint | None, stopped_early: bool
+    ex: LocalExecutor,
+    graph: Graph,
+    opts: RunOptions,
+    latest: Checkpoint | None,
+    stopped_early: bool,
+    rollouts: dict[str, dict[str, Any]],
 ) -> RunSummary:
     summary = summarize(ex)
-    summary.stopped_early = stopped_early
+    summary.stopped_early, summary.rollouts = stopped_early, rollouts
     summary.checkpoints = ex.stats.checkpoints
     summary.restored_from = latest.id if latest is not None else None
     _finish_summary(summary, ex.stats.e2e, graph, opts)

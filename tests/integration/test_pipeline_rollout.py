@@ -54,8 +54,9 @@ def test_a_pipeline_rollout_promotes_or_rolls_back_and_scores_every_event_once(
     else:
         linear_model(model, 0.1 if candidate == "healthy" else 0.6)
     p, out = rolled_out(tmp_path, model)
-    p.run(execution=ExecutorOptions(rate_events_per_s=20_000))  # 3 s: time for every window
+    summary = p.run(execution=ExecutorOptions(rate_events_per_s=20_000))  # 3 s: time for every window
     status = p.rollouts["score"].status()
+    assert summary.rollouts["score"]["state"] == status["state"]  # in the run summary too
     assert status["state"] == outcome, status["decisions"]
     decisions = [d["decision"] for d in status["decisions"] if d["decision"] != "wait"]
     if breach is None:

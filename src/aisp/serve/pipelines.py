@@ -224,6 +224,11 @@ class PipelineService:
         self.admission = AdmissionStats()
         """Events accepted or refused (queue full, rate limited), for ``/metrics``."""
 
+    def bound(self, pipeline: Pipeline) -> Any:
+        """``pipeline``'s graph reading the inbox, its primary sink the responses; checked."""
+        pipeline.bind(source=InboxSource(self.inbox), sink=NullSink())
+        return pipeline.build()
+
     def new_executor(self, graph: Any) -> LocalExecutor:
         """An executor of ``graph`` reading the inbox and answering through the tracker."""
         return LocalExecutor(

@@ -45,7 +45,8 @@ from aisp.state.checkpoint import Checkpoint
 
 if TYPE_CHECKING:
     from aisp.pipeline import Pipeline
-    from aisp.serve.pipelines import PipelineService
+
+PipelineService = Any  # aisp.serve.pipelines.PipelineService (which imports this module)
 
 __all__ = ["short_gil_slices", "switch"]
 
@@ -69,9 +70,6 @@ def _savepoint(executor: Any, name: str, timeout_s: float) -> dict[str, dict[str
 def switch(service: PipelineService, pipeline: Pipeline, *, timeout_s: float = 10.0) -> dict[str, Any]:
     """Replace ``service``'s running graph by ``pipeline``'s (see the module docstring); a
     report of the update."""
-    from aisp.serve.pipelines import InboxSource
-    from aisp.sinks.memory import NullSink
-
     t0 = time.monotonic()
     if pipeline.name != service.name:
         raise ConfigError(f"the new pipeline is {pipeline.name!r}; this service serves {service.name!r}")
@@ -82,8 +80,7 @@ def switch(service: PipelineService, pipeline: Pipeline, *, timeout_s: float = 1
         raise ConfigError(
             f"steps {sorted(old.windows)} keep open windows, which a topology update does not carry yet"
         )
-    pipeline.bind(source=InboxSource(service.inbox), sink=NullSink())
-    graph = pipeline.build()
+    graph = service.bound(pipeline)
     bound = graph.latency_bound_ms()
     new = service.new_executor(graph)
     shared = sorted({n.step_id for n in graph.nodes if n.kind == "key_by"} & set(old.keyed.spaces))
