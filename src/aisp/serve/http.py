@@ -172,6 +172,15 @@ def create_app(
     return _Auth(app, tokens) if tokens is not None and tokens.enabled else app
 
 
+def _served(pipelines: Mapping[str, PipelineService], request: Request) -> PipelineService:
+    """The served pipeline a request's path names (``NotFound`` otherwise)."""
+    name = request.path_params["pipeline"]
+    service = pipelines.get(name)
+    if service is None:
+        raise NotFound(f"no pipeline {name!r}; serving {sorted(pipelines)}")
+    return service
+
+
 def _anomaly_endpoint(pipelines: Mapping[str, PipelineService]) -> Any:
     """``GET /v1/pipelines/{p}/anomaly``: the anomaly control's status (policy, admitted rate,
     triggers, last window); ``PUT`` (admin) with a JSON object of policy settings changes them,
@@ -179,10 +188,8 @@ def _anomaly_endpoint(pipelines: Mapping[str, PipelineService]) -> Any:
 
     @guarded
     async def anomaly(request: Request) -> Response:
-        name = request.path_params["pipeline"]
-        service = pipelines.get(name)
-        if service is None:
-            raise NotFound(f"no pipeline {name!r}; serving {sorted(pipelines)}")
+        service = _served(pipelines, request)
+        name = service.name
         if request.method == "PUT":
             try:
                 changes = msgspec.json.decode(await request.body())
@@ -210,10 +217,7 @@ def _graph_endpoint(pipelines: Mapping[str, PipelineService], control: bool) -> 
 
     @guarded
     async def graph(request: Request) -> Response:
-        name = request.path_params["pipeline"]
-        service = pipelines.get(name)
-        if service is None:
-            raise NotFound(f"no pipeline {name!r}; serving {sorted(pipelines)}")
+        service = _served(pipelines, request)
         if request.method == "GET":
             return JSONResponse(service.graph_status())
         if not control:
