@@ -49,6 +49,9 @@ __all__ = ["CheckpointCoordinator", "Flight"]
 
 log = logging.getLogger("aisp.executor")
 
+REVOKE_DRAIN_S = 20.0
+"""How long a revoke waits for the rows in flight before it gives the partitions up unwritten."""
+
 
 class Flight:
     """Rows in flight and the pause sources obey between batches (see the module docstring).
@@ -117,11 +120,15 @@ class Flight:
             self._pause = False
             self._cond.notify_all()
 
-    def drain(self) -> None:
+    def drain(self, timeout_s: float | None = None) -> None:
         """Wait until every row read so far is written, dropped or dead-lettered (called by the
-        only source, which reads nothing meanwhile)."""
+        only source, which reads nothing meanwhile), or ``timeout_s`` passed (``consistent``
+        then says no)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while self._in_flight > 0 and not self._stop.is_set():
+                if deadline is not None and time.monotonic() >= deadline:
+                    return
                 self._cond.wait(0.05)
 
     def consistent(self) -> bool:
@@ -321,11 +328,12 @@ class CheckpointCoordinator:
 
     def partitions_revoked(self, partitions: list[int]) -> None:
         """Flush the state of partitions taken away (outputs first), release them, drop their
-        keys; cancel the restores of those not loaded yet. A failed run (or a stop that cut the
-        drain short) writes nothing: the last checkpoint stands."""
+        keys; cancel the restores of those not loaded yet. A failed run, a stop, or rows still in
+        flight after ``REVOKE_DRAIN_S`` (a revoke must end well within the group's poll
+        interval) write nothing: the last checkpoint stands, and the next owner replays from it."""
         assert self.partition_states is not None and self._restores is not None
         self._restores.cancel(partitions)
-        self.flight.drain()
+        self.flight.drain(REVOKE_DRAIN_S)
         owned = [p for p in partitions if p in self._loaded]
         if self.flight.consistent():
             for sink in self._sink_parts.values():
