@@ -116,7 +116,9 @@ def test_workers_of_a_group_move_state_through_changelogs_across_a_kill_a_join_a
             for row in rows:
                 assert by_id.setdefault(row["id"], row) == row, f"event {row['id']} has two outputs"
             rows = list(by_id.values())
-        assert sorted(rows, key=lambda row: row["id"]) == expected
+        rows.sort(key=lambda row: row["id"])
+        if rows != expected:  # say where the difference lies: which partitions, and their offsets
+            pytest.fail(difference(broker, src, group, rows, expected, runs))
         dead = b"".join(
             (tmp_path / f"{tag}.dl").read_bytes() for tag in "abc" if (tmp_path / f"{tag}.dl").exists()
         )
@@ -125,6 +127,34 @@ def test_workers_of_a_group_move_state_through_changelogs_across_a_kill_a_join_a
         if counter is not None:
             counter.close()
         drop_streams(r, dst, dst)
+
+
+def difference(
+    broker: str, topic: str, group: str, rows: list[dict[str, Any]], expected: list[dict[str, Any]], runs: Any
+) -> str:
+    """What an output differs in: missing and unequal events per input partition, and the
+    group's committed offsets against each partition's end."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    got = {row["id"]: row for row in rows}
+    missing: dict[int, int] = {}
+    unequal: dict[int, int] = {}
+    for e in expected:
+        p = int(e["user"][1:]) % PARTITIONS
+        if e["id"] not in got:
+            missing[p] = missing.get(p, 0) + 1
+        elif got[e["id"]] != e:
+            unequal[p] = unequal.get(p, 0) + 1
+    c = Consumer({"bootstrap.servers": broker, "group.id": group})
+    tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+    committed = {tp.partition: tp.offset for tp in c.committed(tps, timeout=10)}
+    ends = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(PARTITIONS)}
+    c.close()
+    return (
+        f"outputs differ: {len(expected)} expected, {len(rows)} written; missing by partition {missing},"
+        f" unequal by partition {unequal}; committed {committed}, ends {ends};"
+        f" workers {[{k: r[k] for k in ('events_in', 'partitions')} for r in runs.values()]}"
+    )
 
 
 def wait_for(cond: Any, timeout_s: float, what: str) -> None:
