@@ -12,10 +12,11 @@ offset if the checkpoint has it, else at the group's committed offset, else at t
 The position is the next offset per partition after the records handed to the pipeline;
 ``commit(position)`` commits those offsets to the group once the checkpoint holding them is
 durable. Several processes of one group need keyed state that moves with the partitions (``aisp
-run --partition-state``): a newly assigned partition is then paused while the engine restores
-its state in the background (``SourceContext.on_assign``), and starts where the restored state
-says once it is loaded (``restored``, asked between batches; the other partitions flow and the
-group is polled meanwhile); a revoked one has its state flushed (``on_revoke``). While every
+run --partition-state``): a newly assigned partition is then not read while the engine restores
+its state in the background (``SourceContext.on_assign``; its records fetched meanwhile are
+dropped), and starts where the restored state says once it is loaded
+(``restored``, asked between batches; the other partitions flow and the group is polled
+meanwhile); a revoked one has its state flushed (``on_revoke``). While every
 broker is unreachable the source waits (librdkafka reconnects) and does not count the time as
 idle input; after ``retry_s`` it fails with a clear error. Compatibility is tested against the
 Tansu broker (Kafka protocol), see the README.
@@ -108,8 +109,8 @@ class KafkaSourcePartition(SourcePartition):
             **cfg.options,
         }
         self._owned: set[int] = set()  # partitions assigned now (and restored)
-        self._restoring: set[int] = set()  # assigned, paused until the engine restored their state
-        self._skipped: dict[int, int] = {}  # a restoring partition's first record fetched anyway
+        self._restoring: set[int] = set()  # assigned, read only once the engine restored their state
+        self._skipped: dict[int, int] = {}  # a restoring partition's first record fetched (dropped)
         self._committed: dict[int, int] = {}  # the highest offset committed (or started from)
         self._pending: dict[int, int] = {}  # commits asked for by other threads
         self._commit_lock = threading.Lock()
@@ -132,8 +133,9 @@ class KafkaSourcePartition(SourcePartition):
         self._assigned = True
         self._idle_since = time.monotonic()
         if self._ctx.on_assign is not None:  # state moves with partitions: restored first
+            # not paused: a pause next to an assignment can leave a partition paused for good
+            # (librdkafka#5591), and a pause, seek and resume left some unread under load here
             consumer.assign(partitions)
-            consumer.pause(partitions)
             self._restoring.update(tp.partition for tp in partitions)
             self._ctx.on_assign([tp.partition for tp in partitions])
             return
@@ -146,17 +148,15 @@ class KafkaSourcePartition(SourcePartition):
 
     def _resume_restored(self) -> None:
         """Start the partitions whose state the engine has restored, where it says (else where
-        the group says: the first record fetched before the pause took, if any)."""
+        the group says: the first record fetched meanwhile, if any)."""
         from confluent_kafka import TopicPartition
 
         assert self._ctx.restored is not None
         ready = {p: o for p, o in self._ctx.restored().items() if p in self._restoring}
         for p, offset in sorted(ready.items()):
             start = offset if offset is not None else self._skipped.get(p)
-            tp = TopicPartition(self._cfg.topic, p)
             if start is not None:
                 self._consumer.seek(TopicPartition(self._cfg.topic, p, start))
-            self._consumer.resume([tp])
             with self._commit_lock:
                 self._restoring.discard(p)
                 self._skipped.pop(p, None)
