@@ -72,10 +72,10 @@ def carry_state(
         if migrate is not None:
             table = migrate(pa.table(dict(columns)))
             columns = {c: table.column(c).to_numpy() for c in table.column_names}
-            if _layout(columns) != layout:
+            migrated = _layout(columns)
+            if migrated != layout:
                 raise ConfigError(
-                    f"step {step!r}: its migration gives state columns {_layout(columns)},"
-                    f" the step keeps {layout}"
+                    f"step {step!r}: its migration gives state columns {migrated}, the step keeps {layout}"
                 )
             report["migrated"].append(step)
         elif _layout(columns) != layout:

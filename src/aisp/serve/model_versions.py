@@ -130,7 +130,7 @@ class ModelVersions:
         if not wanted:
             raise ModelError(f"model {self.name!r}: no version to serve (check its version_policy)")
         with self._lock:
-            keep = {str(v): s for v, s in ((str(v), self.by_version.get(str(v))) for v in wanted) if s}
+            keep = {str(v): self.by_version[str(v)] for v in wanted if str(v) in self.by_version}
             built: dict[str, Served] = {}
             try:
                 for v in wanted:

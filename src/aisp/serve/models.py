@@ -101,6 +101,8 @@ class ModelServer(ModelControl):
             served, self._served = self._served, {}
         for s in served.values():
             s.close()
+        if self._shadow_threads is not None:
+            self._shadow_threads.shutdown(wait=False, cancel_futures=True)
 
     def _make(self, name: str, version: int) -> Served:
         model = ServedModel(self.repository, name, version=version, pin=True)

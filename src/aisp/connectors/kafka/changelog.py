@@ -291,8 +291,9 @@ class ChangelogStates:
     def _save(self, partition: int, owned: _Owned) -> None:
         """Keep a local copy of ``partition``'s state as last written (see ``local_copy``)."""
         assert self._local is not None
-        names = {step: changelog_topic(self._group, self._topic, step) for step in owned.base}
-        names.update({step: changelog_topic(self._group, self._topic, step) for step in owned.stale})
+        names = {
+            step: changelog_topic(self._group, self._topic, step) for step in {*owned.base, *owned.stale}
+        }
         ends = {n: self._ends[(n, partition)] for n in names.values() if (n, partition) in self._ends}
         steps = {step: rows for step, rows in owned.base.items() if names[step] in ends}
         stale = {step: keys for step, keys in owned.stale.items() if names[step] in ends}
