@@ -21,6 +21,7 @@ another process.
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -32,6 +33,7 @@ from aisp.batch import Batch
 
 __all__ = [
     "DeadLetterRecord",
+    "IdleClock",
     "Source",
     "SourceContext",
     "SourcePartition",
@@ -42,6 +44,36 @@ __all__ = [
 ]
 
 DeadLetterRecord = dict[str, Any]
+
+
+class IdleClock:
+    """How long a broker source has had nothing to read, for ``stop_when_idle_s``: counted from
+    its first empty read after rows were handed out, so the time the engine spends on those
+    rows (pacing them out at ``--rate``, backpressure) is not idle input.
+
+    >>> clock = IdleClock()
+    >>> clock.handed_out(); clock.idle_s() < 0.01
+    True
+    """
+
+    def __init__(self) -> None:
+        self._since = time.monotonic()
+        self._handed = False
+
+    def handed_out(self) -> None:
+        """Rows were handed out now."""
+        self._handed = True
+
+    def reset(self) -> None:
+        """Not idle now, though nothing was read (a broker away, a partition being restored)."""
+        self._since, self._handed = time.monotonic(), False
+
+    def idle_s(self) -> float:
+        """(At an empty read) seconds without input."""
+        now = time.monotonic()
+        if self._handed:
+            self._since, self._handed = now, False
+        return now - self._since
 
 
 @dataclass(frozen=True)

@@ -348,7 +348,7 @@ class LocalExecutor:
                     continue
                 t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
                 read_started = time.monotonic_ns()
-                held = part.next_batch(self.options.source_batch_rows)
+                held = part.next_batch(self.options.read_rows)
                 read_ns = time.perf_counter_ns() - t0
                 if held is None:
                     return

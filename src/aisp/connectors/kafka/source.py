@@ -36,7 +36,7 @@ import numpy.typing as npt
 
 from aisp.batch import Batch
 from aisp.errors import SourceError
-from aisp.ingest.base import Source, SourceContext, SourcePartition
+from aisp.ingest.base import IdleClock, Source, SourceContext, SourcePartition
 from aisp.ingest.messages import MessageDecoder
 
 __all__ = ["KafkaSource", "KafkaSourcePartition", "kafka_event_id"]
@@ -64,7 +64,8 @@ class KafkaSource(Source):
     poll_timeout_s: float = 0.1
     retry_s: float = 30.0
     stop_when_idle_s: float | None = None
-    """End the input after this long without a record, once partitions are assigned."""
+    """End the input after this long without a record, once partitions are assigned (time the
+    engine spends on rows handed out, restores and rebalances does not count: ``IdleClock``)."""
     options: Mapping[str, Any] = field(default_factory=dict)
     """Extra librdkafka settings."""
     decode_heavy: ClassVar[bool] = False
@@ -93,7 +94,7 @@ class KafkaSourcePartition(SourcePartition):
         self._resume = {int(p): int(o) for p, o in (resume_from or {}).get("offsets", {}).items()}
         self._next: dict[int, int] = {}
         self._assigned = False
-        self._idle_since = time.monotonic()
+        self._idle = IdleClock()
         self._failing_since: float | None = None
         self._down_since: float | None = None  # all brokers unreachable since then
         settings = {
@@ -131,7 +132,7 @@ class KafkaSourcePartition(SourcePartition):
 
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
         self._assigned = True
-        self._idle_since = time.monotonic()
+        self._idle.reset()
         if self._ctx.on_assign is not None:  # state moves with partitions: restored first
             # not paused: a pause next to an assignment can leave a partition paused for good
             # (librdkafka#5591), and a pause, seek and resume left some unread under load here
@@ -163,9 +164,10 @@ class KafkaSourcePartition(SourcePartition):
                 self._owned.add(p)
                 if offset is not None:
                     self._resume[p] = self._committed[p] = offset
-        self._idle_since = time.monotonic()  # a restore is not idle input
+        self._idle.reset()  # a restore is not idle input
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
+        self._idle.reset()  # a rebalance is under way: partitions may come back (not idle input)
         if self._ctx.on_revoke is not None:
             self._in_callback = threading.current_thread()
             try:
@@ -208,7 +210,7 @@ class KafkaSourcePartition(SourcePartition):
                     f"kafka at {self._cfg.bootstrap} unreachable for {self._cfg.retry_s:g} s"
                     " (all brokers down)"
                 )
-            self._idle_since = time.monotonic()
+            self._idle.reset()
         records = []
         for m in msgs:
             err = m.error()
@@ -220,10 +222,10 @@ class KafkaSourcePartition(SourcePartition):
                 raise SourceError(f"kafka {self._cfg.bootstrap} topic {self._cfg.topic!r}: {err}")
         if not records:
             idle = self._cfg.stop_when_idle_s
-            if idle is not None and self._assigned and time.monotonic() - self._idle_since >= idle:
+            if idle is not None and self._assigned and self._idle.idle_s() >= idle:
                 return None
             return self._empty
-        self._idle_since = time.monotonic()
+        self._idle.handed_out()
         parts: list[int] = [m.partition() or 0 for m in records]
         offsets: list[int] = [m.offset() or 0 for m in records]
         for p, o in zip(parts, offsets, strict=True):

@@ -30,7 +30,7 @@ import numpy as np
 from aisp.aio import LoopThread, connect_nats
 from aisp.batch import Batch
 from aisp.errors import SourceError
-from aisp.ingest.base import Source, SourceContext, SourcePartition
+from aisp.ingest.base import IdleClock, Source, SourceContext, SourcePartition
 from aisp.ingest.messages import MessageDecoder
 from aisp.retry import call_with_retry
 
@@ -72,7 +72,7 @@ class _JetStreamPartition(SourcePartition):
         self._empty = self._messages.empty  # nothing new yet
         self._last: int | None = int(resume_from["seq"]) if resume_from else None
         self._unacked: dict[int, Any] = {}  # stream seq -> message, the newest of each batch
-        self._idle_since = time.monotonic()
+        self._idle = IdleClock()
         self._sub: Any = None
         self._start: int | None = None
         self._checked = time.monotonic()
@@ -178,7 +178,7 @@ class _JetStreamPartition(SourcePartition):
             msgs = [m for m in msgs if m.metadata.sequence.stream > self._last]
         if not msgs:
             return self._nothing_new()
-        self._idle_since = time.monotonic()
+        self._idle.handed_out()
         seqs = [m.metadata.sequence.stream for m in msgs]
         self._last = seqs[-1]
         self._unacked[seqs[-1]] = msgs[-1]
@@ -194,16 +194,16 @@ class _JetStreamPartition(SourcePartition):
         (checked every ``_CHECK_S`` of quiet: delivered again), or the end of the input."""
         now = time.monotonic()
         if not self._nc.is_connected:
-            self._idle_since = now  # a broker away is not the end of the input
+            self._idle.reset()  # a broker away is not the end of the input
             return self._empty
-        quiet = now - self._idle_since
+        quiet = self._idle.idle_s()
         idle = self._cfg.stop_when_idle_s
         ending = idle is not None and quiet >= idle
         if (ending or (quiet >= _CHECK_S and now - self._checked >= _CHECK_S)) and self._call(
             self._lost_deliveries
         ):
             self._resubscribe()
-            self._idle_since = time.monotonic()
+            self._idle.reset()
             return self._empty
         self._checked = now
         return None if ending else self._empty

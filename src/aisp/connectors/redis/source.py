@@ -21,7 +21,6 @@ for ``retry_s`` seconds, then the source fails with a clear error.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -30,7 +29,7 @@ import numpy as np
 
 from aisp.batch import Batch
 from aisp.errors import SourceError
-from aisp.ingest.base import Source, SourceContext, SourcePartition
+from aisp.ingest.base import IdleClock, Source, SourceContext, SourcePartition
 from aisp.ingest.messages import MessageDecoder
 from aisp.retry import call_with_retry
 
@@ -97,7 +96,7 @@ class _RedisStreamPartition(SourcePartition):
         self._field = cfg.field.encode()
         self._last: str | None = resume_from["last_id"] if resume_from else None
         self._replay: list[tuple[bytes, dict[bytes, bytes]]] = []
-        self._idle_since = time.monotonic()
+        self._idle = IdleClock()
         self._call(self._setup)
 
     # -- connection ---------------------------------------------------------------------------
@@ -174,13 +173,10 @@ class _RedisStreamPartition(SourcePartition):
                 self._replay = self._call(self._read_pending, self._last or "0")
                 entries, self._replay = self._replay[:max_rows], self._replay[max_rows:]
         if not entries:
-            if (
-                self._cfg.stop_when_idle_s is not None
-                and time.monotonic() - self._idle_since >= self._cfg.stop_when_idle_s
-            ):
+            if self._cfg.stop_when_idle_s is not None and self._idle.idle_s() >= self._cfg.stop_when_idle_s:
                 return None
             return self._empty
-        self._idle_since = time.monotonic()
+        self._idle.handed_out()
         self._last = entries[-1][0].decode()
         lines = [f.get(self._field, b"") for _, f in entries]
         ids = np.fromiter((entry_id_to_int(e) for e, _ in entries), dtype=np.int64, count=len(entries))
