@@ -142,5 +142,6 @@ def merge_tail(
     kept = pc.invert(pc.is_in(keys, value_set=touched_keys))
     mask = np.asarray(kept.to_numpy(zero_copy_only=False), dtype=bool)
     out_keys = pa.concat_arrays([keys.filter(kept), pa.array(decode_keys(b"", live), type=keys.type)])
-    out = {c: np.concatenate([col[mask], columns[c].astype(col.dtype, copy=False)]) for c, col in old.items()}
+    added = {c: columns[c].astype(col.dtype, copy=False) if live else col[:0] for c, col in old.items()}
+    out = {c: np.concatenate([col[mask], added[c]]) for c, col in old.items()}
     return out_keys, out
