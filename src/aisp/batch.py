@@ -33,6 +33,7 @@ __all__ = [
     "INGEST_NS",
     "KEY",
     "META_COLUMNS",
+    "PARTITION_WATERMARK",
     "TIER",
     "WATERMARK",
     "Batch",
@@ -46,7 +47,9 @@ TIER = "_tier"
 DEADLINE_NS = "_deadline_ns"
 EVENT_TIME = "_event_time"
 WATERMARK = "_watermark"
-META_COLUMNS = (ID, INGEST_NS, KEY, TIER, DEADLINE_NS, EVENT_TIME, WATERMARK)
+PARTITION_WATERMARK = "_partition_watermark"
+"""The watermark of the row's own input partition, when state follows partitions."""
+META_COLUMNS = (ID, INGEST_NS, KEY, TIER, DEADLINE_NS, EVENT_TIME, WATERMARK, PARTITION_WATERMARK)
 
 ColumnLike: TypeAlias = pa.Array | pa.ChunkedArray | npt.NDArray[Any] | Sequence[Any]
 

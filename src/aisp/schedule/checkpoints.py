@@ -34,7 +34,7 @@ from aisp.graph import Graph
 from aisp.infer.batcher import DynamicBatcher
 from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
 from aisp.observe.stats import RunStats
-from aisp.schedule.keyed_state import KeyedStateKeeper
+from aisp.schedule.keyed_state import KeyedStateKeeper, PartitionCapture
 from aisp.schedule.restores import Restores
 from aisp.schedule.watermarks import SourceClocks
 from aisp.sinks.base import SinkPartition
@@ -217,7 +217,9 @@ class CheckpointCoordinator:
         for index in self._key_indexes.values():
             index.advance()
         for sid, op in self._ops.items():
-            keyed_elsewhere = self.partition_states is not None and isinstance(op, IncrementalState)
+            keyed_elsewhere = self.partition_states is not None and isinstance(
+                op, IncrementalState | LoggedState
+            )
             if (
                 isinstance(op, Checkpointable)
                 and sid not in dirty
@@ -226,7 +228,7 @@ class CheckpointCoordinator:
             ):
                 columns_of[sid] = op.snapshot()
         sources = {sid: part.snapshot() for sid, part in self._source_parts.items()}
-        partitions = self.keyed.capture_partitions(self.loaded) if self.partition_states else {}
+        partitions = self._capture_partitions(self.loaded) if self.partition_states else {}
         meta = {
             "pipeline": self.pipeline,
             "sources": sources,
@@ -286,6 +288,11 @@ class CheckpointCoordinator:
         if partition_of is None:
             raise ConfigError("keyed state that follows input partitions needs a single Kafka input")
         self.keyed.follow_partitions(partition_of)
+        if self._clocks:
+            self._clocks.follow_partitions()
+
+    def _capture_partitions(self, partitions: list[int]) -> PartitionCapture:
+        return self.keyed.capture_partitions(partitions, self._clocks.newest if self._clocks else None)
 
     def source_context(
         self, step_id: str, dead_letter: Callable[[list[DeadLetterRecord]], None], batch_rows: int
@@ -317,6 +324,8 @@ class CheckpointCoordinator:
         offsets: dict[int, int | None] = {}
         for partition, checkpoint in sorted(ready.items()):
             offsets[partition] = self.keyed.load_partition(partition, checkpoint) if checkpoint else None
+            if self._clocks:  # event time read on from where the partition's state was taken
+                self._clocks.take_over(partition, checkpoint.meta.get("event_time") if checkpoint else None)
             self._loaded.add(partition)
         log.info("input partitions %s restored", sorted(ready))
         return offsets
@@ -340,11 +349,14 @@ class CheckpointCoordinator:
                 sink.snapshot()  # the outputs their state covers are durable (a Kafka sink commits)
             (source,) = self._source_parts.values()
             offsets = source.snapshot()["offsets"]
-            self.keyed.write_partitions(self.keyed.capture_partitions(owned), offsets)
+            self.keyed.write_partitions(self._capture_partitions(owned), offsets)
             source.commit({"offsets": {p: o for p, o in offsets.items() if int(p) in owned}})
         for partition in owned:
             self.partition_states.release(partition)
             self._loaded.discard(partition)
+        if self._clocks:  # what this process read of them no longer holds event time back
+            for partition in partitions:
+                self._clocks.take_over(partition, None)
         log.info("input partitions %s revoked: their state is checkpointed and released", partitions)
         self.keyed.drop_partitions(partitions)
 

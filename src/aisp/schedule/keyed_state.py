@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,13 +26,25 @@ from aisp.state.partitions import PartitionStateStore
 from aisp.state.store import LmdbStateStore, decode_keys, decode_rows
 from aisp.state.window_log import WindowLog
 from aisp.transform.operators import Checkpointable, IncrementalState, LoggedState, Operator
+from aisp.transform.window_base import WindowsBase
 
-__all__ = ["KeyedStateKeeper", "PartitionCapture"]
+__all__ = ["Captured", "KeyedStateKeeper", "PartitionCapture"]
 
 log = logging.getLogger("aisp.executor")
 
-PartitionCapture = dict[int, list[tuple[str, Callable[[], pa.Array], dict[str, dict[str, Any]]]]]
-"""Per partition, per key space: (space, its keys made later, {step: state columns})."""
+
+@dataclass
+class Captured:
+    """One partition's state as captured under a pause: per key space (space, its keys made
+    later, {step: state columns}); per window step (the windows' keys made later, their
+    columns); per source, the largest event time read from it."""
+
+    keyed: list[tuple[str, Callable[[], pa.Array], dict[str, dict[str, Any]]]] = field(default_factory=list)
+    windows: dict[str, tuple[Callable[[], pa.Array], dict[str, Any]]] = field(default_factory=dict)
+    event_time: dict[str, int] = field(default_factory=dict)
+
+
+PartitionCapture = dict[int, Captured]
 
 
 class KeyedStateKeeper:
@@ -71,6 +84,11 @@ class KeyedStateKeeper:
     def _keyed(self, space: str | None = None) -> list[tuple[str, IncrementalState]]:
         return [(sid, op) for sid, op in self._ops.items()
                 if isinstance(op, IncrementalState) and (space is None or op.space == space)]  # fmt: skip
+
+    def _windows(self, space: str) -> list[tuple[str, WindowsBase]]:
+        return [
+            (sid, op) for sid, op in self._ops.items() if isinstance(op, WindowsBase) and op.space == space
+        ]
 
     # -- checkpoint files and the state store -------------------------------------------------
     def restore(self, checkpoint: Checkpoint) -> None:
@@ -197,31 +215,43 @@ class KeyedStateKeeper:
         for index in self._indexes.values():
             index.partition_of = partition_of
 
-    def capture_partitions(self, partitions: list[int]) -> PartitionCapture:
-        """The keys and state of each partition, as copies or views that stay valid."""
+    def capture_partitions(
+        self, partitions: list[int], event_time: Callable[[int], dict[str, int]] | None = None
+    ) -> PartitionCapture:
+        """The keys and state of each partition (keyed steps and windows), as copies or views
+        that stay valid, and what ``event_time`` says the partition read (by source)."""
         out: PartitionCapture = {}
         for partition in partitions:
-            out[partition] = []
+            part = out[partition] = Captured(event_time=event_time(partition) if event_time else {})
             for space, index in self._indexes.items():
                 codes = index.codes_in([partition])
                 columns = {sid: op.rows(codes) for sid, op in self._keyed(space)}
-                out[partition].append((space, index.frozen_keys(codes), columns))
+                part.keyed.append((space, index.frozen_keys(codes), columns))
+                for sid, window_op in self._windows(space):
+                    key_codes, window_columns = window_op.windows_of(codes)
+                    part.windows[sid] = (index.frozen_keys(key_codes), window_columns)
         return out
 
     def write_partitions(self, captured: PartitionCapture, offsets: Mapping[str, int]) -> None:
-        """Checkpoint each captured partition with its position (``offsets``, by partition)."""
+        """Checkpoint each captured partition with its position (``offsets``, by partition):
+        tables ``keys.<space>`` and ``op.<step>`` (keyed steps), ``win.<step>`` (window steps'
+        open windows, their keys in ``_key``); ``meta["event_time"]``: per source, the largest
+        event time read from the partition."""
         assert self.partition_states is not None
-        for partition, spaces in captured.items():
+        for partition, part in captured.items():
             offset = offsets.get(str(partition))
             if offset is None:  # nothing read from it yet: its state is what it was claimed with
                 continue
             tables: dict[str, pa.Table] = {}
             space_of: dict[str, str] = {}
-            for space, keys, columns in spaces:
+            for space, keys, columns in part.keyed:
                 tables[f"keys.{space}"] = pa.table({"key": keys()})
                 tables.update({f"op.{sid}": pa.table(cols) for sid, cols in columns.items()})
                 space_of.update(dict.fromkeys(columns, space))
-            meta = {"pipeline": self._pipeline, "partition": partition, "offset": offset, "spaces": space_of}
+            for sid, (keys, columns) in part.windows.items():
+                tables[f"win.{sid}"] = pa.table({"_key": keys(), **columns})
+            meta = {"pipeline": self._pipeline, "partition": partition, "offset": offset, "spaces": space_of,
+                    "windows": sorted(part.windows), "event_time": part.event_time}  # fmt: skip
             self.partition_states.write(partition, tables, meta)
 
     def load_partition(self, partition: int, checkpoint: Checkpoint) -> int:
@@ -249,6 +279,17 @@ class KeyedStateKeeper:
                     codes, {c: table.column(c).to_numpy() for c in table.column_names if c != "_key"}
                 )
                 keys += codes.shape[0]
+            if kind == "win":  # a window step's open windows, with their keys
+                if not isinstance(op, WindowsBase):
+                    raise ConfigError(
+                        f"{checkpoint.path} holds windows of step {target!r}, which this pipeline lacks"
+                    )
+                index = self._indexes[op.space]
+                codes = index.encode(table.column("_key").combine_chunks())
+                index.tag(codes, np.full(codes.shape[0], partition, dtype=np.int64))
+                op.add_windows(
+                    codes, {c: table.column(c).to_numpy() for c in table.column_names if c != "_key"}
+                )
             if kind == "keys" and target in self._indexes:
                 index = self._indexes[target]
                 codes = index.encode(table.column("key").combine_chunks())
@@ -276,3 +317,5 @@ class KeyedStateKeeper:
                 survivors = index.drop(victims, remember=False)
                 for _, op in self._keyed(space):
                     op.evict(survivors)
+                for _, window_op in self._windows(space):
+                    window_op.drop_keys(victims, survivors)

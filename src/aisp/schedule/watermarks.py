@@ -5,6 +5,12 @@ row from that source's partitions; with several sources, a row's watermark is al
 by the other sources' current watermarks (the pipeline watermark is the minimum over every
 partition of every source), except sources that have ended or stayed idle past their
 ``idle_timeout_ms``. The generators' state goes into checkpoints (``snapshot``/``restore``).
+
+When state follows the input's partitions (``follow_partitions``), rows also carry their own
+partition's watermark before them (``_partition_watermark``), ``_watermark`` is the one over the
+partitions after each row (``WatermarkGenerator.partition_watermarks``), and each partition's
+progress moves with its state: ``newest`` is written with it, ``take_over`` sets it when it is
+loaded elsewhere.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from aisp.batch import EVENT_TIME, WATERMARK, Batch
+from aisp.batch import EVENT_TIME, PARTITION_WATERMARK, WATERMARK, Batch
 from aisp.errors import ConfigError
 from aisp.graph import Graph, Node, split_ref
 from aisp.observe.stats import RunStats
@@ -43,6 +49,7 @@ class SourceClocks:
         self._last_ns = dict.fromkeys(self._gens, time.monotonic_ns())
         self._ended: set[str] = set()
         self._lock = threading.Lock()
+        self._follow = False
 
     def __bool__(self) -> bool:
         return bool(self._gens)
@@ -67,14 +74,20 @@ class SourceClocks:
                 dead_letter.rows(bad, sid, f"event time {spec.column!r} is missing or not a finite number")
         partition_of = self._partition_of[sid]
         partitions = partition_of(batch.ids) if partition_of is not None and batch.num_rows else None
-        wm = gen.watermarks(event_ms, partitions, now)
+        columns: dict[str, Any] = {EVENT_TIME: event_ms}
+        if self._follow and partitions is not None:
+            with self._lock:
+                wm, columns[PARTITION_WATERMARK] = gen.partition_watermarks(event_ms, partitions, now)
+        else:
+            wm = gen.watermarks(event_ms, partitions, now)
         with self._lock:
             self._current[sid] = gen.watermark
             self._last_ns[sid] = now
             others = [w for s, w in self._current.items() if s != sid and self._holds(s, now)]
         if others:
             wm = np.minimum(wm, min(others))
-        return batch.with_columns({EVENT_TIME: event_ms, WATERMARK: wm})
+        columns[WATERMARK] = wm
+        return batch.with_columns(columns)
 
     def _holds(self, sid: str, now_ns: int) -> bool:
         """Whether source ``sid`` holds the pipeline watermark back."""
@@ -92,10 +105,31 @@ class SourceClocks:
         return {sid: gen.snapshot() for sid, gen in self._gens.items()}
 
     def restore(self, state: Mapping[str, Any]) -> None:
+        if self._follow:  # each partition's progress comes with its state (``take_over``)
+            return
         for sid, gen in self._gens.items():
             if sid in state:
                 gen.restore(state[sid])
                 self._current[sid] = gen.watermark
+
+    # -- state that follows input partitions --------------------------------------------------
+    def follow_partitions(self) -> None:
+        """Stamp rows with their own partition's watermark too; partitions' progress moves with
+        their state."""
+        self._follow = True
+
+    def newest(self, partition: int) -> dict[str, int]:
+        """Per source, the largest event time read from ``partition`` so far."""
+        with self._lock:
+            out = {sid: gen.newest(partition) for sid, gen in self._gens.items()}
+        return {sid: m for sid, m in out.items() if m is not None}
+
+    def take_over(self, partition: int, newest: Mapping[str, int] | None) -> None:
+        """``partition`` was loaded (``newest``: what it had read, by source) or taken away
+        (None): it no longer holds the watermark back with what this process read of it."""
+        with self._lock:
+            for sid, gen in self._gens.items():
+                gen.take_over(partition, (newest or {}).get(sid))
 
 
 def _check_one_clock_per_input(graph: Graph) -> None:
@@ -134,13 +168,14 @@ def check_event_time_options(
     graph: Graph, *, workers: int, state_max_keys: int, partition_state: bool
 ) -> None:
     """Event time and windows keep key codes and watermarks that these options would break: a
-    clear error instead of a silent difference."""
+    clear error instead of a silent difference. (Window steps move with input partitions; a
+    join's state does not yet.)"""
     if not any(n.kind in ("window", "join") or n.event_time is not None for n in graph.nodes):
         return
     unsupported = {
         "--workers N > 1": workers > 1,
         "--state-max-keys": state_max_keys > 0,
-        "--partition-state": partition_state,
+        "--partition-state": partition_state and any(n.kind == "join" for n in graph.nodes),
     }
     named = [name for name, used in unsupported.items() if used]
     if named:

@@ -139,31 +139,68 @@ class WatermarkGenerator:
         self, event_ms: npt.NDArray[np.int64], partitions: npt.NDArray[np.int64] | None, now_ns: int
     ) -> npt.NDArray[np.int64]:
         """The watermark before each row, and the state advanced past them (vectorised)."""
-        n = event_ms.shape[0]
         if partitions is None and set(self._max) <= {0}:
             return self._one_partition(event_ms, now_ns)
+        return self._by_partition(event_ms, partitions, now_ns)[0]
+
+    def partition_watermarks(
+        self, event_ms: npt.NDArray[np.int64], partitions: npt.NDArray[np.int64], now_ns: int
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Each row's own partition's watermark before it (second): what state that moves with
+        its partition decides by, so the outcome does not depend on which other partitions the
+        process reads; and the watermark over all partitions *after* each row (first): up to
+        where windows may close once the row is taken, whichever partitions it brought in
+        (see ``aisp.transform.window_base``).
+
+        >>> gen = WatermarkGenerator(EventTime("ts"))
+        >>> wm, own = gen.partition_watermarks(np.array([50, 10, 60, 20]), np.array([0, 1, 0, 1]), 0)
+        >>> wm.tolist()[1:], own[2:].tolist(), bool(own[1] == NO_WATERMARK)
+        ([10, 10, 20], [50, 10], True)
+        """
+        return self._by_partition(event_ms, partitions, now_ns, own=True)
+
+    def _by_partition(
+        self,
+        event_ms: npt.NDArray[np.int64],
+        partitions: npt.NDArray[np.int64] | None,
+        now_ns: int,
+        *,
+        own: bool = False,
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        n = event_ms.shape[0]
         if partitions is None:
             partitions = np.zeros(n, dtype=np.int64)
         present = np.unique(partitions).tolist() if n else []
         known = [p for p in self._max if self._active(p, now_ns, present)]
         every = sorted(set(known) | set(present))
         if not every:
-            return np.full(n, NO_WATERMARK, dtype=np.int64)
-        # each partition's largest event time before each row (NO_WATERMARK where none yet)
+            return np.full(n, NO_WATERMARK, dtype=np.int64), np.full(n, NO_WATERMARK, dtype=np.int64)
+        # each partition's largest event time before each row (NO_WATERMARK where none yet), and
+        # with ``own`` after each row too
         before = np.empty((len(every), n), dtype=np.int64)
+        after = np.empty((len(every), n), dtype=np.int64) if own else before
         for i, p in enumerate(every):
             mine = np.where(partitions == p, event_ms, NO_WATERMARK)
             running = np.maximum.accumulate(mine) if n else mine
             before[i, 0] = self._max.get(p, NO_WATERMARK)
             before[i, 1:] = np.maximum(running[:-1], before[i, 0])
+            if own:
+                np.maximum(running, before[i, 0], out=after[i])
             if p not in self._max:  # a new partition holds nothing back before its first event
                 before[i][before[i] == NO_WATERMARK] = _NOT_YET
+                after[i][after[i] == NO_WATERMARK] = _NOT_YET
             if n and p in present:
                 self._max[p] = int(max(self._max.get(p, NO_WATERMARK), int(running[-1])))
                 self._seen_ns[p] = now_ns
-        low = before.min(axis=0)
-        unknown = (low == NO_WATERMARK) | (low == _NOT_YET)
-        return np.where(unknown, NO_WATERMARK, low - self.spec.max_out_of_orderness_ms).astype(np.int64)
+        if not own:
+            low = self._less_slack(before.min(axis=0))
+            return low, low
+        mine = before[np.searchsorted(np.asarray(every), partitions), np.arange(n)]
+        return self._less_slack(after.min(axis=0)), self._less_slack(mine)
+
+    def _less_slack(self, newest: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        unknown = (newest == NO_WATERMARK) | (newest == _NOT_YET)
+        return np.where(unknown, NO_WATERMARK, newest - self.spec.max_out_of_orderness_ms).astype(np.int64)
 
     def _one_partition(self, event_ms: npt.NDArray[np.int64], now_ns: int) -> npt.NDArray[np.int64]:
         """``watermarks`` for a source with one partition (files, streams): a running maximum."""
@@ -185,6 +222,18 @@ class WatermarkGenerator:
     def snapshot(self) -> dict[str, int]:
         """The largest event time per partition (JSON-able, for a checkpoint's manifest)."""
         return {str(p): m for p, m in self._max.items()}
+
+    def newest(self, partition: int) -> int | None:
+        """The largest event time read from ``partition`` (None: nothing yet)."""
+        return self._max.get(partition)
+
+    def take_over(self, partition: int, newest: int | None) -> None:
+        """``partition`` (state that moves with it, taken over) has read up to ``newest``."""
+        self._max.pop(partition, None)
+        self._seen_ns.pop(partition, None)
+        if newest is not None:
+            self._max[partition] = int(newest)
+            self._seen_ns[partition] = time.monotonic_ns()
 
     def restore(self, state: dict[str, int]) -> None:
         now = time.monotonic_ns()

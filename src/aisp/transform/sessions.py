@@ -45,7 +45,7 @@ class SessionWindowsOp(WindowsBase):
     def process(self, batch: Batch) -> Emit:
         if not batch.num_rows:
             return []
-        codes, t, wm = self._read(batch)
+        codes, t, wm, own = self._read(batch)
         self._grow_keys(len(self._index))
         rank = occurrence_rank(codes)
         order = np.argsort(rank, kind="stable")
@@ -55,7 +55,7 @@ class SessionWindowsOp(WindowsBase):
         ids = batch.ids
         for r in range(bounds.shape[0] - 1):
             rows = order[bounds[r] : bounds[r + 1]]
-            late.append(self._round(rows, codes[rows], t[rows], wm[rows], ids[rows], values))
+            late.append(self._round(rows, codes[rows], t[rows], own[rows], ids[rows], values))
         missed = np.sort(np.concatenate(late))
         outs = self._late(batch, missed, t[missed], t[missed] + self._gap)
         return self._finish_batch(outs, int(wm[-1]), int(batch.ingest_ns.max()))
@@ -136,6 +136,10 @@ class SessionWindowsOp(WindowsBase):
         order = occurrence_rank(self.slots.code[slots])  # one slot per key at a time
         for r in range(int(order.max()) + 1):
             self._register(slots[order == r])
+
+    def _forget_windows(self) -> None:
+        self._of_key = np.full((1024, 2), _NONE, dtype=np.int64)
+        self._next_close = END_OF_INPUT
 
     def _grow_keys(self, keys: int) -> None:
         if keys > self._of_key.shape[0]:

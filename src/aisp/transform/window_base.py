@@ -1,5 +1,14 @@
 """What every window operator shares: window kinds, settings, late events, emitting rows,
-early results and checkpoints (``aisp.transform.windows`` is the user-facing module)."""
+early results and checkpoints (``aisp.transform.windows`` is the user-facing module).
+
+When keyed state follows the partitions of a Kafka input (``aisp run --partition-state``), a
+key's windows move between processes with its partition, and rows carry their own partition's
+watermark (``_partition_watermark``). What an event joins, and whether it is late, is then
+decided by that watermark alone, so it does not depend on which other partitions the process
+reads or when it took this one over; windows close by the watermark over the partitions the
+process reads (never past any partition's own), which may step back when a partition that is
+behind is taken over.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from aisp.batch import EVENT_TIME, ID, INGEST_NS, KEY, WATERMARK, Batch
+from aisp.batch import EVENT_TIME, ID, INGEST_NS, KEY, PARTITION_WATERMARK, WATERMARK, Batch
 from aisp.errors import ConfigError
 from aisp.graph import DEFAULT_PORT
 from aisp.state.keyed import KeyIndex
@@ -144,6 +153,7 @@ class WindowsBase:
         self.emitted = 0
         self._last_early_ns = time.monotonic_ns()
         self._inputs = [(name, agg) for name, agg in spec.aggregates if agg.column is not None]
+        self._follows = False  # rows carry their partition's watermark (see the module docstring)
 
     @property
     def open_windows(self) -> int:
@@ -162,17 +172,26 @@ class WindowsBase:
     def _reopen(self, slots: npt.NDArray[np.int64]) -> None:
         """Index restored windows (their slots are filled)."""
 
+    @abstractmethod
+    def _forget_windows(self) -> None:
+        """Empty the indexes of open windows (the slots are replaced)."""
+
     def _read(
         self, batch: Batch
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """Key codes, event times, and the step's watermark before each row."""
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Key codes, event times, the step's watermark before each row (windows close by it),
+        and the watermark that decides what each row joins (see the module docstring)."""
         if EVENT_TIME not in batch or WATERMARK not in batch:
             raise ConfigError(
                 f"window step {self._ctx.step_id!r} got rows without event time: give the source an"
                 " EventTime (Pipeline.source(..., event_time=EventTime(column, ...)))"
             )
+        if PARTITION_WATERMARK in batch:  # ``_watermark`` is then the one after each row
+            self._follows = True
+            wm = batch.numpy(WATERMARK)
+            return batch.numpy(KEY), batch.numpy(EVENT_TIME), wm, batch.numpy(PARTITION_WATERMARK)
         wm = np.maximum.accumulate(np.maximum(batch.numpy(WATERMARK), self.watermark))
-        return batch.numpy(KEY), batch.numpy(EVENT_TIME), wm
+        return batch.numpy(KEY), batch.numpy(EVENT_TIME), wm, wm
 
     def _values_of(self, batch: Batch, rows: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]]:
         """Each aggregate's input values for ``rows`` (``Aggregate.prepare``, once per column
@@ -204,7 +223,7 @@ class WindowsBase:
 
     def _finish_batch(self, outs: Emit, watermark: int, ingest_ns: int) -> Emit:
         """After a batch: emit what ``watermark`` closed, and early results when due."""
-        self.watermark = max(self.watermark, watermark)
+        self.watermark = watermark if self._follows else max(self.watermark, watermark)
         closed = self._close(self.watermark)
         if closed.size:
             outs.append((DEFAULT_PORT, self._rows(closed, ingest_ns, final=True)))
@@ -283,3 +302,33 @@ class WindowsBase:
         rows = {k: np.asarray(v) for k, v in columns.items() if k != "__wm"}
         rows["__code"] = self._index.encode(pa.array(rows["__code"]))
         self._reopen(self.slots.restore(rows))
+
+    # -- state that follows input partitions --------------------------------------------------
+    def windows_of(
+        self, codes: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int64], dict[str, npt.NDArray[Any]]]:
+        """The open windows of the keys ``codes``: their key codes, and their columns (copies,
+        as ``snapshot`` gives them, without the key and serial)."""
+        slots = self.slots.open_slots()
+        slots = slots[np.isin(self.slots.code[slots], codes)]
+        columns = self.slots.snapshot(slots)
+        del columns["__uid"]
+        return columns.pop("__code"), columns
+
+    def add_windows(self, codes: npt.NDArray[np.int64], columns: Mapping[str, npt.NDArray[Any]]) -> None:
+        """Open the windows of a partition taken over (``windows_of`` of its last owner, keys
+        encoded here as ``codes``)."""
+        if codes.size:
+            self._reopen(self.slots.restore({**columns, "__code": codes}))
+
+    def drop_keys(self, victims: npt.NDArray[np.int64], survivors: npt.NDArray[np.int64]) -> None:
+        """Forget the windows of the keys ``victims`` and renumber the rest as the key index did
+        (``KeyIndex.drop``: new code ``i`` was ``survivors[i]``)."""
+        columns = self.slots.snapshot(self.slots.open_slots())
+        keep = ~np.isin(columns["__code"], victims)
+        rows = {name: col[keep] for name, col in columns.items()}
+        rows["__code"] = np.searchsorted(survivors, rows["__code"])
+        self.slots = Slots(self.spec.aggregates)
+        self._forget_windows()
+        if keep.any():
+            self._reopen(self.slots.restore(rows))

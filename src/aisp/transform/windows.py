@@ -101,10 +101,10 @@ class AlignedWindowsOp(WindowsBase):
     def process(self, batch: Batch) -> Emit:
         if not batch.num_rows:
             return []
-        codes, t, wm = self._read(batch)
+        codes, t, wm, own = self._read(batch)
         idx = ((t - self._offset) // self._step)[:, None] - np.arange(self._per_event)[None, :]
         starts = idx * self._step + self._offset
-        take = (starts + self._size > t[:, None]) & (self._closes(idx) > wm[:, None])
+        take = (starts + self._size > t[:, None]) & (self._closes(idx) > own[:, None])
         missed = np.flatnonzero(~take.any(axis=1))  # the window each missed: its latest
         outs = self._late(batch, missed, starts[missed, 0], starts[missed, 0] + self._size)
         rows, j = np.nonzero(take)
@@ -165,6 +165,10 @@ class AlignedWindowsOp(WindowsBase):
     def _reopen(self, slots: npt.NDArray[np.int64]) -> None:
         self._index_pairs(self.slots.code[slots], self.slots.window[slots], slots)
         self._register(slots)
+
+    def _forget_windows(self) -> None:
+        self._pairs = RingIndex(self.RING_BUDGET)
+        self._open, self._heap = {}, []
 
     def _close(self, watermark: int) -> npt.NDArray[np.int64]:
         ready: list[npt.NDArray[np.int64]] = []

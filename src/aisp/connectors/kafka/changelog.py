@@ -1,12 +1,14 @@
 """Keyed state in changelog topics: the workers of a consumer group share nothing but the broker.
 
-Each keyed step writes the keys it changed to its changelog topic
+Each keyed step and window step writes the keys (windows) it changed to its changelog topic
 ``<group>-<input topic>-<step>-changelog`` (compacted, as many partitions as the input, the
 state of input partition ``p`` in changelog partition ``p``), at each checkpoint and when a
 partition is taken away, before the input offsets are committed. A record's key is the msgpack
-of the state key, its value the input offset the checkpoint covers (8 bytes, big-endian) and the
-key's state row packed in the step's row layout, which a record written before them gives; a key
-gone is a tombstone, with the covered offset in its header ``o``.
+of the state key (of a window's key, start and opening event), its value the input offset the checkpoint
+covers (8 bytes, big-endian) and the key's state row packed in the step's row layout, which a
+record written before them gives; a key (window) gone is a tombstone, with the covered offset in
+its header ``o``. How far each partition has read in event time is a changelog of its own
+(``_event_time``), so windows decide on after a takeover as they would have.
 
 A worker that is assigned a partition reads the partition of every changelog of the group and
 input from the start to an end marker it writes first (so it knows where the end is without
@@ -37,16 +39,15 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from aisp.connectors.kafka.local_copy import LocalCopies, LocalCopy, Rows, merge_tail
+from aisp.connectors.kafka.records import changes, record_sets, state_columns, to_checkpoint
 from aisp.connectors.kafka.standby import COVERS, END, LAYOUT, OFFSET_BEGINNING, ChangelogLog, Standby, ring
 from aisp.errors import ConfigError, StateError
 from aisp.state.checkpoint import Checkpoint
-from aisp.state.store import decode_keys, encode_names, encode_rows
+from aisp.state.store import decode_keys, encode_rows
 
 __all__ = ["ChangelogStates", "changelog_topic"]
 
@@ -185,6 +186,10 @@ class ChangelogStates:
         from confluent_kafka import TopicPartition
 
         (tp,) = self._offsets.committed([TopicPartition(self._topic, partition)], timeout=30)
+        if tp.error is not None:
+            raise StateError(
+                f"input partition {partition}: the group's committed offset is unknown: {tp.error}"
+            )
         return tp.offset if tp.offset >= 0 else None
 
     def _tail(self, name: str, partition: int, copy: ChangelogLog) -> None:
@@ -226,8 +231,10 @@ class ChangelogStates:
         local = self._local.load(partition, committed) if self._local is not None and not warm else None
         owned = _Owned()
         tables: dict[str, pa.Table] = {}
+        event_time: dict[str, int] = {}
         read = 0
-        for step, name in sorted(self._topics().items()):
+        steps = self._topics()
+        for step, name in sorted(steps.items()):
             start = local.ends.get(name) if local is not None else None
             from_local = start is not None
             copy = warm.get(name) or ChangelogLog(next=start if start is not None else OFFSET_BEGINNING)
@@ -239,7 +246,7 @@ class ChangelogStates:
             keys, values, stale = copy.resolve()
             self._created.add(name)
             rows: Rows | None = None
-            columns = _rows(name, copy.layout, values) if keys else {}
+            columns = state_columns(name, copy.layout, values) if keys else {}
             if from_local:
                 assert local is not None
                 gone = [k for k, (_, v) in copy.final.items() if v is None]
@@ -251,7 +258,7 @@ class ChangelogStates:
             if rows is None or not len(rows[0]):
                 continue
             owned.base[step] = rows
-            tables[f"op.{step}"] = pa.table({"_key": rows[0], **rows[1]})
+            to_checkpoint(step, rows, tables, event_time)
         owned.covers = committed if committed is not None else -1
         with self._lock:
             self._owned[partition] = owned
@@ -263,13 +270,18 @@ class ChangelogStates:
         self._counts["restore_s"] += self.restore_seconds
         source = ", the tail of a standby copy" if warm else ", the tail after a local copy" if local else ""
         log.info(
-            "input partition %d: changelogs read in %.3f s (%d records%s)",
-            partition, self.restore_seconds, read, source,
+            "input partition %d: %d changelogs read in %.3f s (%d records%s), committed offset %s",
+            partition, len(steps), self.restore_seconds, read, source, committed,
         )  # fmt: skip
         self._want()
         if committed is None:
             return None
-        meta = {"pipeline": self._pipeline, "partition": partition, "offset": committed}
+        meta = {
+            "pipeline": self._pipeline,
+            "partition": partition,
+            "offset": committed,
+            "event_time": event_time,
+        }
         return Checkpoint(0, Path(f"{self._prefix}*-changelog[{partition}]"), meta, tables)
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -305,11 +317,8 @@ class ChangelogStates:
         covers = int(meta["offset"]).to_bytes(COVERS, "big")
         tombstone_headers = [("o", str(int(meta["offset"])).encode())]
         names: list[str] = []
-        for step, space in meta["spaces"].items():
-            keys = tables[f"keys.{space}"].column("key").combine_chunks()
-            table = tables[f"op.{step}"]
-            columns = {c: np.asarray(table.column(c).to_numpy()) for c in table.column_names}
-            changed, gone = _changes(keys, columns, owned.base.get(step), owned.stale.get(step, set()))
+        for step, keys, columns in record_sets(tables, meta):
+            changed, gone = changes(keys, columns, owned.base.get(step), owned.stale.get(step, set()))
             if not changed.any() and not gone:
                 owned.base[step] = (keys, columns)
                 continue
@@ -396,58 +405,3 @@ class ChangelogStates:
         self._producer.flush(10)
         self._offsets.close()
         self._reader.close()
-
-
-def _changes(
-    keys: pa.Array,
-    columns: dict[str, npt.NDArray[Any]],
-    base: tuple[pa.Array, dict[str, npt.NDArray[Any]]] | None,
-    stale: set[bytes],
-) -> tuple[npt.NDArray[np.bool_], list[bytes]]:
-    """Which of ``keys`` changed against ``base`` (new keys, other rows, stale records), and the
-    record keys of the keys gone (tombstones), all vectorised but the stale ones."""
-    n = len(keys)
-    if base is None:
-        changed = np.ones(n, dtype=bool)
-        gone_keys: list[Any] = []
-    else:
-        old_keys, old_columns = base
-        pos = pc.index_in(keys, value_set=old_keys)
-        changed = np.asarray(pos.is_null().to_numpy(zero_copy_only=False), dtype=bool).copy()
-        at = np.asarray(pos.fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
-        for name, col in columns.items():
-            old = old_columns.get(name)
-            if old is None:
-                changed[:] = True
-                break
-            before = old[at]
-            differ = col != before
-            if np.issubdtype(col.dtype, np.floating):
-                differ &= ~(np.isnan(col) & np.isnan(before))
-            changed |= differ.reshape(n, -1).any(axis=1) if differ.ndim > 1 else differ
-        kept = np.asarray(pc.is_in(old_keys, value_set=keys).to_numpy(zero_copy_only=False), dtype=bool)
-        gone_keys = old_keys.filter(pa.array(~kept)).to_pylist()
-    gone = set(encode_names(b"", gone_keys))
-    if stale:
-        present = set(encode_names(b"", keys.to_pylist())) & stale if n else set()
-        if present:
-            stale_mask = pc.is_in(keys, value_set=pa.array(decode_keys(b"", sorted(present))))
-            changed |= np.asarray(stale_mask.to_numpy(zero_copy_only=False), dtype=bool)
-        gone |= stale - present
-    return changed, sorted(gone)
-
-
-def _rows(name: str, layout: bytes | None, values: list[bytes]) -> dict[str, npt.NDArray[Any]]:
-    """The state columns of live records' values (each the covered offset, then a packed row)."""
-    if layout is None:
-        raise StateError(f"changelog {name!r} has rows but no layout record")
-    descr = msgspec.json.decode(layout)
-    dtype = np.dtype([("_covers", ">u8"), *((str(n), str(code)) for n, code in descr)])
-    blob = b"".join(values)
-    if len(blob) != dtype.itemsize * len(values):
-        raise StateError(
-            f"changelog {name!r} holds rows of another layout than its last ({descr}): the step's state"
-            " changed shape; start a new group (or delete the changelog) to begin afresh"
-        )
-    rows = np.frombuffer(blob, dtype=dtype)
-    return {str(n): rows[str(n)].copy() for n, _ in descr}
