@@ -11,7 +11,9 @@ it; ``CheckpointCoordinator`` uses it and owns what happens around it. A checkpo
 3. the sources resume;
 4. beside the running pipeline: the captured views become Arrow tables, sinks and dead letters
    sync to disk, the state store writes the changed keys, the checkpoint's files and then its
-   manifest are written, then per-partition state;
+   manifest are written, then per-partition state (state in changelogs goes first, before a
+   transactional Kafka output commits the input offsets with its outputs: a changelog record
+   counts only once the group's commit reaches the offset it covers);
 5. the sources are told (brokers acknowledge up to there).
 
 If the pipeline does not go quiet in time nothing is written. Partition handoff (a Kafka
@@ -258,6 +260,14 @@ class CheckpointCoordinator:
         tables.update({f"op.{sid}": pa.table(columns) for sid, columns in columns_of.items()})
         dirty, logged = changes
         changed = {sid: (keys(), columns) for sid, (keys, columns) in dirty.items()}
+        offsets = next(iter(sources.values()))["offsets"] if partitions else {}
+        early = (
+            bool(partitions)
+            and self.partition_states is not None
+            and self.partition_states.written_before_outputs
+        )
+        if early:  # before a transactional Kafka output commits the input offsets with the outputs
+            self.keyed.write_partitions(partitions, offsets)
         for sink in self._sink_parts.values():
             sink.sync()
         self._dead_letter.sync()
@@ -268,8 +278,7 @@ class CheckpointCoordinator:
             before = kept[0] if kept and checkpoint_id % 10 == 0 else 0
             meta["state_store"] = self.keyed.write_to_store(checkpoint_id, changed, before, logged)
         store.write(checkpoint_id, tables, meta)
-        if partitions:  # after the local manifest: the outputs they cover are durable
-            (offsets,) = (position["offsets"] for position in sources.values())
+        if partitions and not early:  # after the local manifest: the outputs they cover are durable
             self.keyed.write_partitions(partitions, offsets)
         for sid, part in self._source_parts.items():
             part.commit(sources[sid])
@@ -345,11 +354,16 @@ class CheckpointCoordinator:
         self.flight.drain(REVOKE_DRAIN_S)
         owned = [p for p in partitions if p in self._loaded]
         if self.flight.consistent():
-            for sink in self._sink_parts.values():
-                sink.snapshot()  # the outputs their state covers are durable (a Kafka sink commits)
             (source,) = self._source_parts.values()
             offsets = source.snapshot()["offsets"]
-            self.keyed.write_partitions(self._capture_partitions(owned), offsets)
+            captured = self._capture_partitions(owned)
+            early = self.partition_states.written_before_outputs
+            if early:  # (see ``_write``)
+                self.keyed.write_partitions(captured, offsets)
+            for sink in self._sink_parts.values():
+                sink.snapshot()  # the outputs their state covers are durable (a Kafka sink commits)
+            if not early:
+                self.keyed.write_partitions(captured, offsets)
             source.commit({"offsets": {p: o for p, o in offsets.items() if int(p) in owned}})
         for partition in owned:
             self.partition_states.release(partition)

@@ -33,6 +33,12 @@ class PartitionStateStore(Protocol):
     @property
     def owned(self) -> list[int]: ...
 
+    written_before_outputs: bool
+    """Whether a partition's state may be written before the outputs it covers are durable: its
+    restore takes only what the group's committed offset reached (changelogs), so it is written
+    before anything commits offsets (a transactional Kafka output commits them with its outputs);
+    else (a shared directory, whose restore starts at the offset written) after the outputs."""
+
     def claim(self, partition: int) -> Checkpoint | None:
         """Take ``partition`` over; its state and position (``meta["offset"]``), if any."""
         ...
@@ -53,6 +59,8 @@ class PartitionStateStore(Protocol):
 
 class PartitionStates:
     """The per-partition checkpoint stores under ``root`` (see the module docstring)."""
+
+    written_before_outputs = False
 
     def __init__(self, root: str | Path, *, keep: int = 3, claim_timeout_s: float = 60.0) -> None:
         self.root = Path(root)

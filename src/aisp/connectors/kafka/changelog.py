@@ -86,6 +86,8 @@ class ChangelogStates:
     """Keyed state per input partition in changelog topics (see the module docstring); the
     ``PartitionStateStore`` of ``aisp run --partition-state changelog``."""
 
+    written_before_outputs = True
+
     def __init__(
         self,
         bootstrap: str,
