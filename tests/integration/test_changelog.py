@@ -78,15 +78,8 @@ def test_workers_of_a_group_move_state_through_changelogs_across_a_kill_a_join_a
         return [json.loads(line) for line in read_topic(broker, dst)]
 
     def worker(tag: str) -> subprocess.Popen[bytes]:
-        cmd = [
-            sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--no-live",
-            "--input", f"kafka://{broker}/{src}?group={group}&idle_stop_s=12",
-            "--output", out_url, "--dead-letter", str(tmp_path / f"{tag}.dl"),
-            "--checkpoint-dir", str(tmp_path / tag / "chk"), "--partition-state", "changelog",
-            "--checkpoint-interval-s", "0.25", "--rate", "250", "--standby-replicas", str(standby),
-            "--summary-json", str(tmp_path / f"{tag}.json"),
-        ]  # fmt: skip
-        return subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        extra = ("--rate", "250", "--standby-replicas", str(standby))
+        return group_worker(PIPELINE, broker, src, group, out_url, tmp_path, tag, *extra)
 
     r: Any = redis_client()
     try:
@@ -127,6 +120,23 @@ def test_workers_of_a_group_move_state_through_changelogs_across_a_kill_a_join_a
         if counter is not None:
             counter.close()
         drop_streams(r, dst, dst)
+
+
+def group_worker(
+    pipeline: Path, broker: str, src: str, group: str, out_url: str, tmp_path: Path, tag: str, *extra: str,
+    idle_s: float = 12,
+) -> subprocess.Popen[bytes]:  # fmt: skip
+    """``aisp run`` of ``pipeline`` as a worker of ``group`` with state in changelogs, its own
+    checkpoint directory, dead letters and run summary under ``tmp_path`` (named by ``tag``),
+    its input ended after ``idle_s`` without records."""
+    cmd = [
+        sys.executable, "-m", "aisp.cli", "run", str(pipeline), "--no-live",
+        "--input", f"kafka://{broker}/{src}?group={group}&idle_stop_s={idle_s:g}",
+        "--output", out_url, "--dead-letter", str(tmp_path / f"{tag}.dl"),
+        "--checkpoint-dir", str(tmp_path / tag / "chk"), "--partition-state", "changelog",
+        "--checkpoint-interval-s", "0.25", "--summary-json", str(tmp_path / f"{tag}.json"), *extra,
+    ]  # fmt: skip
+    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 def difference(

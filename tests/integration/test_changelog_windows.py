@@ -11,7 +11,6 @@ import json
 import math
 import signal
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +19,8 @@ from typing import Any
 import pytest
 
 from aisp.connectors.kafka import tansu_broker
-from tests.integration.test_changelog import wait_for
-from tests.integration.test_exactly_once import ENV, drop_streams, redis_client
+from tests.integration.test_changelog import group_worker, wait_for
+from tests.integration.test_exactly_once import drop_streams, redis_client
 from tests.integration.test_kafka import keyed_topic
 from tests.integration.test_windows_example import EXAMPLE, events
 
@@ -62,15 +61,10 @@ def test_windows_move_with_their_partitions_across_a_kill_a_join_and_a_return(
     keyed_topic(broker, src, [json.dumps(e).encode() for e in rows], PARTITIONS)
 
     def worker(tag: str) -> subprocess.Popen[bytes]:
-        cmd = [
-            sys.executable, "-m", "aisp.cli", "run", str(EXAMPLE / "pipeline.py"), "--no-live",
-            "--input", f"kafka://{broker}/{src}?group={group}&idle_stop_s=10",
-            "--output", f"redis://127.0.0.1:6379/{dst}", "--dead-letter", str(tmp_path / f"{tag}.dl"),
-            "--checkpoint-dir", str(tmp_path / tag / "chk"), "--partition-state", "changelog",
-            "--checkpoint-interval-s", "0.25", "--rate", "300",
-            "--summary-json", str(tmp_path / f"{tag}.json"),
-        ]  # fmt: skip
-        return subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        out = f"redis://127.0.0.1:6379/{dst}"
+        return group_worker(
+            EXAMPLE / "pipeline.py", broker, src, group, out, tmp_path, tag, "--rate", "300", idle_s=10
+        )
 
     r: Any = redis_client()
     try:
