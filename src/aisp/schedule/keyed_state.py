@@ -227,9 +227,14 @@ class KeyedStateKeeper:
                 codes = index.codes_in([partition])
                 columns = {sid: op.rows(codes) for sid, op in self._keyed(space)}
                 part.keyed.append((space, index.frozen_keys(codes), columns))
-                for sid, window_op in self._windows(space):
-                    key_codes, window_columns = window_op.windows_of(codes)
-                    part.windows[sid] = (index.frozen_keys(key_codes), window_columns)
+        for space, index in self._indexes.items():  # each window step's open windows, read once
+            for sid, window_op in self._windows(space):
+                key_codes, window_columns = window_op.windows_of()
+                of = index.partitions_of(key_codes)
+                for partition in partitions:
+                    mine = of == partition
+                    picked = {name: col[mine] for name, col in window_columns.items()}
+                    out[partition].windows[sid] = (index.frozen_keys(key_codes[mine]), picked)
         return out
 
     def write_partitions(self, captured: PartitionCapture, offsets: Mapping[str, int]) -> None:

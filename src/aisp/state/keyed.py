@@ -141,6 +141,10 @@ class KeyIndex:
             " keyed state follows partitions only when the input topic is partitioned by the key"
         )
 
+    def partitions_of(self, codes: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """The input partition each of ``codes`` is tagged with (-1: none)."""
+        return self._part[codes]
+
     def codes_in(self, partitions: Sequence[int]) -> npt.NDArray[np.int64]:
         """The codes of keys tagged with one of ``partitions``, ascending."""
         return np.flatnonzero(np.isin(self._part[: self._n], np.asarray(partitions, dtype=np.int64)))

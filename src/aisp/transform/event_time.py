@@ -188,7 +188,8 @@ class WatermarkGenerator:
                 np.maximum(running, before[i, 0], out=after[i])
             if p not in self._max:  # a new partition holds nothing back before its first event
                 before[i][before[i] == NO_WATERMARK] = _NOT_YET
-                after[i][after[i] == NO_WATERMARK] = _NOT_YET
+                if own:
+                    after[i][after[i] == NO_WATERMARK] = _NOT_YET
             if n and p in present:
                 self._max[p] = int(max(self._max.get(p, NO_WATERMARK), int(running[-1])))
                 self._seen_ns[p] = now_ns

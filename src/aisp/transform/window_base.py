@@ -305,12 +305,13 @@ class WindowsBase:
 
     # -- state that follows input partitions --------------------------------------------------
     def windows_of(
-        self, codes: npt.NDArray[np.int64]
+        self, codes: npt.NDArray[np.int64] | None = None
     ) -> tuple[npt.NDArray[np.int64], dict[str, npt.NDArray[Any]]]:
-        """The open windows of the keys ``codes``: their key codes, and their columns (copies,
-        as ``snapshot`` gives them, without the key and serial)."""
+        """The open windows of the keys ``codes`` (None: all): their key codes, and their
+        columns (copies, as ``snapshot`` gives them, without the key and serial)."""
         slots = self.slots.open_slots()
-        slots = slots[np.isin(self.slots.code[slots], codes)]
+        if codes is not None:
+            slots = slots[np.isin(self.slots.code[slots], codes)]
         columns = self.slots.snapshot(slots)
         del columns["__uid"]
         return columns.pop("__code"), columns
