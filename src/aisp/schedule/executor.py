@@ -19,15 +19,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from aisp.batch import INGEST_NS, Batch
+from aisp.batch import Batch
 from aisp.errors import AispError, SinkError, StateError
 from aisp.graph import Graph, Node
 from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.stage import InferSpec, build_batcher
 from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
-from aisp.ingest.process import ProcessSource
 from aisp.observe.drift import DriftMonitor
 from aisp.observe.stats import RunStats, StageStats
 from aisp.schedule import planning
@@ -35,7 +35,7 @@ from aisp.schedule.channel import Channel
 from aisp.schedule.checkpoints import CheckpointCoordinator, Flight
 from aisp.schedule.config import ExecutorOptions, Lineage
 from aisp.schedule.keyed_state import KeyedStateKeeper
-from aisp.schedule.ops import InferOp, SinkOp, can_fork, model_batches
+from aisp.schedule.ops import InferOp, SinkOp, can_fork, model_batches, offloaded
 from aisp.schedule.pacing import Pacer
 from aisp.schedule.watermarks import SourceClocks
 from aisp.sinks.base import Sink, SinkPartition
@@ -140,23 +140,18 @@ class LocalExecutor:
         return planning.tasks(self._nodes, self._task_of)
 
     # -- building -----------------------------------------------------------------------------
-    def _dead_letter_rows(self, batch: Batch, step: str, reason: str) -> None:
-        """Rows that leave the pipeline here (a failed batch, the batcher's expired rows)."""
-        self.dead_letter.rows(batch, step, reason)
-        self.flight.landed(-batch.num_rows)
-        if self.lineage is not None:
-            self.lineage.failed(step, batch, reason)
-        if self.tracer is not None and self.tracer.active:
-            self.tracer.failed(step, batch, reason)
-
-    def _operator_dead_letters(
-        self, batch: Batch, step: str, reason: str, fields: Mapping[str, Sequence[Any]] | None = None
-    ) -> None:
-        """Rows an operator dead-letters itself: also missing from its output, which is where
-        their branch is counted as closed."""
+    def _dead_letter_rows(
+        self, batch: Batch, step: str, reason: str, fields: Mapping[str, Sequence[Any]] | None = None,
+        *, closes: bool = True,
+    ) -> None:  # fmt: skip
+        """Rows that leave the pipeline here: a failed batch, the batcher's expired rows, or
+        (``closes`` False) rows an operator dead-letters itself, which are also missing from its
+        output, where their branch is counted as closed."""
         self.dead_letter.rows(batch, step, reason, fields)
+        if closes:
+            self.flight.landed(-batch.num_rows)
         if self.lineage is not None:
-            self.lineage.failed(step, batch, reason, closes=False)
+            self.lineage.failed(step, batch, reason, closes=closes)
         if self.tracer is not None and self.tracer.active:
             self.tracer.failed(step, batch, reason)
 
@@ -181,7 +176,7 @@ class LocalExecutor:
             elif node.kind == "infer":
                 self._ops[sid] = InferOp(self._make_batcher(node, st), sid, node.spec)
             else:
-                ctx = OperatorContext(sid, self._operator_dead_letters, self._key_indexes)
+                ctx = OperatorContext(sid, partial(self._dead_letter_rows, closes=False), self._key_indexes)
                 self._ops[sid] = node.spec.build(ctx)
 
     def _make_batcher(self, node: Node, st: StageStats) -> DynamicBatcher:
@@ -284,13 +279,9 @@ class LocalExecutor:
         node = self._nodes[sid]
         if node.kind != "source":
             try:
-                outs = self._ops[sid].flush()
+                self._emit_made(sid, self._ops[sid].flush())
             except Exception as exc:  # noqa: BLE001 - a failing flush must not stop the drain
                 self._errors.append(exc)
-                outs = []
-            self.flight.landed(sum(out.num_rows for _, out in outs))  # rows made at the end (windows)
-            for port, out in outs:
-                self._emit(sid, port, out)
         for port in node.ports:
             for consumer in self._consumers.get((sid, port), ()):
                 if self._chained(consumer):
@@ -300,15 +291,29 @@ class LocalExecutor:
                 else:
                     self._channels[consumer].close_producer()
 
+    def _emit_made(self, sid: str, outs: list[tuple[str, Batch]]) -> None:
+        """Rows an operator made outside a batch (windows at the end, or as event time moves)."""
+        self.flight.landed(sum(out.num_rows for _, out in outs))
+        for port, out in outs:
+            self.stats.stages[sid].rows_out += out.num_rows
+            self._emit(sid, port, out)
+
+    def _event_time_moved(self, sid: str) -> None:
+        """(A source with nothing to read) windows close as event time moves on without rows
+        (``SourceClocks.moved``), each once the rows before it landed; with one source only,
+        which reads nothing meanwhile (a checkpoint waits for it)."""
+        wm = self.clocks.moved(sid) if len(self._source_parts) == 1 and self.windows else None
+        if wm is None:
+            return
+        for wid, op in self.windows.items():
+            self.flight.drain()
+            if not self.flight.consistent():
+                return
+            self._emit_made(wid, op.advance(wm))
+
     # -- tasks --------------------------------------------------------------------------------
     def _open_source(self, node: Node) -> SourcePartition:
-        spec: Source = node.spec
-        if self.options.offload_sources and spec.decode_heavy:
-            child = spec.spawned()
-            if child is not None:
-                spec = child
-            elif can_fork(node.step_id):
-                spec = ProcessSource(inner=spec)
+        spec: Source = offloaded(node.spec, node.step_id) if self.options.offload_sources else node.spec
         position = self._restore.meta["sources"].get(node.step_id) if self._restore is not None else None
         if self.partition_states is not None:  # positions come with each partition's state
             ctx = self.checkpoints.source_context(
@@ -362,19 +367,15 @@ class LocalExecutor:
                     st.phase("serialize", read_ns)
                     st.batch_rows.record_one(held.num_rows)
                 if not held.num_rows:
+                    self._event_time_moved(node.step_id)
                     continue
             if rate <= 0:
                 out, held = held, None
             else:
-                if pacer is None:
-                    pacer = Pacer(rate, self.options.paced_linger_ms, time.monotonic_ns())
-                now = time.monotonic_ns()
-                n, wait_until = pacer.take(now, held.num_rows)
-                if n == 0:
-                    self._stop.wait((wait_until - now) / 1e9)
+                pacer = pacer or Pacer(rate, self.options.paced_linger_ms, time.monotonic_ns())
+                out, held = pacer.due(held, self._stop)
+                if not out.num_rows:
                     continue
-                out, held = held.slice(0, n), held.slice(n)
-                out = out.with_columns({INGEST_NS: pacer.times(n)})
             if self.throttle is not None:  # a controlled rate (anomaly control): read slower
                 self.throttle(out.num_rows, self._stop)
             if self.clocks:  # event time and watermarks; rows without event time are dead letters

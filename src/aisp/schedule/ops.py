@@ -1,5 +1,6 @@
 """The executor's own operators: the one that writes to a sink, the one that hands rows to a
-model's batcher (and watches their drift); and when a step may fork a worker process."""
+model's batcher (and watches their drift); and when a step may fork a worker process, and where
+a source reads."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ import numpy.typing as npt
 from aisp.batch import INGEST_NS, Batch
 from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.stage import InferSpec
+from aisp.ingest.base import Source
+from aisp.ingest.process import ProcessSource
 from aisp.observe.drift import DriftConfig, DriftMonitor, local_alert
 from aisp.observe.stats import RunStats, StageStats
 from aisp.sinks.base import SinkPartition
 from aisp.transform.operators import Emit
 
-__all__ = ["InferOp", "SinkOp", "can_fork", "model_batches"]
+__all__ = ["InferOp", "SinkOp", "can_fork", "model_batches", "offloaded"]
 
 log = logging.getLogger("aisp.executor")
 
@@ -35,6 +38,17 @@ def can_fork(step_id: str) -> bool:
         threading.active_count(),
     )
     return False
+
+
+def offloaded(spec: Source, step_id: str) -> Source:
+    """Where a source that decodes heavily reads: the child its connector spawns (a process of
+    its own), else a forked worker process when forking is safe, else in-process."""
+    if not spec.decode_heavy:
+        return spec
+    child = spec.spawned()
+    if child is not None:
+        return child
+    return ProcessSource(inner=spec) if can_fork(step_id) else spec
 
 
 def model_batches(st: StageStats, call: threading.local) -> Callable[[int, int, int, int], None]:

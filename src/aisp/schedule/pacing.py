@@ -8,9 +8,13 @@ shows up in the measured latency instead of being hidden (no coordinated omissio
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import numpy.typing as npt
 
+from aisp.batch import INGEST_NS, Batch
 from aisp.errors import ConfigError
 
 __all__ = ["Pacer"]
@@ -54,3 +58,13 @@ class Pacer:
         ks = np.arange(self.sent, self.sent + n, dtype=np.float64)
         self.sent += n
         return (self.start_ns + ks * self._period_ns).astype(np.int64)
+
+    def due(self, held: Batch, stop: threading.Event) -> tuple[Batch, Batch]:
+        """The rows of ``held`` due now, stamped with their due times as ingest times, and the
+        rest; none (after waiting until the next are due, or ``stop``) when none is due yet."""
+        now = time.monotonic_ns()
+        n, wait_until = self.take(now, held.num_rows)
+        if n == 0:
+            stop.wait((wait_until - now) / 1e9)
+            return held.slice(0, 0), held
+        return held.slice(0, n).with_columns({INGEST_NS: self.times(n)}), held.slice(n)

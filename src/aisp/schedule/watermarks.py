@@ -48,6 +48,7 @@ class SourceClocks:
         self._current = dict.fromkeys(self._gens, NO_WATERMARK)
         self._last_ns = dict.fromkeys(self._gens, time.monotonic_ns())
         self._ended: set[str] = set()
+        self._stamped = dict.fromkeys(self._gens, NO_WATERMARK)  # after the last rows stamped
         self._lock = threading.Lock()
         self._follow = False
 
@@ -84,10 +85,28 @@ class SourceClocks:
             self._current[sid] = gen.watermark
             self._last_ns[sid] = now
             others = [w for s, w in self._current.items() if s != sid and self._holds(s, now)]
+            self._stamped[sid] = min([self._current[sid], *others])
         if others:
             wm = np.minimum(wm, min(others))
         columns[WATERMARK] = wm
         return batch.with_columns(columns)
+
+    def moved(self, sid: str) -> int | None:
+        """The watermark, when it moved on past the one after ``sid``'s last rows without rows
+        of its own: a partition taken over or given up, one idle past ``idle_timeout_ms``,
+        another source ended. Else None."""
+        gen = self._gens.get(sid)
+        if gen is None:
+            return None
+        now = time.monotonic_ns()
+        with self._lock:
+            self._current[sid] = gen.watermark
+            others = [w for s, w in self._current.items() if s != sid and self._holds(s, now)]
+            wm = min([self._current[sid], *others])
+            if wm <= self._stamped[sid]:
+                return None
+            self._stamped[sid] = wm
+        return wm
 
     def _holds(self, sid: str, now_ns: int) -> bool:
         """Whether source ``sid`` holds the pipeline watermark back."""

@@ -265,6 +265,11 @@ class WindowsBase:
         self._last_early_ns = now
         return True
 
+    def advance(self, watermark: int) -> Emit:
+        """Event time moved on to ``watermark`` without rows (see ``SourceClocks.moved``): emit
+        what it closes."""
+        return self._finish_batch([], watermark, time.monotonic_ns())
+
     def flush(self) -> Emit:
         """End of input: every open window is final."""
         closed = self._close(END_OF_INPUT)
