@@ -59,6 +59,9 @@ class Graph:
 
     name: str
     nodes: list[Node] = field(default_factory=list)
+    rollouts: dict[str, Any] = field(default_factory=dict)
+    """Model rollouts of the graph's rollout steps (``aisp.infer.rollout.Rollout``, with a
+    ``status()``), by step id."""
 
     # -- construction -------------------------------------------------------------------------
     def add(self, node: Node) -> Node:

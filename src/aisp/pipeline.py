@@ -66,8 +66,8 @@ class Pipeline:
         self.output_columns = list(output_columns) if output_columns is not None else None
         self.anomaly: AnomalyPolicy | None = None
         """Sliding-window anomaly control of the admitted rate when served (``anomaly_control``)."""
-        self.rollouts: dict[str, Rollout] = {}
-        """The model rollouts of ``Stream.infer_rollout`` steps, by step id."""
+        self.rollouts: dict[str, Rollout] = self.graph.rollouts
+        """The model rollouts of ``Stream.infer_rollout`` steps, by step id (the graph's)."""
         self.migrations: dict[str, Callable[[pa.Table], pa.Table]] = {}
         """Per step, how its state changes when this pipeline replaces a running version of
         itself (``migrate``, ``aisp.serve.topology``)."""

@@ -7,9 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from aisp import BatcherConfig, CollectSink, ExecutorOptions, OnnxRuntime, Pipeline, WorkloadFSource
 from aisp.infer.rollout import RolloutPolicy
+from aisp.observe.dashboard import DashboardState
+from aisp.observe.metrics import PipelineCollector
+from aisp.schedule.executor import LocalExecutor
+from aisp.sinks.deadletter import DeadLetterSink
 from benchmarks.workload import load_fraud_example
 from tests.support.models import linear_model, slow_linear_model
 
@@ -40,6 +45,20 @@ def rolled_out(tmp_path: Path, candidate: Path) -> tuple[Pipeline, CollectSink]:
     return p, out
 
 
+def observed(p: Pipeline) -> str:
+    """The pipeline's /metrics and dashboard rollouts as a running process shows them; checks
+    that both agree with the rollout's status."""
+    executor = LocalExecutor(p.build(), dead_letter=DeadLetterSink().open())
+    registry = CollectorRegistry()
+    registry.register(PipelineCollector(executor))
+    metrics = generate_latest(registry).decode()
+    (row,) = DashboardState(executor).update()["rollouts"]
+    status = p.rollouts["score"].status()
+    assert (row["kind"], row["name"], row["state"]) == ("step", "score", status["state"])
+    assert row["decisions"][0] == status["decisions"][-1]  # the latest first, with its evidence
+    return metrics
+
+
 @pytest.mark.parametrize(
     ("candidate", "outcome", "breach"),
     [("healthy", "promoted", None), ("shifted", "rolled_back", "output distribution"),
@@ -66,6 +85,8 @@ def test_a_pipeline_rollout_promotes_or_rolls_back_and_scores_every_event_once(
     ids = [r["id"] for r in out.rows]
     assert len(ids) == EVENTS and len(set(ids)) == EVENTS  # each event scored once
     variants = {r["model_variant"] for r in out.rows}
+    shown = observed(p)
+    assert f'aisp_step_rollout_state{{candidate="candidate",stage="score",state="{outcome}"}} 1.0' in shown
     if breach is None:
         assert variants == {"stable", "candidate"}
     elif status["decisions"][-1]["stage"] == "shadow":  # the candidate never answered a row

@@ -5,6 +5,7 @@ decisions."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.support.browser import dump_dom
 from tests.support.models import (
     FRAUD_CONFIG,
     expected_score,
@@ -145,6 +147,14 @@ def test_a_healthy_candidate_is_promoted_through_every_step(served: tuple[str, P
         metrics = client.get("/metrics").text
         assert 'aisp_rollout_decisions_total{decision="promote",model="fraud"} 1.0' in metrics
         assert 'aisp_rollout_state{candidate="2",model="fraud",state="promoted"} 1.0' in metrics
+        (shown,) = client.get("/dashboard/state").json()["rollouts"]  # a server of models alone
+        assert (shown["name"], shown["state"], shown["candidate"]) == ("fraud", "promoted", "2")
+        assert shown["decisions"][0]["decision"] == "promote"
+    dom = dump_dom(f"{url}/dashboard")
+    assert re.search(r"<td[^>]*>fraud</td><td[^>]*>1</td><td[^>]*>2</td><td[^>]*>promoted</td>", dom), dom[
+        -3000:
+    ]
+    assert re.search(r"<td[^>]*>fraud</td><td[^>]*>promote</td><td[^>]*>1</td>", dom), dom[-3000:]
 
 
 def test_rollout_requests_that_cannot_work_get_clear_errors(served: tuple[str, Path]) -> None:

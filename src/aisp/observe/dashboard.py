@@ -8,8 +8,11 @@ opens); ``/dashboard/events``: the same state as server-sent events, one a secon
 
 The state: the DAG (steps, kinds, edges); per stage over the last interval rows/s in and out,
 queue depth, p99 of each phase, mean batch size; end-to-end p50/p90/p99 over the interval and
-since the start; drift scores per model input feature; and the current diagnosis
-(``aisp.observe.diagnose`` over the last five seconds, renewed that often).
+since the start; drift scores per model input feature; the current diagnosis
+(``aisp.observe.diagnose`` over the last five seconds, renewed that often); and model rollouts
+(the pipeline's rollout steps and, under ``aisp serve``, the served models'), each with its
+state, traffic share and latest decisions with their evidence. A server without pipelines
+shows its models' rollouts alone (``ModelsState``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from importlib.resources import files
 from typing import Any
 
@@ -28,10 +31,11 @@ from aisp.observe.clock import wall_ms
 from aisp.observe.diagnose import Scrape, diagnose
 from aisp.observe.latency import LatencyHistogram
 from aisp.observe.metrics import PipelineCollector
+from aisp.observe.rollouts import rollout_rows, step_statuses
 from aisp.observe.stats import AdmissionStats, RunStats
 from aisp.observe.view import PipelineView
 
-__all__ = ["DashboardState", "page", "sse"]
+__all__ = ["DashboardState", "ModelsState", "page", "sse"]
 
 
 def page() -> bytes:
@@ -53,8 +57,12 @@ class DashboardState:
         admission: AdmissionStats | None = None,
         min_interval_s: float = 1.0,
         diagnose_every_s: float = 5.0,
+        models: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
     ) -> None:
         self._ex = executor
+        self._models = models
+        """Served models' rollout statuses, by model (``aisp serve``), shown beside the
+        pipeline's rollout steps."""
         self._registry = CollectorRegistry()
         self._registry.register(PipelineCollector(executor, admission))
         self._min_interval_s = min_interval_s
@@ -197,7 +205,23 @@ class DashboardState:
             ],
             "diagnosis": findings,
             "graph": self.graph(),
+            "rollouts": rollout_rows("step", step_statuses(self._ex.graph))
+            + rollout_rows("model", self._models() if self._models is not None else {}),
         }
+
+
+class ModelsState:
+    """The dashboard's state of a server without pipelines: its models' rollouts (the page
+    shows only those)."""
+
+    def __init__(self, models: Callable[[], Mapping[str, Mapping[str, Any]]]) -> None:
+        self._models = models
+
+    def update(self) -> dict[str, Any]:
+        return {"pipeline": None, "rollouts": rollout_rows("model", self._models())}
+
+    def with_history(self) -> dict[str, Any]:
+        return self.update()
 
 
 def sse(state: DashboardState, stop: threading.Event, period_s: float = 1.0) -> Iterator[bytes]:

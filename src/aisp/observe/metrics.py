@@ -67,6 +67,7 @@ from prometheus_client.utils import floatToGoString as _go_float
 
 from aisp.observe.clock import wall_ms
 from aisp.observe.latency import LatencyHistogram
+from aisp.observe.rollouts import rollout_families, step_statuses
 from aisp.observe.stats import AdmissionStats, StageStats
 from aisp.observe.view import PipelineView
 from aisp.retry import RETRIES
@@ -128,6 +129,7 @@ class PipelineCollector:
         yield self._slo(stats, stages)
         yield from self._drift()
         yield from self._windows()
+        yield from rollout_families("aisp_step_rollout", "stage", step_statuses(self._ex.graph))
 
     def _latency(self, stats: Any, stages: list[StageStats]) -> Iterator[Any]:
         latency = HistogramMetricFamily(

@@ -12,7 +12,7 @@ Nothing from a request is ever unpickled.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -164,8 +164,9 @@ def create_app(
                 _graph_endpoint(served_pipelines, model_control),
                 methods=["GET", "POST"],
             ),
-            *_dashboard_routes(served_pipelines),
         ]
+    if served_pipelines or models is not None:
+        routes += _dashboard_routes(served_pipelines, models.rollouts if models is not None else None)
     app: Any = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
     if model_api is not None:
         app = InferFastPath(app, model_api)
@@ -244,18 +245,25 @@ class _GraphUpdate(msgspec.Struct, forbid_unknown_fields=True):
     path: str | None = None
 
 
-def _dashboard_routes(pipelines: Mapping[str, PipelineService]) -> list[Route]:
+def _dashboard_routes(
+    pipelines: Mapping[str, PipelineService], models: Callable[[], Mapping[str, Any]] | None
+) -> list[Route]:
     """The live dashboard of the served pipelines: ``/dashboard`` (the page),
     ``/dashboard/state`` (JSON) and ``/dashboard/events`` (server-sent events), each for
-    ``?pipeline=NAME`` (default: the first by name)."""
+    ``?pipeline=NAME`` (default: the first by name), with the served ``models``' rollouts; of
+    those alone without pipelines."""
     from starlette.concurrency import run_in_threadpool
     from starlette.responses import StreamingResponse
 
-    from aisp.observe.dashboard import DashboardState, page
+    from aisp.observe.dashboard import DashboardState, ModelsState, page
 
-    states = {n: DashboardState(p.view, admission=p.admission) for n, p in pipelines.items()}
+    states: dict[str, DashboardState | ModelsState] = {
+        n: DashboardState(p.view, admission=p.admission, models=models) for n, p in pipelines.items()
+    }
+    if not states:
+        states[""] = ModelsState(models or dict)
 
-    def pick(request: Request) -> DashboardState:
+    def pick(request: Request) -> DashboardState | ModelsState:
         state = states.get(request.query_params.get("pipeline") or min(states))
         if state is None:
             raise NotFound(f"no pipeline {request.query_params.get('pipeline')!r}; serving {sorted(states)}")

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from aisp.observe.latency import LatencyHistogram
 from aisp.observe.metrics import BATCH_BUCKETS, LATENCY_BUCKETS_S, TextExposition, histogram_buckets
+from aisp.observe.rollouts import rollout_families
 from aisp.serve.models import ModelServer
 
 __all__ = ["CONTENT_TYPE", "PipelineGraphCollector", "ServerMetrics"]
@@ -39,40 +40,14 @@ class _QueueCollector:
 
 
 class _RolloutCollector:
-    """Each model's rollout: the candidate's traffic share, the state, decisions by kind."""
+    """Each served model's rollout (``aisp.observe.rollouts``)."""
 
     def __init__(self, models: ModelServer | None) -> None:
         self._models = models
 
     def collect(self) -> Iterator[Any]:
-        if self._models is None:
-            return
-        share = GaugeMetricFamily(
-            "aisp_rollout_candidate_share",
-            "Share of the traffic the rollout's candidate version takes",
-            labels=["model", "candidate"],
-        )
-        state = GaugeMetricFamily(
-            "aisp_rollout_state",
-            "1 for the state the model's rollout is in",
-            labels=["model", "candidate", "state"],
-        )
-        decisions = CounterMetricFamily(
-            "aisp_rollout_decisions",
-            "Rollout decisions (start, wait, pass, promote, rollback)",
-            labels=["model", "decision"],
-        )
-        for name, status in self._models.rollouts().items():
-            share.add_metric([name, status["candidate"]], status["share"])
-            state.add_metric([name, status["candidate"], status["state"]], 1)
-            counts: dict[str, int] = {}
-            for d in status["decisions"]:
-                counts[d["decision"]] = counts.get(d["decision"], 0) + 1
-            for decision, n in sorted(counts.items()):
-                decisions.add_metric([name, decision], n)
-        yield share
-        yield state
-        yield decisions
+        if self._models is not None:
+            yield from rollout_families("aisp_rollout", "model", self._models.rollouts())
 
 
 class PipelineGraphCollector:
