@@ -5,11 +5,13 @@ or 20 ms slower per batch is rolled back; every event is scored once either way.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from aisp import BatcherConfig, CollectSink, ExecutorOptions, OnnxRuntime, Pipeline, WorkloadFSource
+from aisp.errors import ModelError
 from aisp.infer.rollout import RolloutPolicy
 from aisp.observe.dashboard import DashboardState
 from aisp.observe.metrics import PipelineCollector
@@ -21,7 +23,9 @@ from tests.support.models import linear_model, slow_linear_model
 EVENTS = 60_000
 
 
-def rolled_out(tmp_path: Path, candidate: Path) -> tuple[Pipeline, CollectSink]:
+def rolled_out(
+    tmp_path: Path, candidate: Path, *, runtime: type[OnnxRuntime] = OnnxRuntime
+) -> tuple[Pipeline, CollectSink]:
     fraud = load_fraud_example()
     stable = linear_model(tmp_path / "stable.onnx", 0.1)
     policy = RolloutPolicy(steps=(0.5, 1.0), window_s=0.3, min_samples=300, p99_slack_ms=10.0)
@@ -35,7 +39,7 @@ def rolled_out(tmp_path: Path, candidate: Path) -> tuple[Pipeline, CollectSink]:
     scored = stats.map_batch("features", fraud.features).infer_rollout(
         "score",
         OnnxRuntime(str(stable), name="fraud"),
-        OnnxRuntime(str(candidate), name="fraud"),
+        runtime(str(candidate), name="fraud"),
         policy,
         inputs={"features": "features"},
         outputs={"score": "score"},
@@ -43,6 +47,32 @@ def rolled_out(tmp_path: Path, candidate: Path) -> tuple[Pipeline, CollectSink]:
     )
     scored.sink("out", out)
     return p, out
+
+
+class _Failing(OnnxRuntime):
+    """A candidate whose calls fail after its warm-up: every row it takes is dead-lettered."""
+
+    def warmup(self, batch_sizes: Any) -> None:  # once per step that runs it
+        self.broken = False
+        super().warmup(batch_sizes)
+        self.broken = True
+
+    def run(self, inputs: Any) -> Any:
+        if getattr(self, "broken", False):
+            raise ModelError("the candidate cannot score")
+        return super().run(inputs)
+
+
+def test_rows_a_failing_candidate_dead_letters_count_as_its_errors_and_roll_it_back(
+    tmp_path: Path,
+) -> None:
+    p, out = rolled_out(tmp_path, linear_model(tmp_path / "candidate.onnx", 0.1), runtime=_Failing)
+    p.run(execution=ExecutorOptions(rate_events_per_s=20_000))
+    status = p.rollouts["score"].status()
+    assert status["state"] == "rolled_back", status["decisions"]
+    last = status["decisions"][-1]
+    assert "error rate" in last["breaches"] and last["evidence"]["candidate"]["error_rate"] == 1.0, last
+    assert {r["model_variant"] for r in out.rows} == {"stable"}  # shadow: no row was the candidate's
 
 
 def observed(p: Pipeline) -> str:

@@ -13,16 +13,18 @@ The step expands into a few steps of the graph:
 * after each model, ``{step}.stable.observe`` / ``{step}.candidate.observe`` hand the rollout
   the rows' latency so far (from their ingest) and the first output's values;
 * ``{step}`` unites the two branches; each row's ``model_variant`` says which model scored it.
+* rows a model step dead-letters (a failed call, rows past their deadline) count as that
+  model's errors in the rollout's error rate.
 
 A rollback sends every row to the stable model again, a promotion every row to the candidate;
-the decisions are in the run's log and ``Rollout.status()``. Rows a model step dead-letters are
-not counted as errors of the rollout (its error rate compares request failures when served).
+the decisions are in the run's log and ``Rollout.status()``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -78,14 +80,25 @@ def expand_rollout(
         f"{step_id}.route", ["candidate", "stable"], predicates={"candidate": to_candidate}, default="stable"
     )
     branches = []
+
+    def failed(variant: str) -> Callable[[int], None]:
+        return lambda rows: rollout.observe_rows(variant, np.empty(0), None, errors=rows)
+
+    def counting(sid: str, variant: str) -> None:
+        """The infer step ``sid``'s dead-lettered rows count as ``variant``'s errors."""
+        graph = stream.pipeline.graph
+        graph.replace(sid, spec=replace(graph.node(sid).spec, on_failed=failed(variant)))
+
     for variant, runtime in (("stable", stable), ("candidate", candidate)):
         scored = routed[variant].infer(f"{step_id}.{variant}", runtime, **infer)
+        counting(f"{step_id}.{variant}", variant)
         branches.append(scored.map_batch(f"{step_id}.{variant}.observe", observe(variant)))
     if policy.shadow:
         copies = stream.filter(
             f"{step_id}.shadow.take", lambda b: np.full(b.num_rows, rollout.state == "shadow")
         )
         shadowed = copies.infer(f"{step_id}.shadow", candidate, **infer)
+        counting(f"{step_id}.shadow", "candidate")
         seen = shadowed.map_batch(f"{step_id}.shadow.observe", observe("candidate"))
         dropped = seen.filter(f"{step_id}.shadow.drop", lambda b: np.zeros(b.num_rows, dtype=bool))
         dropped.sink(f"{step_id}.shadow.sink", NullSink())

@@ -65,6 +65,9 @@ class InferSpec:
     tag_model: bool = True
     drift: DriftConfig | None = None
     """Monitor the input features for drift (PSI, KS) and alert (see ``aisp.observe.drift``)."""
+    on_failed: Callable[[int], None] | None = None
+    """Called with the number of rows the step dead-letters (a failed model call, rows past
+    their deadline) before they go: a rollout counts them as its model's errors."""
 
     def __post_init__(self) -> None:
         model = self.runtime.name
@@ -149,6 +152,13 @@ def build_batcher(
 ) -> DynamicBatcher:
     """A (not yet started) ``DynamicBatcher`` running ``spec``."""
     prepare, finish = build_io(spec)
+    if spec.on_failed is not None:
+        failed, to_dead_letter = spec.on_failed, dead_letter
+
+        def dead_letter(batch: Batch, reason: str) -> None:
+            failed(batch.num_rows)
+            to_dead_letter(batch, reason)
+
     return DynamicBatcher(
         spec.runtime,
         spec.batcher,
