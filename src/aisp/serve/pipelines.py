@@ -74,6 +74,13 @@ class InboxClosed(Unavailable):
     """The service is shutting down and takes no more events (503 / UNAVAILABLE)."""
 
 
+IDLE_READ_S = 0.05
+"""How long the served pipeline's source waits for requests before it reads nothing (so that a
+barrier, a topology update's or a checkpoint's, finds it between batches)."""
+
+_NOTHING = Batch.from_columns({})
+
+
 class Inbox:
     """A bounded queue of decoded batches between the transports and the pipeline's source.
 
@@ -106,13 +113,15 @@ class Inbox:
             self._cond.notify()
             return True
 
-    def take(self, max_rows: int) -> Batch | None:
-        """Up to ``max_rows`` rows (whole queued batches, coalesced); None once closed and empty."""
+    def take(self, max_rows: int, timeout_s: float | None = None) -> Batch | None:
+        """Up to ``max_rows`` rows (whole queued batches, coalesced); None once closed and empty;
+        no rows when nothing came within ``timeout_s``."""
         with self._cond:
             while not self._batches:
                 if self._closed:
                     return None
-                self._cond.wait()
+                if not self._cond.wait(timeout_s):
+                    return _NOTHING
             first = self._batches.popleft()
             if first.num_rows > max_rows:
                 self._batches.appendleft(first.slice(max_rows))
@@ -149,7 +158,8 @@ class _InboxPartition(SourcePartition):
         self.inbox = inbox
 
     def next_batch(self, max_rows: int) -> Batch | None:
-        return self.inbox.take(max_rows)
+        # an idle pipeline still comes back between batches, where a barrier pauses it
+        return self.inbox.take(max_rows, IDLE_READ_S)
 
 
 class PipelineService:

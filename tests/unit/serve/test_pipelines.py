@@ -130,3 +130,16 @@ def test_inbox_refuses_what_does_not_fit_and_takes_a_big_batch_when_empty() -> N
     assert got == [None]
     with pytest.raises(InboxClosed):
         inbox.offer(rows(1))
+
+
+def test_an_idle_served_pipeline_takes_a_topology_update_at_once(service: PipelineService) -> None:
+    """With no request coming, the source still comes back between batches (an empty read),
+    where the update's barrier finds it; it waited for a request before, and the update gave up
+    after 10 s."""
+    assert Inbox(10).take(5, timeout_s=0.01).num_rows == 0  # type: ignore[union-attr]
+    assert results(service, lines([1.0])) == [{"id": 0, "y": 2.0}]
+    time.sleep(0.2)  # idle
+    t0 = time.monotonic()
+    report = service.update(shapes_pipeline())
+    assert report["version"] == 2 and time.monotonic() - t0 < 2.0
+    assert results(service, lines([3.0])) == [{"id": 0, "y": 6.0}]  # the new graph answers
