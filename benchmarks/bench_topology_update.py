@@ -88,7 +88,9 @@ def main() -> int:
     out = []
     for sent, answered, report in rounds:
         steady = [lat for t0, lat in samples if sent - 1.5 <= t0 < sent - 0.5]
-        during = [lat for t0, lat in samples if sent <= t0 + lat and t0 <= answered + 0.5]
+        overlapping = [(t0, lat) for t0, lat in samples if sent <= t0 + lat and t0 <= answered + 0.5]
+        during = [lat for _, lat in overlapping]
+        slowest = sorted(overlapping, key=lambda s: -s[1])[:5]
         p99_steady = float(np.percentile(steady, 99)) * 1000
         p99_during = float(np.percentile(during, 99)) * 1000
         out.append(
@@ -102,6 +104,10 @@ def main() -> int:
                 "paused_ms": report.get("paused_ms"),
                 "update_took_ms": report.get("took_ms"),
                 "carried": report.get("carried"),
+                # where the slowest requests fell: (sent, ms after the update's request; took, ms)
+                "slowest_during": [
+                    [round((t0 - sent) * 1000, 1), round(lat * 1000, 2)] for t0, lat in slowest
+                ],
             }
         )
     result = {

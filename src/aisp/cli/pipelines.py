@@ -431,11 +431,16 @@ def _serve_http(
     """The HTTP app on uvicorn, until SIGTERM / Ctrl-C (then a graceful drain)."""
     import socket
 
+    import anyio
     import uvicorn
 
     from aisp.serve.http import create_app
     from aisp.serve.http_errors import JsonErrorsHttpTools
 
+    # load anyio's asyncio backend now: the first request that hands work to a thread (a topology
+    # update, a model load, the dashboard) would import it in the event loop, holding up every
+    # request in flight for ~30 ms
+    anyio.run(anyio.sleep, 0)
     sock = socket.create_server((host, port))
     print(f"http {host}:{sock.getsockname()[1]}", flush=True)
     server_config = uvicorn.Config(
