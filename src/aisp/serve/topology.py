@@ -4,8 +4,7 @@ the steps it keeps.
 ``switch`` replaces a ``PipelineService``'s running graph by a new version of the pipeline:
 
 1. the new graph is built and checked (``Pipeline.build``) and its latency bound computed; it
-   must read the same input schema; a graph with window steps is refused (their open windows
-   are not carried yet);
+   must read the same input schema;
 2. the new executor is started with its source paused: operators built, model batchers warmed
    up, threads waiting, while the old graph still serves;
 3. at a barrier the old graph's source pauses and the rows in flight finish; the state of its
@@ -14,8 +13,10 @@ the steps it keeps.
    index itself (nothing copied, whatever the number of keys); the state of each stateful step
    goes to the step with the same id in the new graph when its state columns (names and types)
    are the same, or through the migration the new pipeline declares for that step
-   (``Pipeline.migrate``); new steps start empty; the state of steps the new graph lacks, or
-   cannot take, is dropped with a warning;
+   (``Pipeline.migrate``); a window step's state is its open windows and its watermark, and
+   the sources' event-time clocks go on where they were, so what is late and when a window
+   closes do not change at the switch; new steps start empty; the state of steps the new graph
+   lacks, or cannot take, is dropped with a warning;
 5. the new graph's source resumes, reading the inbox where the old one stopped; the old
    executor stops (it has nothing left in flight).
 
@@ -76,10 +77,6 @@ def switch(service: PipelineService, pipeline: Pipeline, *, timeout_s: float = 1
     if not _same_schema(pipeline.input_schema, service.pipeline.input_schema):
         raise ConfigError("the new pipeline reads another input schema; serve it as a new pipeline")
     old = service.executor
-    if old.windows:
-        raise ConfigError(
-            f"steps {sorted(old.windows)} keep open windows, which a topology update does not carry yet"
-        )
     graph = service.bound(pipeline)
     bound = graph.latency_bound_ms()
     new = service.new_executor(graph)
@@ -121,6 +118,7 @@ def _at_the_barrier(
         try:
             carried, report = carry_state(state, graph, pipeline.migrations, shared)
             new.keyed.restore(Checkpoint(0, Path("topology-update"), {}, carried))
+            new.clocks.restore(old.clocks.snapshot())  # event time goes on where it was
         except BaseException:
             old.flight.resume()
             raise
@@ -130,6 +128,8 @@ def _at_the_barrier(
         new.join(timeout_s)
         raise
     service.adopt(pipeline, new)
+    for window_step in old.windows.values():  # the new graph has its open windows
+        window_step.hand_over()
     new.flight.resume()
     old.request_stop()  # its source ends at once: nothing is in flight
     old.flight.resume()

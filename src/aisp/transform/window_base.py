@@ -270,6 +270,12 @@ class WindowsBase:
         what it closes."""
         return self._finish_batch([], watermark, time.monotonic_ns())
 
+    def hand_over(self) -> None:
+        """Forget every open window: another graph took them over (a topology update), so this
+        one's end emits none."""
+        self.slots = Slots(self.spec.aggregates)
+        self._forget_windows()
+
     def flush(self) -> Emit:
         """End of input: every open window is final."""
         closed = self._close(END_OF_INPUT)
