@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import gc
 import logging
-import signal
 import sys
 import threading
 import time
@@ -12,7 +10,6 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -27,6 +24,7 @@ from aisp.observe.stats import peak_rss_mb
 from aisp.schedule.anomaly import control_run
 from aisp.schedule.checkpoints import open_partition_states
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
+from aisp.schedule.run_control import Checkpointer, RunUpdates, install_signals, tune_gc
 from aisp.schedule.savepoints import from_savepoint, restore_point
 from aisp.schedule.watermarks import check_event_time_options
 from aisp.state.checkpoint import Checkpoint, CheckpointStore
@@ -114,6 +112,9 @@ class RunOptions:
     handle_signals: bool = False
     tune_gc: bool = True
     repository_poll_s: float = 1.0
+    reload: Callable[[], Any] | None = None
+    """Loads the pipeline again (bound as this one): with checkpoints, SIGHUP (when signals are
+    handled) switches the run to the new version at a checkpoint (``schedule.run_control``)."""
 
 
 @dataclass
@@ -222,29 +223,68 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
         ex = _executor(graph, opts, store, latest, resources)
         if pipeline.anomaly is not None:  # sources read no faster than the controlled rate
             control_run(ex, graph, pipeline.anomaly)
+        current = [ex]  # the running executor (a topology update replaces it)
+        updates = _updates(pipeline, opts, store, resources)
         if opts.handle_signals:
-            resources.callback(_install_signals(ex.request_stop) or (lambda: None))
+            stop = lambda: current[0].request_stop()  # noqa: E731
+            resources.callback(install_signals(stop, updates.request if updates else None) or (lambda: None))
         if opts.tune_gc:
             resources.callback(tune_gc())
-        _observe(ex, opts.observe, resources)  # starts the executor
-        _drive(ex, opts, store)
+        _observe(current, opts.observe, resources)  # starts the executor
+        _drive(current, opts, store, updates)
+        ex = current[0]
         stopped_early = ex.stopping  # before the resources close (which stop the executor)
     if ex.errors:
         raise ex.errors[0]
+    if updates is not None and updates.version > 1:
+        pipeline, graph, latest = updates.pipeline, ex.graph, updates.restored
     rollouts = {sid: rollout.status() for sid, rollout in pipeline.rollouts.items()}
     return _summary(ex, graph, opts, latest, stopped_early, rollouts)
 
 
-def _executor(
-    graph: Graph, opts: RunOptions, store: CheckpointStore | None, latest: Checkpoint | None, res: ExitStack
-) -> LocalExecutor:
-    """The executor and what it owns (dead letters, state store, partition states), each
-    closed by ``res`` when the run ends."""
+def _updates(
+    pipeline: Pipeline, opts: RunOptions, store: CheckpointStore | None, res: ExitStack
+) -> RunUpdates | None:
+    """Topology updates of this run (``schedule.run_control``), when it can take them."""
     ck = opts.checkpoints
-    writer = dead_letter_sink(opts.dead_letter).open(
-        latest.meta.get("dead_letter_bytes") if latest is not None else None
-    )
-    res.callback(writer.close)
+    if opts.reload is None or store is None or ck is None:
+        return None
+    if ck.state_store or ck.partition_state_dir is not None:
+        log.info("topology updates are off: keyed state in a state store or per partition")
+        return None
+
+    def build(graph: Graph, restore: Checkpoint, dead_letter: Any) -> LocalExecutor:
+        ex = _executor(graph, opts, store, restore, res, dead_letter=dead_letter)
+        anomaly = updates.pipeline.anomaly if graph is updates.pipeline.graph else None
+        if anomaly is not None:
+            control_run(ex, graph, anomaly)
+        return ex
+
+    def check(graph: Graph) -> None:
+        check_event_time_options(graph, workers=1, state_max_keys=0, partition_state=False)
+
+    updates = RunUpdates(pipeline, opts.reload, store, build, check)
+    return updates
+
+
+def _executor(
+    graph: Graph,
+    opts: RunOptions,
+    store: CheckpointStore | None,
+    latest: Checkpoint | None,
+    res: ExitStack,
+    *,
+    dead_letter: Any = None,
+) -> LocalExecutor:
+    """The executor and what it owns (dead letters, unless ``dead_letter`` gives the writer,
+    state store, partition states), each closed by ``res`` when the run ends."""
+    ck = opts.checkpoints
+    writer = dead_letter
+    if writer is None:
+        writer = dead_letter_sink(opts.dead_letter).open(
+            latest.meta.get("dead_letter_bytes") if latest is not None else None
+        )
+        res.callback(writer.close)
     partition_states = state_store = None
     if ck is not None and ck.partition_state_dir is not None:
         partition_states = open_partition_states(
@@ -272,8 +312,10 @@ def _executor(
     )
 
 
-def _observe(ex: LocalExecutor, opts: ObserveOptions, res: ExitStack) -> None:
-    """Tracing, /metrics and the dashboard for ``ex``, stopped by ``res`` when the run ends."""
+def _observe(current: list[LocalExecutor], opts: ObserveOptions, res: ExitStack) -> None:
+    """Tracing, /metrics and the dashboard for the running executor (``current[0]``, which a
+    topology update replaces), stopped by ``res`` when the run ends."""
+    ex = current[0]
     observer = _observer(ex.graph, opts, res)
     if opts.trace is not None:
         from aisp.observe.tracing import EventTracer
@@ -281,13 +323,13 @@ def _observe(ex: LocalExecutor, opts: ObserveOptions, res: ExitStack) -> None:
         ex.tracer = EventTracer(opts.trace, ex.graph.name)
         res.callback(ex.tracer.close)
     ex.start()
-    res.callback(ex.request_stop)  # a failure below still drains what started
+    res.callback(lambda: current[0].request_stop())  # a failure below still drains what started
     if ex.tracer is not None:  # after start: its export thread must not keep workers from forking
         ex.tracer.start()
     if observer is not None:
         from aisp.observe.remote import snapshot
 
-        observer.start(lambda: snapshot(ex))
+        observer.start(lambda: snapshot(current[0]))
         _announce(observer.port, opts)
 
 
@@ -310,33 +352,50 @@ def _announce(port: int, opts: ObserveOptions) -> None:
         print(f"dashboard http://127.0.0.1:{port}/", file=sys.stderr, flush=True)
 
 
-def _drive(ex: LocalExecutor, opts: RunOptions, store: CheckpointStore | None) -> None:
-    """Run until the pipeline is drained: checkpoints, model version polls, the live view."""
+def _drive(
+    current: list[LocalExecutor], opts: RunOptions, store: CheckpointStore | None, updates: RunUpdates | None
+) -> None:
+    """Run until the pipeline is drained, switching graphs when a topology update is asked for
+    (``current[0]``: the running executor)."""
+    while not _drive_one(current[0], opts, store, updates):
+        assert updates is not None
+        current[0] = updates.apply(current[0])
+
+
+def _drive_one(
+    ex: LocalExecutor, opts: RunOptions, store: CheckpointStore | None, updates: RunUpdates | None
+) -> bool:
+    """Checkpoints, model version polls, the live view until ``ex`` drained (True) or a topology
+    update is asked for (False)."""
     interval = opts.checkpoints.interval_s if opts.checkpoints is not None else 1.0
     watcher = VersionWatcher([b.runtime for b in ex.batchers.values()], opts.repository_poll_s)
-    checkpoints = _Checkpointer(ex, store, interval)
+    checkpoints = Checkpointer(ex, store, interval)
     ex.on_drained = (
         (lambda: ex.checkpoints.checkpoint(store)) if store is not None else ex.checkpoints.commit_sources
     )
     bounded = opts.checkpoints is not None and opts.checkpoints.state_max_keys
     tick = 0.05 if bounded else 0.25  # a bounded hot layer is watched closely
 
-    def poll() -> None:
+    def poll() -> bool:
         watcher.poll()
         if opts.observe.on_progress is not None:
             opts.observe.on_progress(ex)
         checkpoints.poll()
+        return updates is None or not updates.requested or ex.stopping
 
     if not opts.observe.live:
         while not ex.join(timeout_s=tick):
-            poll()
-        return
+            if not poll():
+                return False
+        return True
     from aisp.live import LiveView
 
     with LiveView(ex) as view:
         while not ex.join(timeout_s=0.25):
             view.update()
-            poll()
+            if not poll():
+                return False
+    return True
 
 
 def _run_workers(graph: Graph, opts: RunOptions) -> RunSummary:
@@ -370,7 +429,7 @@ def _run_workers(graph: Graph, opts: RunOptions) -> RunSummary:
                 sinks[node.step_id], encoders[node.step_id] = part, node.spec.line_encoder()
         stop = threading.Event()
         if opts.handle_signals:
-            resources.callback(_install_signals(stop.set) or (lambda: None))
+            resources.callback(install_signals(stop.set) or (lambda: None))
         observer = _observer(graph, opts.observe, resources)  # forked before the workers
         pool = WorkerPool(
             graph, plan, n, options=opts.execution, sinks=sinks, encoders=encoders, dead_letter=writer,
@@ -439,62 +498,3 @@ def _summary(
     summary.restored_from = latest.id if latest is not None else None
     _finish_summary(summary, ex.stats.e2e, graph, opts)
     return summary
-
-
-class _Checkpointer:
-    """Takes a checkpoint every ``interval_s`` (when the run has a checkpoint store), and sooner
-    when the keyed state's hot layer outgrew its bound (a checkpoint is where keys are evicted),
-    but not within ``min_gap_s`` of the previous one."""
-
-    def __init__(
-        self, ex: LocalExecutor, store: CheckpointStore | None, interval_s: float, min_gap_s: float = 0.1
-    ) -> None:
-        self._ex, self._store, self._interval = ex, store, interval_s
-        self._min_gap = min(min_gap_s, interval_s)
-        self._last = time.monotonic()
-
-    def poll(self) -> None:
-        if self._store is None or self._ex.stopping:
-            return
-        since = time.monotonic() - self._last
-        if since < self._interval and not (since >= self._min_gap and self._ex.keyed.over_bound()):
-            return
-        if self._ex.checkpoints.checkpoint(self._store) is None:
-            log.warning("checkpoint skipped: the pipeline did not go quiet in time")
-        self._last = time.monotonic()
-
-
-def tune_gc() -> Callable[[], None]:
-    """Freeze what exists and collect young objects less often while the pipeline (or the
-    server) runs; returns what undoes it.
-
-    Decoding creates and frees many short-lived objects; the default threshold (700) runs a
-    collection every few hundred rows. Measured on workload F: 10.5 -> 7.1 us per event; on
-    ``aisp serve`` at 256 connections, p99 66-79 -> 40 ms and 7.6-8.8k -> 9.0-9.2k infer/s.
-    """
-    old = gc.get_threshold()
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(100_000, 50, 100)
-
-    def restore() -> None:
-        gc.set_threshold(*old)
-        gc.unfreeze()
-
-    return restore
-
-
-def _install_signals(stop: Callable[[], None]) -> Callable[[], None] | None:
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        stop()
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def restore() -> None:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-    return restore

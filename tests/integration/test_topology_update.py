@@ -184,3 +184,59 @@ def test_a_new_version_of_a_pipeline_starts_from_the_old_ones_checkpoint(tmp_pat
         env=ENV, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert again.returncode != 0 and "no verified checkpoint" in again.stderr
+
+
+def test_a_running_aisp_run_switches_to_the_new_version_on_sighup(tmp_path: Path) -> None:
+    """``aisp run FILE --checkpoint-dir DIR``: SIGHUP after FILE changed switches the run to the
+    new version at a checkpoint; every event is written once, the keyed state carries on, the
+    events after the switch go through the new steps, and the dashboard shows the new graph."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.integration.test_exactly_once import ENV
+
+    data = tmp_path / "events.jsonl"
+    write_events(data, 10_000, seed=5)
+    served = tmp_path / "fraud.py"  # a copy of the example, at a path of its own
+    served.write_text(
+        PIPELINE.read_text().replace("HERE = Path(__file__)", f"HERE = Path({str(PIPELINE)!r})")
+    )
+    out, log = tmp_path / "out.jsonl", tmp_path / "run.log"
+    cmd = [sys.executable, "-m", "aisp.cli", "run", str(served), "--input", str(data), "--output", str(out),
+           "--dead-letter", str(tmp_path / "dl.jsonl"), "--no-live", "--rate", "2500", "--dashboard",
+           "--checkpoint-dir", str(tmp_path / "chk"),
+           "--summary-json", str(tmp_path / "summary.json")]  # fmt: skip
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 60
+        while not list((tmp_path / "chk").glob("chk-*/manifest.json")) and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.05)
+        served.write_text(NEW_VERSION)
+        proc.send_signal(signal.SIGHUP)
+        dashboard = re.search(r"^dashboard (\S+)", log.read_text(), re.M)
+        assert dashboard is not None, log.read_text()
+        state: dict[str, Any] = {}
+        while state.get("graph_version") != 2 and time.monotonic() < deadline:
+            state = httpx.get(dashboard.group(1) + "dashboard/state", timeout=10).json()
+            time.sleep(0.1)
+        assert "plausible" in [n["id"] for n in state["graph"]["nodes"]], state["graph"]
+        assert state["graph_updates"][-1]["carried"] == ["user_stats"], state["graph_updates"]
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    expected = reference_outputs(data, MODEL)
+    assert sorted(r["id"] for r in rows) == sorted(expected)  # every event once
+    before, after = [r for r in rows if "large" not in r], [r for r in rows if "large" in r]
+    assert before and after and max(r["id"] for r in before) < min(r["id"] for r in after), "one switch"
+    for r in rows:  # the keyed state carried on through the switch
+        e = expected[r["id"]]
+        assert (r["user"], r["n"], r["mean_amount"]) == (e["user"], e["n"], e["mean_amount"]), r
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["restored_from"] is not None and summary["events_in"] == len(after)

@@ -117,7 +117,8 @@ def run(
         int, typer.Option(help="The dashboard's port on 127.0.0.1 (0: a free one).")
     ] = 0,
 ) -> None:
-    """Run PIPELINE to the end of its input (Ctrl-C / SIGTERM drain cleanly)."""
+    """Run PIPELINE to the end of its input (Ctrl-C / SIGTERM drain cleanly; with
+    --checkpoint-dir, SIGHUP switches to the file's new version at a checkpoint)."""
     from aisp.runner import ObserveOptions, RunOptions
     from aisp.runner import run as run_pipeline
     from aisp.schedule.executor import ExecutorOptions
@@ -127,6 +128,12 @@ def run(
         params["events"] = events
     if model_repository is not None:
         params["model_repository"] = model_repository
+
+    def reload() -> Any:  # SIGHUP: the file again, as a topology update (with --checkpoint-dir)
+        again = load_pipeline(pipeline, **params)
+        _bind(again, input, output)
+        return again
+
     try:
         p = load_pipeline(pipeline, **params)
         _bind(p, input, output)
@@ -159,6 +166,7 @@ def run(
                 ),
                 handle_signals=True,
                 repository_poll_s=repository_poll_s,
+                reload=reload,
             ),
         )
     except AispError as exc:

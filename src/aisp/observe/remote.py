@@ -30,7 +30,7 @@ import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 
-from aisp.graph import Graph
+from aisp.graph import Graph, Node
 from aisp.observe.latency import LatencyHistogram
 from aisp.observe.metrics import GcPauses, gc_pauses
 from aisp.observe.stats import LatencyTrail, RunStats, StageStats
@@ -64,7 +64,20 @@ def snapshot(view: PipelineView) -> dict[str, Any]:
         "gc": {"stats": gc.get_stats(), "pauses": gc_pauses().pauses.to_dict()},
         "retries": [[target, reason, n] for (target, reason), n in RETRIES.items()],
         "threads": view.thread_of(),
+        **_graph_of(view),
     }
+
+
+def _graph_of(view: PipelineView) -> dict[str, Any]:
+    """After a topology update of the run (``graph_version`` > 1): the running graph's steps and
+    the updates, which the observer, forked with the first graph, does not have."""
+    version = getattr(view, "graph_version", 1)
+    if version == 1:
+        return {}
+    graph = view.graph
+    nodes = [[n.step_id, n.kind, list(n.inputs), list(n.ports), n.latency_budget_ms] for n in graph.nodes]
+    updates = list(getattr(view, "graph_updates", ()))[-5:]
+    return {"graph": {"name": graph.name, "version": version, "nodes": nodes, "updates": updates}}
 
 
 def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -239,6 +252,9 @@ class SnapshotView:
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
+        self.graph_version = 1
+        """The running graph's version (one more per topology update of the run)."""
+        self.graph_updates: list[dict[str, Any]] = []
         self._threads: dict[str, str] = {}
         self.workers: list[dict[str, int]] | None = None
         """With several workers (``merge``): each one's events in and out."""
@@ -276,6 +292,15 @@ class SnapshotView:
         self.gc.pauses.pauses = LatencyHistogram.from_dict(data["gc"]["pauses"])
         self._threads = data["threads"]
         self.workers = data.get("workers")
+        graph = data.get("graph")
+        if graph is not None and graph["version"] != self.graph_version:  # the run switched graphs
+            nodes = [
+                Node(step_id=sid, kind=kind, inputs=tuple(ins), ports=tuple(ports), latency_budget_ms=budget)
+                for sid, kind, ins, ports, budget in graph["nodes"]
+            ]
+            self.graph, self.graph_version = Graph(graph["name"], nodes), graph["version"]
+        if graph is not None:
+            self.graph_updates = graph["updates"]
 
 
 class ConsistentRegistry(CollectorRegistry):

@@ -176,16 +176,26 @@ class CheckpointCoordinator:
         )
 
     def checkpoint(
-        self, store: CheckpointStore, *, timeout_s: float = 10.0, checkpoint_id: int | None = None
+        self,
+        store: CheckpointStore,
+        *,
+        timeout_s: float = 10.0,
+        checkpoint_id: int | None = None,
+        stay_paused: bool = False,
     ) -> int | None:
         """Take a checkpoint (numbered ``checkpoint_id``, else the store's next); returns its id,
-        or None when the pipeline did not go quiet within ``timeout_s`` (then nothing is written)."""
+        or None when the pipeline did not go quiet within ``timeout_s`` (then nothing is written).
+        ``stay_paused``: the sources stay paused after a checkpoint taken (a graph that hands its
+        state over to another, which starts from it)."""
+        taken = False
         try:
             if not self.flight.quiesce(timeout_s):
                 return None
             captured = self._capture()
+            taken = True
         finally:
-            self.flight.resume()
+            if not (taken and stay_paused):
+                self.flight.resume()
         return self._write(store, *captured, checkpoint_id=checkpoint_id)
 
     def savepoint(self, timeout_s: float) -> dict[str, dict[str, Any]] | None:

@@ -317,10 +317,10 @@ class LocalExecutor:
         position = self._restore.meta["sources"].get(node.step_id) if self._restore is not None else None
         if self.partition_states is not None:  # positions come with each partition's state
             ctx = self.checkpoints.source_context(
-                node.step_id, self._source_dead_letters, self.options.source_batch_rows
+                node.step_id, self._source_dead_letters, self.options.read_rows
             )
             return spec.open(ctx, resume_from=None)
-        ctx = SourceContext(node.step_id, self._source_dead_letters, self.options.source_batch_rows)
+        ctx = SourceContext(node.step_id, self._source_dead_letters, self.options.read_rows)
         return spec.open(ctx, resume_from=position)
 
     def _source_dead_letters(self, records: list[DeadLetterRecord]) -> None:

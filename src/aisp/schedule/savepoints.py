@@ -28,7 +28,7 @@ from aisp.graph import Graph
 from aisp.state.checkpoint import Checkpoint, CheckpointStore
 from aisp.transform.operators import Checkpointable, OperatorContext
 
-__all__ = ["Migration", "carry_state", "from_savepoint", "restore_point"]
+__all__ = ["Migration", "carry_checkpoint", "carry_state", "from_savepoint", "restore_point"]
 
 log = logging.getLogger("aisp.savepoints")
 
@@ -114,6 +114,19 @@ def from_savepoint(
     found = CheckpointStore(directory).latest()
     if found is None:
         raise ConfigError(f"no verified checkpoint in {directory} to start from")
+    carried, report = carry_checkpoint(found, graph, migrations, outputs=False)
+    log.info("starting from savepoint %s: %s", found.path, report)
+    return carried, report
+
+
+def carry_checkpoint(
+    found: Checkpoint, graph: Graph, migrations: Mapping[str, Migration], *, outputs: bool
+) -> tuple[Checkpoint, dict[str, list[str]]]:
+    """``found`` (a checkpoint of another version of ``graph``'s pipeline) as a restore point for
+    ``graph``: the state it takes (``carry_state``), the positions of the sources with the same
+    ids, and with ``outputs`` those of the sinks and dead letters too (a run that switches graphs
+    writes on in the same outputs; a savepoint start begins its own); what happened to each
+    step's state."""
     meta = found.meta
     if meta.get("pipeline") != graph.name:
         raise ConfigError(
@@ -134,11 +147,10 @@ def from_savepoint(
     tables, report = carry_state(state, graph, migrations, shared)
     tables.update({f"keys.{space}": found.tables[f"keys.{space}"] for space in shared})
     steps = {n.step_id for n in graph.nodes}
-    kept = {  # the new version writes its own outputs and dead letters from their start
-        **{k: v for k, v in meta.items() if k != "dead_letter_bytes"},
+    kept = {
+        **{k: v for k, v in meta.items() if outputs or k != "dead_letter_bytes"},
         "sources": {s: p for s, p in meta.get("sources", {}).items() if s in steps},
-        "sinks": {},
+        "sinks": {s: p for s, p in meta.get("sinks", {}).items() if s in steps} if outputs else {},
         "watermarks": {s: w for s, w in meta.get("watermarks", {}).items() if s in steps},
     }
-    log.info("starting from savepoint %s: %s", found.path, report)
     return Checkpoint(found.id, found.path, kept, tables), report
