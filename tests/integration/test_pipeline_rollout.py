@@ -123,3 +123,54 @@ def test_a_pipeline_rollout_promotes_or_rolls_back_and_scores_every_event_once(
         assert variants == {"stable"}
     else:
         assert "stable" in variants
+
+
+ROLLOUT_VERSION = """
+import importlib.util
+import sys
+
+from aisp import NullSink, OnnxRuntime, Pipeline, WorkloadFSource
+from aisp.infer.rollout import RolloutPolicy
+
+spec = importlib.util.spec_from_file_location("fraud_v1", {pipeline!r})
+v1 = sys.modules["fraud_v1"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(v1)
+
+
+def build(events: int = 1000, seed: int = 0) -> Pipeline:
+    p = Pipeline("fraud", output_columns=v1.OUTPUT_COLUMNS)
+    src = p.source("events", WorkloadFSource(events=events, seed=seed), schema=v1.Event)
+    stats = src.key_by("by_user", "user").running_stats("user_stats", "amount", count="n", mean="mean_amount")
+    scored = stats.map_batch("features", v1.features).infer_rollout(
+        "score", OnnxRuntime({model!r}, name="fraud"), OnnxRuntime({model!r}, name="fraud"),
+        RolloutPolicy(window_s=600, min_samples=10**9),  # waits for samples until rolled back
+        inputs={{"features": "features"}}, outputs={{"score": "score"}},
+    )
+    scored.map_batch("emit", v1.emitter(v1.OUTPUT_COLUMNS)).sink("out", NullSink())
+    return p
+"""
+
+
+def test_a_served_pipelines_rollout_steps_have_a_status_endpoint_and_roll_back_on_request(
+    tmp_path: Path,
+) -> None:
+    import httpx
+
+    from tests.integration.test_topology_update import MODEL, PIPELINE
+    from tests.support.serving import aisp_serve, wait_http
+
+    served = tmp_path / "fraud_rollout.py"
+    served.write_text(ROLLOUT_VERSION.format(pipeline=str(PIPELINE), model=str(MODEL)))
+    with aisp_serve(served, http=True, grpc=False) as (addresses, _):
+        wait_http(addresses["http"])
+        base = f"http://{addresses['http']}/v1/pipelines/fraud/rollout"
+        status = httpx.get(base, timeout=10).json()
+        assert list(status) == ["score"] and status["score"]["state"] == "shadow"
+        assert httpx.delete(f"{base}?step=nope", timeout=10).status_code == 404
+        rolled = httpx.delete(base, timeout=10).json()["score"]
+        assert rolled["state"] == "rolled_back" and rolled["decisions"][-1]["breaches"] == ["aborted"]
+        assert httpx.get(base, timeout=10).json()["score"]["state"] == "rolled_back"
+    with aisp_serve(PIPELINE, http=True, grpc=False) as (addresses, _):  # no rollout step
+        wait_http(addresses["http"])
+        r = httpx.get(f"http://{addresses['http']}/v1/pipelines/fraud/rollout", timeout=10)
+        assert r.status_code == 404 and "no rollout step" in r.json()["error"]

@@ -160,6 +160,11 @@ def create_app(
                 methods=["GET", "PUT"],
             ),
             Route(
+                "/v1/pipelines/{pipeline}/rollout",
+                _rollout_endpoint(served_pipelines),
+                methods=["GET", "DELETE"],
+            ),
+            Route(
                 "/v1/pipelines/{pipeline}/graph",
                 _graph_endpoint(served_pipelines, model_control),
                 methods=["GET", "POST"],
@@ -207,6 +212,31 @@ def _anomaly_endpoint(pipelines: Mapping[str, PipelineService]) -> Any:
         return JSONResponse(service.control.status())
 
     return anomaly
+
+
+def _rollout_endpoint(pipelines: Mapping[str, PipelineService]) -> Any:
+    """``GET /v1/pipelines/{p}/rollout``: the status of each rollout step of the running graph
+    (``Stream.infer_rollout``: state, share, every decision with its evidence), by step id;
+    ``DELETE`` (admin) rolls back now the rollout of ``?step=ID``, else every one under way."""
+
+    @guarded
+    async def rollout(request: Request) -> Response:
+        service = _served(pipelines, request)
+        rollouts = service.executor.graph.rollouts
+        if not rollouts:
+            raise NotFound(f"pipeline {service.name!r} has no rollout step")
+        if request.method == "DELETE":
+            step = request.query_params.get("step")
+            if step is not None and step not in rollouts:
+                raise NotFound(
+                    f"pipeline {service.name!r} has no rollout step {step!r}; it has {sorted(rollouts)}"
+                )
+            for sid, r in rollouts.items():
+                if step in (None, sid):
+                    r.abort("rolled back by an operator")
+        return JSONResponse({sid: r.status() for sid, r in sorted(rollouts.items())})
+
+    return rollout
 
 
 def _graph_endpoint(pipelines: Mapping[str, PipelineService], control: bool) -> Any:
