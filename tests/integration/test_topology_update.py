@@ -226,6 +226,9 @@ def test_a_running_aisp_run_switches_to_the_new_version_on_sighup(tmp_path: Path
             time.sleep(0.1)
         assert "plausible" in [n["id"] for n in state["graph"]["nodes"]], state["graph"]
         assert state["graph_updates"][-1]["carried"] == ["user_stats"], state["graph_updates"]
+        metrics = httpx.get(dashboard.group(1) + "metrics", timeout=10).text
+        assert 'aisp_pipeline_graph_version{pipeline="fraud"} 2.0' in metrics
+        assert 'aisp_pipeline_graph_updates_total{outcome="applied",pipeline="fraud"} 1.0' in metrics
         proc.wait(timeout=120)
     finally:
         proc.kill()

@@ -362,8 +362,9 @@ class _ServeTargets:
         anomaly: dict[str, Any],
     ) -> _ServeTargets:
         from aisp.observe.metrics import PipelineCollector
+        from aisp.observe.rollouts import GraphVersions, update_counts
         from aisp.schedule.anomaly import AnomalyPolicy
-        from aisp.serve.metrics import PipelineGraphCollector, ServerMetrics
+        from aisp.serve.metrics import ServerMetrics
         from aisp.serve.models import ModelServer
         from aisp.serve.pipelines import PipelineService
 
@@ -402,7 +403,11 @@ class _ServeTargets:
             metrics.registry.register(
                 PipelineCollector(service.view, service.admission, anomaly=lambda s=service: s.control)
             )
-        metrics.registry.register(PipelineGraphCollector(pipelines))
+        metrics.registry.register(
+            GraphVersions(
+                lambda: {n: update_counts(s.graph_version, s.updates) for n, s in pipelines.items()}
+            )
+        )
         return cls(pipelines, models, metrics)
 
     def update_in_background(self) -> None:

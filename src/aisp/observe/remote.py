@@ -33,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily
 from aisp.graph import Graph, Node
 from aisp.observe.latency import LatencyHistogram
 from aisp.observe.metrics import GcPauses, gc_pauses
+from aisp.observe.rollouts import GraphVersions, update_counts
 from aisp.observe.stats import LatencyTrail, RunStats, StageStats
 from aisp.observe.view import PipelineView
 from aisp.retry import RETRIES
@@ -76,8 +77,12 @@ def _graph_of(view: PipelineView) -> dict[str, Any]:
         return {}
     graph = view.graph
     nodes = [[n.step_id, n.kind, list(n.inputs), list(n.ports), n.latency_budget_ms] for n in graph.nodes]
-    updates = list(getattr(view, "graph_updates", ()))[-5:]
-    return {"graph": {"name": graph.name, "version": version, "nodes": nodes, "updates": updates}}
+    history = list(getattr(view, "graph_updates", ()))
+    _, applied, failed = update_counts(version, history)
+    return {
+        "graph": {"name": graph.name, "version": version, "nodes": nodes, "updates": history[-5:]},
+        "graph_update_counts": [applied, failed],
+    }
 
 
 def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -255,6 +260,9 @@ class SnapshotView:
         self.graph_version = 1
         """The running graph's version (one more per topology update of the run)."""
         self.graph_updates: list[dict[str, Any]] = []
+        """The latest topology updates (their reports)."""
+        self.graph_update_counts: tuple[int, int] = (0, 0)
+        """Topology updates so far: applied, failed."""
         self._threads: dict[str, str] = {}
         self.workers: list[dict[str, int]] | None = None
         """With several workers (``merge``): each one's events in and out."""
@@ -301,6 +309,7 @@ class SnapshotView:
             self.graph, self.graph_version = Graph(graph["name"], nodes), graph["version"]
         if graph is not None:
             self.graph_updates = graph["updates"]
+            self.graph_update_counts = tuple(data["graph_update_counts"])
 
 
 class ConsistentRegistry(CollectorRegistry):
@@ -342,9 +351,11 @@ def _observer_main(
     _yield_cpu()
     view = SnapshotView(graph)
     try:
-        registry = ConsistentRegistry(
-            metrics_registry(view, pid=os.getppid(), gc_collector=view.gc, retries=view.retries), view
+        families = metrics_registry(view, pid=os.getppid(), gc_collector=view.gc, retries=view.retries)
+        families.register(
+            GraphVersions(lambda: {view.graph.name: (view.graph_version, *view.graph_update_counts)})
         )
+        registry = ConsistentRegistry(families, view)
         server = ObserveServer(view, port, dashboard=dashboard, registry=registry)
     except OSError as exc:
         ready.send_bytes(msgspec.json.encode({"error": f"cannot serve on port {port}: {exc.strerror}"}))

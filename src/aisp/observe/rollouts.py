@@ -1,16 +1,24 @@
-"""What observers show of canary rollouts (``aisp.infer.rollout``): Prometheus families (the
-candidate's traffic share, the rollout's state, decisions by kind) and the dashboard's rows,
-for served models' rollouts (``aisp serve``) and pipelines' rollout steps
-(``Stream.infer_rollout``), from their ``status()``."""
+"""What observers show of live operations: canary rollouts (``aisp.infer.rollout``), as
+Prometheus families (the candidate's traffic share, the rollout's state, decisions by kind) and
+the dashboard's rows, for served models' rollouts (``aisp serve``) and pipelines' rollout steps
+(``Stream.infer_rollout``), from their ``status()``; and topology updates (``GraphVersions``:
+each pipeline's running graph version and its updates by outcome, served or run)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-__all__ = ["DECISIONS_SHOWN", "rollout_families", "rollout_rows", "step_statuses"]
+__all__ = [
+    "DECISIONS_SHOWN",
+    "GraphVersions",
+    "rollout_families",
+    "rollout_rows",
+    "step_statuses",
+    "update_counts",
+]
 
 DECISIONS_SHOWN = 10
 """The latest decisions of each rollout on the dashboard (all of them are in its status)."""
@@ -65,3 +73,33 @@ def rollout_rows(kind: str, statuses: Mapping[str, Mapping[str, Any]]) -> list[d
         }
         for name, status in sorted(statuses.items())
     ]
+
+
+def update_counts(version: int, updates: Sequence[Mapping[str, Any]]) -> tuple[int, int, int]:
+    """(running graph version, updates applied, updates failed) of a pipeline's history."""
+    failed = sum(1 for u in updates if "failed" in u)
+    return version, len(updates) - failed, failed
+
+
+class GraphVersions:
+    """``aisp_pipeline_graph_version{pipeline}`` and ``aisp_pipeline_graph_updates_total{pipeline,
+    outcome}``; ``of()``: each pipeline's ``update_counts``, by name."""
+
+    def __init__(self, of: Callable[[], Mapping[str, tuple[int, int, int]]]) -> None:
+        self._of = of
+
+    def collect(self) -> Iterator[Any]:
+        version = GaugeMetricFamily(
+            "aisp_pipeline_graph_version",
+            "The running graph's version (one more per topology update)",
+            labels=["pipeline"],
+        )
+        updates = CounterMetricFamily(
+            "aisp_pipeline_graph_updates", "Topology updates by outcome", labels=["pipeline", "outcome"]
+        )
+        for name, (running, applied, failed) in sorted(self._of().items()):
+            version.add_metric([name], running)
+            updates.add_metric([name, "applied"], applied)
+            updates.add_metric([name, "failed"], failed)
+        yield version
+        yield updates

@@ -8,7 +8,7 @@ repository, codes from the protocol.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -19,7 +19,7 @@ from aisp.observe.metrics import BATCH_BUCKETS, LATENCY_BUCKETS_S, TextExpositio
 from aisp.observe.rollouts import rollout_families
 from aisp.serve.models import ModelServer
 
-__all__ = ["CONTENT_TYPE", "PipelineGraphCollector", "ServerMetrics"]
+__all__ = ["CONTENT_TYPE", "ServerMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -48,30 +48,6 @@ class _RolloutCollector:
     def collect(self) -> Iterator[Any]:
         if self._models is not None:
             yield from rollout_families("aisp_rollout", "model", self._models.rollouts())
-
-
-class PipelineGraphCollector:
-    """Served pipelines' running graph versions and topology updates by outcome."""
-
-    def __init__(self, services: Mapping[str, Any]) -> None:
-        self._services = services
-
-    def collect(self) -> Iterator[Any]:
-        version = GaugeMetricFamily(
-            "aisp_pipeline_graph_version",
-            "The running graph's version (one more per topology update)",
-            labels=["pipeline"],
-        )
-        updates = CounterMetricFamily(
-            "aisp_pipeline_graph_updates", "Topology updates by outcome", labels=["pipeline", "outcome"]
-        )
-        for name, service in sorted(self._services.items()):
-            version.add_metric([name], service.graph_version)
-            failed = sum(1 for u in service.updates if "failed" in u)
-            updates.add_metric([name, "applied"], len(service.updates) - failed)
-            updates.add_metric([name, "failed"], failed)
-        yield version
-        yield updates
 
 
 class ServerMetrics:
