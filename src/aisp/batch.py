@@ -38,6 +38,7 @@ __all__ = [
     "WATERMARK",
     "Batch",
     "matrix_column",
+    "padded",
 ]
 
 ID = "_id"
@@ -65,6 +66,24 @@ def matrix_column(matrix: npt.NDArray[Any]) -> pa.FixedSizeListArray:
         raise ConfigError(f"matrix_column needs a 2-D array, got {matrix.ndim}-D")
     flat = np.ascontiguousarray(matrix).reshape(-1)
     return pa.FixedSizeListArray.from_arrays(pa.array(flat), matrix.shape[1])
+
+
+def padded(column: pa.Array | pa.ChunkedArray, fill: int | float = 0) -> npt.NDArray[Any]:
+    """A list column of rows of different lengths (token ids, say) as a 2-D array as wide as its
+    longest row, the rest of each row ``fill``: vectorised, one scatter of the flat values.
+
+    >>> padded(pa.array([[1, 2, 3], [4], []])).tolist()
+    [[1, 2, 3], [4, 0, 0], [0, 0, 0]]
+    """
+    col = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    offsets = col.offsets.to_numpy()
+    lengths = np.diff(offsets)
+    values = col.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+    width = int(lengths.max()) if len(lengths) else 0
+    out = np.full((len(col), width), fill, dtype=values.dtype)
+    rows = np.repeat(np.arange(len(col)), lengths)
+    out[rows, np.arange(values.shape[0]) - np.repeat(offsets[:-1] - offsets[0], lengths)] = values
+    return out
 
 
 def _to_arrow(values: ColumnLike) -> pa.Array:

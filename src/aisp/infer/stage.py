@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from aisp.batch import Batch, matrix_column
+from aisp.batch import Batch, matrix_column, padded
 from aisp.errors import ConfigError, ModelError
 from aisp.infer.batcher import (
     BatcherConfig,
@@ -92,7 +92,11 @@ def _input_fn(name: str, column: str, spec: TensorSpec) -> Callable[[Batch], npt
     rank = None if spec.shape is None else len(spec.shape)
 
     def read(batch: Batch) -> npt.NDArray[Any]:
-        arr = batch.numpy(column)
+        col = batch.column(column)
+        if rank == 2 and isinstance(col, pa.ListArray | pa.LargeListArray):  # ragged: token ids
+            arr = padded(col)
+        else:
+            arr = batch.numpy(column)
         if dtype is not None and arr.dtype != dtype:
             arr = arr.astype(dtype)
         if rank is not None and arr.ndim != rank:

@@ -1,0 +1,71 @@
+"""Sentence embeddings through the infer step (all-MiniLM-L6-v2, int8 ONNX, from packages):
+single texts batched dynamically give each text the embedding the model gives it alone, mean
+pooled and unit length, whatever the batch and the length-sorted chunks; similar sentences are
+close and unrelated ones are not."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from aisp import BatcherConfig, CollectSink, Pipeline, TestingSource
+from aisp.errors import ConfigError
+from aisp.infer.text import TextEncoder, packaged_minilm
+from aisp.transform.text import TextTokenizer
+
+MODEL, TOKENIZER = packaged_minilm()
+INPUTS = {n: n for n in ("input_ids", "attention_mask", "token_type_ids")}
+TEXTS = [
+    "the capital of France is Paris",
+    "Paris is the capital city of France",
+    "a recipe for pancakes with maple syrup",
+    "",
+    "stream processing " * 80,  # truncated at 128 tokens
+    "ok",
+    "Ünïcödé, emoji 🙂 and CJK 漢字 text",
+] * 6
+
+
+def alone(text: str) -> np.ndarray:
+    """The model on one text, no padding, mean pooled, unit length."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(TOKENIZER))
+    tok.no_padding()
+    tok.enable_truncation(128)
+    e = tok.encode(text)
+    pairs = (("input_ids", e.ids), ("attention_mask", e.attention_mask), ("token_type_ids", e.type_ids))
+    feed = {k: np.array([v], dtype=np.int64) for k, v in pairs}
+    hidden = ort.InferenceSession(str(MODEL)).run(["last_hidden_state"], feed)[0]
+    v = (hidden * feed["attention_mask"][..., None]).sum(axis=1)[0] / len(e.ids)
+    return v / np.linalg.norm(v)
+
+
+@pytest.mark.parametrize("chunk_rows", [32, 3])
+def test_single_texts_batched_get_the_embedding_the_model_gives_each_alone(chunk_rows: int) -> None:
+    p = Pipeline("embed")
+    out = CollectSink(columns=["id", "text", "embedding"])
+    texts = p.source(
+        "texts", TestingSource([{"id": i, "text": t} for i, t in enumerate(TEXTS)], batch_rows=1)
+    )
+    texts.map_batch("tokenize", TextTokenizer(TOKENIZER)).infer(
+        "embed", TextEncoder(MODEL, name="minilm", chunk_rows=chunk_rows), inputs=INPUTS,
+        outputs={"embedding": "embedding"}, batcher=BatcherConfig(max_batch_size=16, max_queue_delay_ms=5.0),
+    ).sink("out", out)  # fmt: skip
+    summary = p.run()
+    assert sorted(r["id"] for r in out.rows) == list(range(len(TEXTS)))
+    assert summary.models["embed"]["batches"] < len(TEXTS)  # batched, not one call per text
+    got = {r["text"]: np.array(r["embedding"], dtype=np.float32) for r in out.rows}
+    for text in set(TEXTS):
+        assert got[text].shape == (384,)
+        assert np.abs(got[text] - alone(text)).max() < 1e-5, text
+    same, other = got[TEXTS[0]] @ got[TEXTS[1]], got[TEXTS[0]] @ got[TEXTS[2]]
+    assert same > 0.9 and other < 0.3
+
+
+def test_an_encoder_that_cannot_work_fails_where_it_is_declared() -> None:
+    with pytest.raises(ConfigError, match="no output 'pooled'"):
+        TextEncoder(MODEL, output="pooled")
+    with pytest.raises(ConfigError, match="chunk_rows"):
+        TextEncoder(MODEL, chunk_rows=0)
