@@ -23,12 +23,12 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from aisp.batch import TIER, Batch
+from aisp.batch import Batch
 from aisp.connectors import connector_for
 from aisp.errors import ConfigError, GraphError
 from aisp.graph import DEFAULT_PORT, Graph, Node
 from aisp.infer.batcher import BatcherConfig
-from aisp.infer.model_steps import expand_rollout
+from aisp.infer.model_steps import expand_by_tier, expand_rollout
 from aisp.infer.rollout import Rollout, RolloutPolicy
 from aisp.infer.runtime import Runtime
 from aisp.infer.stage import InferSpec
@@ -51,6 +51,7 @@ from aisp.transform.operators import (
     Route,
 )
 from aisp.transform.stateful import RunningStats, StateFn, Stateful
+from aisp.transform.vectors import VectorIndex
 from aisp.transform.windows import Session, Sliding, Tumbling, WindowSpec
 
 __all__ = ["KeyedStream", "Pipeline", "Stream"]
@@ -322,15 +323,8 @@ class Stream:
         ``{step_id}.default``) -> ``{step_id}`` (a union). Each row's ``model`` column names the
         model that scored it.
         """
-        infer: dict[str, Any] = dict(
-            inputs=inputs, outputs=outputs, batcher=batcher, latency_budget_ms=latency_budget_ms
-        )
-        names = [f"tier{t}" for t in variants]
-        predicates = {f"tier{t}": _tier_is(t) for t in variants}
-        routed = self.route(f"{step_id}.route", [*names, "default"], predicates=predicates, default="default")
-        scored = [routed[f"tier{t}"].infer(f"{step_id}.tier{t}", rt, **infer) for t, rt in variants.items()]
-        scored.append(routed["default"].infer(f"{step_id}.default", default, **infer))
-        return self.pipeline.union(step_id, *scored)
+        infer = dict(inputs=inputs, outputs=outputs, batcher=batcher, latency_budget_ms=latency_budget_ms)
+        return expand_by_tier(self, step_id, variants, default, infer=infer)  # type: ignore[no-any-return]
 
     def infer_rollout(
         self,
@@ -380,6 +374,11 @@ class Stream:
         self._add(step_id, "route", spec, latency_budget_ms, ports=tuple(branches))
         return {b: Stream(self.pipeline, step_id, b) for b in branches}
 
+    def vector_index(self, step_id: str, index: VectorIndex, *, latency_budget_ms: float = 5.0) -> Stream:
+        """A vector index fed by this stream's upserts and deletes, answering its queries with
+        the top k ids and scores (``aisp.transform.vectors``); its documents are checkpointed."""
+        return self._add(step_id, "stateful", index, latency_budget_ms)
+
     def sink(self, step_id: str, sink: Sink, *, latency_budget_ms: float = 2.0) -> None:
         self.pipeline.graph.add(
             Node(
@@ -391,14 +390,6 @@ class Stream:
                 latency_budget_ms=latency_budget_ms,
             )
         )
-
-
-def _tier_is(tier: int) -> Callable[[Batch], npt.NDArray[np.bool_]]:
-    def predicate(batch: Batch) -> npt.NDArray[np.bool_]:
-        mask: npt.NDArray[np.bool_] = batch.meta(TIER) == tier
-        return mask
-
-    return predicate
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""Model steps of a pipeline that expand into several steps of its graph: a rollout of a
-candidate model over the stable one (``Stream.infer_rollout``), with the steps, comparisons and
-decisions of ``aisp.infer.rollout``.
+"""Model steps of a pipeline that expand into several steps of its graph: a model per tier
+(``Stream.infer_by_tier``, ``expand_by_tier``), and a rollout of a candidate model over the
+stable one (``Stream.infer_rollout``), with the steps, comparisons and decisions of
+``aisp.infer.rollout``.
 
 The step expands into a few steps of the graph:
 
@@ -29,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from aisp.batch import ID, INGEST_NS, KEY, Batch
+from aisp.batch import ID, INGEST_NS, KEY, TIER, Batch
 from aisp.infer.rollout import Rollout, RolloutPolicy
 from aisp.sinks.memory import NullSink
 
-__all__ = ["expand_rollout"]
+__all__ = ["expand_by_tier", "expand_rollout"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -103,3 +104,21 @@ def expand_rollout(
         dropped = seen.filter(f"{step_id}.shadow.drop", lambda b: np.zeros(b.num_rows, dtype=bool))
         dropped.sink(f"{step_id}.shadow.sink", NullSink())
     return stream.pipeline.union(step_id, *branches), rollout
+
+
+def expand_by_tier(
+    stream: Any, step_id: str, variants: Mapping[int, Any], default: Any, *, infer: Mapping[str, Any]
+) -> Any:
+    """The steps of a model step whose model depends on the row's tier (``Stream.infer_by_tier``):
+    ``{step}.route`` -> one infer step per model (``{step}.tier<N>``, ``{step}.default``) ->
+    ``{step}`` (a union)."""
+
+    def tier_is(tier: int) -> Callable[[Batch], Any]:
+        return lambda batch: batch.meta(TIER) == tier
+
+    names = [f"tier{t}" for t in variants]
+    predicates = {f"tier{t}": tier_is(t) for t in variants}
+    routed = stream.route(f"{step_id}.route", [*names, "default"], predicates=predicates, default="default")
+    scored = [routed[f"tier{t}"].infer(f"{step_id}.tier{t}", rt, **infer) for t, rt in variants.items()]
+    scored.append(routed["default"].infer(f"{step_id}.default", default, **infer))
+    return stream.pipeline.union(step_id, *scored)

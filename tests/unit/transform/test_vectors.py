@@ -1,0 +1,128 @@
+"""The vector index step: upserts, deletes and queries in order; exact below its threshold, an
+HNSW graph (usearch or faiss) above it with high recall; a deleted or replaced vector never
+comes back; its documents survive a checkpoint."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aisp.batch import Batch
+from aisp.errors import ConfigError
+from aisp.transform.operators import OperatorContext
+from aisp.transform.vectors import VectorIndex, VectorIndexOp
+
+DIM = 8
+
+
+def unit(rng: np.random.Generator, n: int, dim: int = DIM) -> np.ndarray:
+    v = rng.normal(size=(n, dim)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def rows(op: str, ids: list[Any], vectors: np.ndarray) -> Batch:
+    return Batch.from_columns({"op": pa.array([op] * len(ids)), "id": pa.array([str(i) for i in ids]),
+                               "embedding": vectors})  # fmt: skip
+
+
+def index(dead: list[Any] | None = None, **settings: Any) -> VectorIndexOp:
+    def dead_letter(batch: Batch, step: str, reason: str, fields: Any = None) -> None:
+        if dead is not None:
+            dead.append((batch.num_rows, reason))
+
+    spec = VectorIndex(dim=settings.pop("dim", DIM), **settings)
+    return spec.build(OperatorContext("index", dead_letter))  # type: ignore[return-value]
+
+
+def answers(op: VectorIndexOp, queries: np.ndarray) -> list[list[str]]:
+    ((port, out),) = op.process(rows("query", list(range(len(queries))), queries))
+    return out.column("hits").to_pylist()  # type: ignore[no-any-return]
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["upsert", "delete", "query"]), st.integers(0, 15), st.integers(0, 2**31)),
+    max_size=60,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops, st.sampled_from([1000, 0]), st.sampled_from(["usearch", "faiss"]))
+def test_queries_see_exactly_the_live_documents_in_order(
+    script: list[tuple[str, int, int]], exact_below: int, backend: str
+) -> None:
+    op = index(k=5, exact_below=exact_below, backend=backend)
+    live: dict[str, np.ndarray] = {}
+    for kind, doc, seed in script:
+        vec = unit(np.random.default_rng(seed), 1)
+        if kind == "upsert":
+            op.process(rows("upsert", [doc], vec))
+            live[str(doc)] = vec[0]
+        elif kind == "delete":
+            op.process(rows("delete", [doc], vec))
+            live.pop(str(doc), None)
+        else:
+            (got,) = answers(op, vec)
+            assert set(got) <= set(live), "a deleted or replaced document came back"
+            if exact_below:  # exact: the true top 5
+                sims = {d: float(v @ vec[0]) for d, v in live.items()}
+                assert (
+                    got == sorted(sims, key=lambda d: (-sims[d], int(d)))[:5]
+                    or len(got) == len(sims) == 0
+                    or (sorted(sims[d] for d in got) == sorted(sorted(sims.values())[::-1][:5]))
+                )
+    assert op.size == len(live)
+
+
+@pytest.mark.parametrize("backend", ["usearch", "faiss"])
+def test_the_graph_finds_the_exact_top_10_almost_always(backend: str) -> None:
+    rng = np.random.default_rng(3)
+    centres = unit(rng, 40, 32)
+    docs = centres[rng.integers(0, 40, 4000)] + 0.3 * rng.normal(size=(4000, 32)).astype(np.float32)
+    docs /= np.linalg.norm(docs, axis=1, keepdims=True)
+    queries = unit(rng, 200, 32)
+    graph, exact = index(dim=32, exact_below=100, backend=backend), index(dim=32, exact_below=10**6)
+    for op in (graph, exact):
+        op.process(rows("upsert", list(range(4000)), docs))
+    hits = [
+        len(set(g) & set(e)) for g, e in zip(answers(graph, queries), answers(exact, queries), strict=True)
+    ]
+    assert sum(hits) / (10 * len(queries)) >= 0.95
+
+
+@pytest.mark.parametrize("exact_below", [10**6, 50])
+def test_a_restored_index_answers_as_the_one_checkpointed(exact_below: int) -> None:
+    rng = np.random.default_rng(5)
+    op = index(exact_below=exact_below)
+    op.process(rows("upsert", list(range(300)), unit(rng, 300)))
+    op.process(rows("delete", list(range(0, 300, 3)), unit(rng, 100)))
+    op.process(rows("upsert", list(range(1, 300, 3)), unit(rng, 100)))  # updates
+    state = {k: pa.array(v).to_numpy(zero_copy_only=False) for k, v in op.snapshot().items()}
+    again = index(exact_below=exact_below)
+    again.restore(state)
+    queries = unit(rng, 50)
+    assert again.size == op.size == 200
+    assert answers(again, queries) == answers(op, queries)
+
+
+def test_rows_of_an_unknown_op_are_dead_letters_and_the_rest_goes_on() -> None:
+    dead: list[Any] = []
+    op = index(dead)
+    rng = np.random.default_rng(1)
+    batch = Batch.from_columns({"op": pa.array(["upsert", "drop", "query"]), "id": pa.array(["a", "b", "c"]),
+                                "embedding": unit(rng, 3)})  # fmt: skip
+    ((_, out),) = op.process(batch)
+    assert out.column("hits").to_pylist() == [["a"]] and dead == [
+        (1, "'op' must be one of ['upsert', 'delete', 'query']")
+    ]
+
+
+def test_settings_that_cannot_work_fail_where_declared() -> None:
+    with pytest.raises(ConfigError, match="backend"):
+        VectorIndex(dim=4, backend="annoy")
+    with pytest.raises(ConfigError, match="dim and k"):
+        VectorIndex(dim=0)
