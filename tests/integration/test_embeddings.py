@@ -69,3 +69,35 @@ def test_an_encoder_that_cannot_work_fails_where_it_is_declared() -> None:
         TextEncoder(MODEL, output="pooled")
     with pytest.raises(ConfigError, match="chunk_rows"):
         TextEncoder(MODEL, chunk_rows=0)
+
+
+def test_documents_and_queries_through_one_pipeline_find_the_live_documents() -> None:
+    """Documents upserted, one updated and one deleted, then queries, through tokenizer, encoder
+    and the vector index: a query equal to a document finds it first (score ~1); the deleted one
+    never comes back, the updated one only with its new text's score."""
+    from aisp.transform.vectors import VectorIndex
+    from benchmarks.bench_embeddings import stdlib_texts
+
+    docs = stdlib_texts(300)
+    rows = [{"op": "upsert", "id": f"d{i}", "text": t} for i, t in enumerate(docs)]
+    rows += [
+        {"op": "delete", "id": "d7", "text": ""},
+        {"op": "upsert", "id": "d9", "text": "pancakes with syrup"},
+    ]
+    rows += [{"op": "query", "id": f"q{i}", "text": docs[i]} for i in (3, 7, 9, 120)]
+    p = Pipeline("search")
+    out = CollectSink(columns=["id", "hits", "scores"])
+    tokens = p.source("rows", TestingSource(rows, batch_rows=16)).map_batch(
+        "tokenize", TextTokenizer(TOKENIZER)
+    )
+    embedded = tokens.infer("embed", TextEncoder(MODEL), inputs=INPUTS, outputs={"embedding": "embedding"})
+    embedded.vector_index("index", VectorIndex(dim=384, k=10, exact_below=100)).sink("out", out)
+    p.run()
+    got = {r["id"]: (r["hits"], r["scores"]) for r in out.rows}
+    assert sorted(got) == ["q120", "q3", "q7", "q9"]
+    for q, doc in (("q3", "d3"), ("q120", "d120")):
+        hits, scores = got[q]
+        assert hits[0] == doc and scores[0] > 0.99 and len(hits) == 10
+    assert all("d7" not in hits for hits, _ in got.values())  # deleted
+    hits, scores = got["q9"]  # d9's old text: d9 holds another text now
+    assert "d9" not in hits or scores[hits.index("d9")] < 0.5
