@@ -101,3 +101,35 @@ def test_documents_and_queries_through_one_pipeline_find_the_live_documents() ->
     assert all("d7" not in hits for hits, _ in got.values())  # deleted
     hits, scores = got["q9"]  # d9's old text: d9 holds another text now
     assert "d9" not in hits or scores[hits.index("d9")] < 0.5
+
+
+def test_an_embedding_router_sends_queries_to_the_closest_topic_and_the_rest_to_the_fallback() -> None:
+    from aisp.transform.semantic_router import EmbeddingRouter
+
+    tokenizer, encoder = TextTokenizer(TOKENIZER), TextEncoder(MODEL)
+    topics = {
+        "files": ["open a file and read its lines", "copy a directory tree", "path of a file"],
+        "time": ["current date and time", "parse a timestamp", "time zone of a datetime"],
+    }
+    router = EmbeddingRouter.from_texts(topics, tokenizer, encoder, threshold=0.35, fallback="other")
+    queries = [
+        "how do I read a text file",
+        "what time is it now",
+        "the best pancake recipe",
+        "delete a folder",
+    ]
+    p = Pipeline("routes")
+    outs = {b: CollectSink(columns=["text", "route", "route_score"]) for b in ("files", "time", "other")}
+    rows = [{"text": q} for q in queries]
+    tokens = p.source("q", TestingSource(rows)).map_batch("tokenize", tokenizer)
+    embedded = tokens.infer("embed", encoder, inputs=INPUTS, outputs={"embedding": "embedding"})
+    for branch, stream in router.attach(embedded, "topic").items():
+        stream.sink(f"out_{branch}", outs[branch])
+    p.run()
+    got = {r["text"]: (branch, r["route"], r["route_score"]) for branch, o in outs.items() for r in o.rows}
+    assert {q: got[q][0] for q in queries} == {
+        "how do I read a text file": "files", "what time is it now": "time",
+        "the best pancake recipe": "other", "delete a folder": "files",
+    }  # fmt: skip
+    assert all(branch == route for branch, route, _ in got.values())  # the decision is on the row
+    assert got["the best pancake recipe"][2] < 0.35 < got["what time is it now"][2]
