@@ -6,6 +6,8 @@ enter the index, replacing that id's earlier vector), ``delete`` (its ``id`` lea
 ``query`` (its ``vector`` is searched). Rows are applied in order, so a query sees every upsert
 and delete before it; the step emits the query rows, each with ``hits`` (the ids, best first)
 and ``scores`` (inner products: cosine similarity for unit vectors, as ``TextEncoder`` makes).
+Order matters, so the steps before it must keep it: a model step with several instances
+(``BatcherConfig.instances``) may hand batches on out of order.
 Upserts and deletes are consumed. Replaying them is idempotent: an id has one vector, the last
 one written.
 
