@@ -133,3 +133,35 @@ def test_an_embedding_router_sends_queries_to_the_closest_topic_and_the_rest_to_
     }  # fmt: skip
     assert all(branch == route for branch, route, _ in got.values())  # the decision is on the row
     assert got["the best pancake recipe"][2] < 0.35 < got["what time is it now"][2]
+
+
+def test_a_repeated_text_is_answered_from_the_cache_with_the_same_embedding() -> None:
+    """The same cache in front of the model across two runs: the second run's known texts are
+    answered from it, equal, without a model call; its new text costs no store lookup."""
+    from aisp.infer.cache import ResponseCache, cached
+
+    cache = ResponseCache(["text"], ["embedding"])
+
+    def run(texts: list[str]) -> tuple[list[dict[str, object]], int]:
+        p = Pipeline("cached")
+        out = CollectSink(columns=["id", "text", "embedding", "cached"])
+        rows = [{"id": i, "text": t} for i, t in enumerate(texts)]
+
+        def embed(stream: object) -> object:
+            tokens = stream.map_batch("tokenize", TextTokenizer(TOKENIZER))  # type: ignore[attr-defined]
+            return tokens.infer(
+                "embed", TextEncoder(MODEL), inputs=INPUTS, outputs={"embedding": "embedding"}
+            )
+
+        cached(p.source("texts", TestingSource(rows, batch_rows=2)), "cache", cache, embed).sink("out", out)
+        summary = p.run()
+        return sorted(out.rows, key=lambda r: r["id"]), summary.models["embed"]["rows"]  # type: ignore[no-any-return]
+
+    first, called = run(["the capital of France is Paris", "pancakes with syrup"])
+    assert called == 2 and not any(r["cached"] for r in first)
+    lookups = cache.stats()["lookups"]
+    again, called = run(["pancakes with syrup", "the capital of France is Paris", "a new sentence"])
+    assert called == 1 and [r["cached"] for r in again] == [True, True, False]
+    assert cache.stats()["lookups"] == lookups + 2  # the new text was turned away by the filter
+    for r in first + again:
+        np.testing.assert_allclose(r["embedding"], alone(r["text"]), atol=1e-5)  # type: ignore[arg-type]
