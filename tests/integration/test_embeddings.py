@@ -8,10 +8,14 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from aisp import BatcherConfig, CollectSink, Pipeline, TestingSource
 from aisp.errors import ConfigError
 from aisp.infer.text import TextEncoder, packaged_minilm
+from aisp.observe.metrics import PipelineCollector
+from aisp.schedule.executor import LocalExecutor
+from aisp.sinks.deadletter import DeadLetterSink
 from aisp.transform.text import TextTokenizer
 
 MODEL, TOKENIZER = packaged_minilm()
@@ -141,6 +145,7 @@ def test_a_repeated_text_is_answered_from_the_cache_with_the_same_embedding() ->
     from aisp.infer.cache import ResponseCache, cached
 
     cache = ResponseCache(["text"], ["embedding"])
+    last: list[Pipeline] = []
 
     def run(texts: list[str]) -> tuple[list[dict[str, object]], int]:
         p = Pipeline("cached")
@@ -154,6 +159,7 @@ def test_a_repeated_text_is_answered_from_the_cache_with_the_same_embedding() ->
             )
 
         cached(p.source("texts", TestingSource(rows, batch_rows=2)), "cache", cache, embed).sink("out", out)
+        last[:] = [p]
         summary = p.run()
         return sorted(out.rows, key=lambda r: r["id"]), summary.models["embed"]["rows"]  # type: ignore[no-any-return]
 
@@ -165,3 +171,8 @@ def test_a_repeated_text_is_answered_from_the_cache_with_the_same_embedding() ->
     assert cache.stats()["lookups"] == lookups + 2  # the new text was turned away by the filter
     for r in first + again:
         np.testing.assert_allclose(r["embedding"], alone(r["text"]), atol=1e-5)  # type: ignore[arg-type]
+    registry = CollectorRegistry()
+    registry.register(PipelineCollector(LocalExecutor(last[0].build(), dead_letter=DeadLetterSink().open())))
+    metrics = generate_latest(registry).decode()
+    assert 'aisp_cache_rows_total{outcome="hit",stage="cache"} 2.0' in metrics
+    assert 'aisp_tokens_total{stage="tokenize"}' in metrics

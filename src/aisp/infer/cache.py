@@ -179,6 +179,7 @@ def cached(stream: Any, step_id: str, cache: ResponseCache, model: Callable[[Any
     def answered(batch: Batch) -> Batch:
         return batch.drop([HIT]).with_columns({"cached": np.ones(batch.num_rows, dtype=bool)})
 
+    stream.pipeline.graph.caches[step_id] = cache  # its counters in /metrics
     looked = stream.map_batch(f"{step_id}.lookup", cache.lookup)
     routed = looked.route(
         f"{step_id}.route", ["hit", "miss"], predicates={"hit": lambda b: b.numpy(HIT)}, default="miss"

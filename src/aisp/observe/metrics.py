@@ -67,6 +67,7 @@ from prometheus_client.utils import floatToGoString as _go_float
 
 from aisp.observe.clock import wall_ms
 from aisp.observe.latency import LatencyHistogram
+from aisp.observe.operator_counters import counter_families, operator_counters
 from aisp.observe.rollouts import rollout_families, step_statuses
 from aisp.observe.stats import AdmissionStats, StageStats
 from aisp.observe.view import PipelineView
@@ -130,6 +131,8 @@ class PipelineCollector:
         yield from self._drift()
         yield from self._windows()
         yield from rollout_families("aisp_step_rollout", "stage", step_statuses(self._ex.graph))
+        counters = getattr(self._ex, "counters", None)  # a remote view's come with its snapshots
+        yield from counter_families(counters if counters is not None else operator_counters(self._ex.graph))
 
     def _latency(self, stats: Any, stages: list[StageStats]) -> Iterator[Any]:
         latency = HistogramMetricFamily(

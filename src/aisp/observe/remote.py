@@ -33,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily
 from aisp.graph import Graph, Node
 from aisp.observe.latency import LatencyHistogram
 from aisp.observe.metrics import GcPauses, gc_pauses
+from aisp.observe.operator_counters import operator_counters
 from aisp.observe.rollouts import GraphVersions, update_counts
 from aisp.observe.stats import LatencyTrail, RunStats, StageStats
 from aisp.observe.view import PipelineView
@@ -65,6 +66,7 @@ def snapshot(view: PipelineView) -> dict[str, Any]:
         "gc": {"stats": gc.get_stats(), "pauses": gc_pauses().pauses.to_dict()},
         "retries": [[target, reason, n] for (target, reason), n in RETRIES.items()],
         "threads": view.thread_of(),
+        "counters": operator_counters(view.graph),
         **_graph_of(view),
     }
 
@@ -257,6 +259,8 @@ class SnapshotView:
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
+        self.counters: dict[str, Any] = {}
+        """Operators' own counters (``observe.operator_counters``)."""
         self.graph_version = 1
         """The running graph's version (one more per topology update of the run)."""
         self.graph_updates: list[dict[str, Any]] = []
@@ -299,6 +303,7 @@ class SnapshotView:
         self.gc.stats = data["gc"]["stats"]
         self.gc.pauses.pauses = LatencyHistogram.from_dict(data["gc"]["pauses"])
         self._threads = data["threads"]
+        self.counters = data.get("counters", {})
         self.workers = data.get("workers")
         graph = data.get("graph")
         if graph is not None and graph["version"] != self.graph_version:  # the run switched graphs

@@ -1,0 +1,59 @@
+"""Counters that operators keep of their own work, as metrics: the tokens a text tokenizer made
+(``aisp_tokens_total{stage}``) and what a response cache did (``aisp_cache_rows_total{stage,
+outcome}``: hit or miss; ``aisp_cache_lookups_total``, store lookups, which the Bloom filter
+spares a row it never saw; ``aisp_cache_evictions_total``; ``aisp_cache_entries``,
+``aisp_cache_bytes``). ``operator_counters`` reads them off a graph (its ``map_batch`` steps'
+functions with a ``tokens`` count, its ``caches``); a run watched from another process sends
+them in its snapshots."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+__all__ = ["counter_families", "operator_counters"]
+
+
+def operator_counters(graph: Any) -> dict[str, dict[str, Any]]:
+    """``{"tokens": {stage: n}, "caches": {stage: stats}}`` of ``graph``'s operators now."""
+    tokens = {}
+    for node in getattr(graph, "nodes", ()):
+        made = getattr(getattr(node.spec, "fn", None), "tokens", None)
+        if node.kind == "map_batch" and isinstance(made, int):
+            tokens[node.step_id] = made
+    caches = {sid: cache.stats() for sid, cache in getattr(graph, "caches", {}).items()}
+    return {"tokens": tokens, "caches": caches}
+
+
+def counter_families(counters: Mapping[str, Mapping[str, Any]]) -> list[Any]:
+    """The metric families of ``operator_counters``."""
+    out: list[Any] = []
+    if counters.get("tokens"):
+        tokens = CounterMetricFamily("aisp_tokens", "Tokens a text tokenizer made", labels=["stage"])
+        for sid, n in sorted(counters["tokens"].items()):
+            tokens.add_metric([sid], n)
+        out.append(tokens)
+    caches = counters.get("caches") or {}
+    if caches:
+        rows = CounterMetricFamily(
+            "aisp_cache_rows", "Rows a response cache answered or not", labels=["stage", "outcome"]
+        )
+        lookups = CounterMetricFamily(
+            "aisp_cache_lookups", "Store lookups (rows the Bloom filter let through)", labels=["stage"]
+        )
+        evictions = CounterMetricFamily(
+            "aisp_cache_evictions", "Answers evicted to stay under the bound", labels=["stage"]
+        )
+        entries = GaugeMetricFamily("aisp_cache_entries", "Answers stored", labels=["stage"])
+        size = GaugeMetricFamily("aisp_cache_bytes", "Bytes of answers stored", labels=["stage"])
+        for sid, st in sorted(caches.items()):
+            rows.add_metric([sid, "hit"], st["hits"])
+            rows.add_metric([sid, "miss"], st["misses"])
+            lookups.add_metric([sid], st["lookups"])
+            evictions.add_metric([sid], st["evictions"])
+            entries.add_metric([sid], st["entries"])
+            size.add_metric([sid], st["bytes"])
+        out += [rows, lookups, evictions, entries, size]
+    return out
