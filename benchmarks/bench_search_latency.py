@@ -14,7 +14,6 @@ are the queries': from when a query is due to when its top 10 are written. Media
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -22,23 +21,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def example() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "bench_search_pipeline", ROOT / "examples/search/pipeline.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(ROOT))
+from benchmarks.workload import load_search_example  # noqa: E402
 
 
 def run_once(documents: int, queries: int, rate: float) -> dict[str, Any]:
     from aisp import ExecutorOptions, NullSink
 
-    p = example().build(documents=documents, queries=queries)
+    p = load_search_example().build(documents=documents, queries=queries)
     p.bind(sink=NullSink())
     summary = p.run(execution=ExecutorOptions(rate_events_per_s=rate))
     return {

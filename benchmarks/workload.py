@@ -378,6 +378,11 @@ def load_fraud_example() -> Any:
     return _load_example("fraud/pipeline.py", "aisp_example_fraud_pipeline")
 
 
+def load_search_example(module: str = "pipeline") -> Any:
+    """The search example's ``pipeline`` or ``corpus`` module, imported from its file."""
+    return _load_example(f"search/{module}.py", f"aisp_example_search_{module}")
+
+
 def mlp_model(path: Path, *, width: int = 1024, seed: int = 0) -> Path:
     """A compute-heavy MLP (``features`` [batch, 18] -> width -> width -> ``score`` [batch, 1],
     random weights): milliseconds per call, so batching and queues matter. The diagnosis

@@ -5,7 +5,6 @@ restored, embedding only what came after the checkpoint, and gives the same answ
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
 import subprocess
@@ -17,22 +16,14 @@ from typing import Any
 import numpy as np
 
 from aisp import CollectSink
+from benchmarks.workload import load_search_example
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "search"
 
 
-def load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"search_example_{name}", EXAMPLE / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def answers(**params: Any) -> dict[str, dict[str, Any]]:
-    p = load("pipeline").build(**params)
+    p = load_search_example("pipeline").build(**params)
     out = CollectSink(columns=["id", "text", "hits", "scores"])
     p.bind(sink=out)
     p.run()
@@ -41,7 +32,7 @@ def answers(**params: Any) -> dict[str, dict[str, Any]]:
 
 def live_documents() -> dict[str, str]:
     docs: dict[str, str] = {}
-    for row in load("corpus").operations():
+    for row in load_search_example("corpus").operations():
         if row["op"] == "upsert":
             docs[row["id"]] = row["text"]
         elif row["op"] == "delete":
@@ -72,7 +63,7 @@ def test_a_run_killed_and_restarted_embeds_only_what_came_after_its_checkpoint(t
 
     ops = tmp_path / "ops.jsonl"
     with ops.open("w") as fh:
-        for row in load("corpus").operations(800, 120):
+        for row in load_search_example("corpus").operations(800, 120):
             fh.write(json.dumps(row) + "\n")
     total = len(ops.read_text().splitlines())
 

@@ -34,6 +34,7 @@ from aisp.errors import ConfigError
 __all__ = ["BloomFilter", "ResponseCache", "cached"]
 
 HIT = "__cache_hit"
+KEY = "__cache_key"  # a row's key, from its lookup to its store (not hashed twice)
 
 
 class BloomFilter:
@@ -90,6 +91,7 @@ class ResponseCache:
         self.bloom = BloomFilter(bloom_bits)
         self._entries: OrderedDict[int, tuple[float, bytes]] = OrderedDict()
         self._bytes = 0
+        self._forgotten = 0  # keys evicted since the filter was last built
         self._lock = threading.Lock()
         self._enc, self._dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
         self.hits = self.misses = self.bloom_negatives = self.lookups = self.evictions = 0
@@ -122,7 +124,7 @@ class ResponseCache:
             self.misses += batch.num_rows - len(found)
         hit = np.zeros(batch.num_rows, dtype=bool)
         hit[list(found)] = True
-        columns: dict[str, Any] = {HIT: hit}
+        columns: dict[str, Any] = {HIT: hit, KEY: keys}
         if found:
             for name in self.outputs:
                 columns[name] = pa.array(
@@ -131,8 +133,9 @@ class ResponseCache:
         return batch.with_columns(columns)
 
     def store(self, batch: Batch) -> Batch:
-        """Keep the answers of ``batch`` (rows a model just answered); ``batch`` marked not cached."""
-        keys = self.keys(batch)
+        """Keep the answers of ``batch`` (rows a model just answered; their keys from
+        ``lookup`` when they have them); ``batch`` marked not cached."""
+        keys = batch.numpy(KEY).astype(np.uint64) if KEY in batch else self.keys(batch)
         values = {name: batch.column(name).to_pylist() for name in self.outputs}
         expires = self._clock() + self.ttl_s
         with self._lock:
@@ -145,7 +148,7 @@ class ResponseCache:
                 self._bytes += len(blob)
             self.bloom.add(keys)
             self._evict()
-        return batch.with_columns({"cached": np.zeros(batch.num_rows, dtype=bool)})
+        return batch.drop([KEY]).with_columns({"cached": np.zeros(batch.num_rows, dtype=bool)})
 
     def _evict(self) -> None:
         evicted = 0
@@ -154,9 +157,11 @@ class ResponseCache:
             self._bytes -= len(blob)
             evicted += 1
         self.evictions += evicted
-        if self.evictions and evicted and len(self._entries) < self.evictions // 2:
-            self.bloom.clear()  # forgotten keys would make the filter useless: start it again
+        self._forgotten += evicted
+        if self._forgotten > len(self._entries):  # the filter mostly says "maybe" for nothing
+            self.bloom.clear()
             self.bloom.add(np.fromiter(self._entries.keys(), dtype=np.uint64, count=len(self._entries)))
+            self._forgotten = 0
 
     @property
     def bytes(self) -> int:
@@ -177,7 +182,7 @@ def cached(stream: Any, step_id: str, cache: ResponseCache, model: Callable[[Any
     ``cache`` (see the module docstring); the united stream, each row marked ``cached``."""
 
     def answered(batch: Batch) -> Batch:
-        return batch.drop([HIT]).with_columns({"cached": np.ones(batch.num_rows, dtype=bool)})
+        return batch.drop([HIT, KEY]).with_columns({"cached": np.ones(batch.num_rows, dtype=bool)})
 
     stream.pipeline.graph.caches[step_id] = cache  # its counters in /metrics
     looked = stream.map_batch(f"{step_id}.lookup", cache.lookup)

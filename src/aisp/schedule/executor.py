@@ -299,13 +299,13 @@ class LocalExecutor:
             self._emit(sid, port, out)
 
     def _event_time_moved(self, sid: str) -> None:
-        """(A source with nothing to read) windows close as event time moves on without rows
-        (``SourceClocks.moved``), each once the rows before it landed; with one source only,
-        which reads nothing meanwhile (a checkpoint waits for it)."""
-        wm = self.clocks.moved(sid) if len(self._source_parts) == 1 and self.windows else None
+        """(The only source, nothing to read) windows close as event time moves on without
+        rows (``SourceClocks.moved``), each once the rows before it landed."""
+        windows = self.windows
+        wm = self.clocks.moved(sid) if len(self._source_parts) == 1 and windows else None
         if wm is None:
             return
-        for wid, op in self.windows.items():
+        for wid, op in windows.items():
             self.flight.drain()
             if not self.flight.consistent():
                 return

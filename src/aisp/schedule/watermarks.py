@@ -82,10 +82,8 @@ class SourceClocks:
         else:
             wm = gen.watermarks(event_ms, partitions, now)
         with self._lock:
-            self._current[sid] = gen.watermark
             self._last_ns[sid] = now
-            others = [w for s, w in self._current.items() if s != sid and self._holds(s, now)]
-            self._stamped[sid] = min([self._current[sid], *others])
+            self._stamped[sid], others = self._after(sid, gen, now)
         if others:
             wm = np.minimum(wm, min(others))
         columns[WATERMARK] = wm
@@ -98,15 +96,19 @@ class SourceClocks:
         gen = self._gens.get(sid)
         if gen is None:
             return None
-        now = time.monotonic_ns()
         with self._lock:
-            self._current[sid] = gen.watermark
-            others = [w for s, w in self._current.items() if s != sid and self._holds(s, now)]
-            wm = min([self._current[sid], *others])
+            wm, _ = self._after(sid, gen, time.monotonic_ns())
             if wm <= self._stamped[sid]:
                 return None
             self._stamped[sid] = wm
         return wm
+
+    def _after(self, sid: str, gen: WatermarkGenerator, now_ns: int) -> tuple[int, list[int]]:
+        """(Under the lock) the pipeline watermark after ``sid``'s rows so far, and the other
+        sources' that hold it back."""
+        self._current[sid] = gen.watermark
+        others = [w for s, w in self._current.items() if s != sid and self._holds(s, now_ns)]
+        return min([self._current[sid], *others]), others
 
     def _holds(self, sid: str, now_ns: int) -> bool:
         """Whether source ``sid`` holds the pipeline watermark back."""

@@ -260,7 +260,7 @@ class VectorIndexOp:
             order = np.argsort(~keep, axis=1, kind="stable")[:, :k]
             codes = np.take_along_axis(codes, order, axis=1)
             scores = np.take_along_axis(scores, order, axis=1)
-            counts = np.minimum(np.take_along_axis(keep, order, axis=1).sum(axis=1), k)
+            counts = np.take_along_axis(keep, order, axis=1).sum(axis=1)
             found = codes[np.arange(k)[None, :] < counts[:, None]]
             ids = self._docs.keys_of(found) if found.size else []
         offsets = pa.array(np.concatenate(([0], np.cumsum(counts))).astype(np.int32))
@@ -305,7 +305,4 @@ class VectorIndexOp:
         part = Batch.from_columns(
             {self.spec.id_column: pa.array(ids, pa.string()), self.spec.vector_column: vectors}
         )
-        self._upsert(part)
-        with self._lock:
-            if self.size > self.spec.exact_below:
-                self._rebuild()
+        self._upsert(part)  # past ``exact_below``, the graph is built once, at the end
