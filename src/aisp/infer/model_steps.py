@@ -11,8 +11,11 @@ The step expands into a few steps of the graph:
 * while the rollout shadows, ``{step}.shadow`` (an infer step of the candidate) also scores a
   copy of every row, observed and then dropped (``{step}.shadow.drop``, into
   ``{step}.shadow.sink``);
-* after each model, ``{step}.stable.observe`` / ``{step}.candidate.observe`` hand the rollout
-  the rows' latency so far (from their ingest) and the first output's values;
+* ``{step}.stable.enter`` / ``{step}.candidate.enter`` / ``{step}.shadow.enter`` note when
+  rows enter a model's branch, and after each model ``{step}.stable.observe`` /
+  ``{step}.candidate.observe`` hand the rollout the latency the model step added (queueing in
+  its batcher and the call) and the first output's values: a shadow copy, which reaches its
+  model after the stable branch has taken the row, is not charged for that wait;
 * ``{step}`` unites the two branches; each row's ``model_variant`` says which model scored it.
 * rows a model step dead-letters (a failed call, rows past their deadline) count as that
   model's errors in the rollout's error rate.
@@ -30,13 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from aisp.batch import ID, INGEST_NS, KEY, TIER, Batch
+from aisp.batch import ID, KEY, TIER, Batch
 from aisp.infer.rollout import Rollout, RolloutPolicy
 from aisp.sinks.memory import NullSink
 
 __all__ = ["expand_by_tier", "expand_rollout"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_ENTERED = "__rollout_entered_ns"  # when a row entered a model's branch
 
 
 def _buckets(batch: Batch) -> Any:
@@ -66,14 +70,17 @@ def expand_rollout(
             return np.ones(batch.num_rows, dtype=bool)
         return _buckets(batch) < int(rollout.share * 10_000)
 
+    def enter(batch: Batch) -> Batch:
+        return batch.with_columns({_ENTERED: np.full(batch.num_rows, time.monotonic_ns(), dtype=np.int64)})
+
     def observe(variant: str) -> Callable[[Batch], Batch]:
         first = next(iter(infer["outputs"].values()))
 
         def look(batch: Batch) -> Batch:
             if rollout.active and batch.num_rows:
-                latency_ms = (time.monotonic_ns() - batch.numpy(INGEST_NS)) / 1e6
+                latency_ms = (time.monotonic_ns() - batch.numpy(_ENTERED)) / 1e6
                 rollout.observe_rows(variant, latency_ms, batch.numpy(first))
-            return batch.with_columns({"model_variant": np.full(batch.num_rows, variant)})
+            return batch.drop([_ENTERED]).with_columns({"model_variant": np.full(batch.num_rows, variant)})
 
         return look
 
@@ -91,14 +98,17 @@ def expand_rollout(
         graph.replace(sid, spec=replace(graph.node(sid).spec, on_failed=failed(variant)))
 
     for variant, runtime in (("stable", stable), ("candidate", candidate)):
-        scored = routed[variant].infer(f"{step_id}.{variant}", runtime, **infer)
+        entered = routed[variant].map_batch(f"{step_id}.{variant}.enter", enter)
+        scored = entered.infer(f"{step_id}.{variant}", runtime, **infer)
         counting(f"{step_id}.{variant}", variant)
         branches.append(scored.map_batch(f"{step_id}.{variant}.observe", observe(variant)))
     if policy.shadow:
         copies = stream.filter(
             f"{step_id}.shadow.take", lambda b: np.full(b.num_rows, rollout.state == "shadow")
         )
-        shadowed = copies.infer(f"{step_id}.shadow", candidate, **infer)
+        shadowed = copies.map_batch(f"{step_id}.shadow.enter", enter).infer(
+            f"{step_id}.shadow", candidate, **infer
+        )
         counting(f"{step_id}.shadow", "candidate")
         seen = shadowed.map_batch(f"{step_id}.shadow.observe", observe("candidate"))
         dropped = seen.filter(f"{step_id}.shadow.drop", lambda b: np.zeros(b.num_rows, dtype=bool))
