@@ -8,12 +8,14 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -33,7 +35,7 @@ def broker() -> Iterator[str]:
 
 
 @pytest.mark.parametrize(
-    ("standby", "output"), [(0, "redis"), (1, "kafka")], ids=["cold-redis", "standby-kafka"]
+    ("standby", "output"), [(0, "redis"), (1, "kafka")], ids=["cold-redis", "standby-kafka-transactions"]
 )
 def test_workers_of_a_group_move_state_through_changelogs_across_a_kill_a_join_and_a_return(
     broker: str, tmp_path: Path, standby: int, output: str
@@ -42,8 +44,10 @@ def test_workers_of_a_group_move_state_through_changelogs_across_a_kill_a_join_a
     later, the killed one coming back (each with its own checkpoint directory; with standby
     replicas or without): every input has exactly one output and the state-dependent values
     (running count and mean per user) equal an uninterrupted single run. The Redis output keeps
-    one entry per event id; the compacted Kafka output, keyed by event id, may hold a replayed
-    record twice, always with the same value, and a reader keeps one per key."""
+    one entry per event id; the compacted Kafka output, keyed by event id and written in
+    transactions that also hold the changelog records and the input offsets, may hold a replayed
+    record twice (Tansu shows aborted transactions' records), always with the same value, and a
+    reader keeps one per key."""
     data, expected = reference_run(tmp_path, 16_000, seed=43)
     name = uuid.uuid4().hex[:8]
     src, dst, group = f"cin-{name}", f"aisp-test-cout-{name}", f"cg-{name}"
@@ -60,14 +64,24 @@ def test_workers_of_a_group_move_state_through_changelogs_across_a_kill_a_join_a
     counter: Any = None
 
     def progress() -> int:
-        """Outputs written so far (a Kafka output: records read so far, replays included)."""
+        """Outputs written so far (a Kafka output: records read so far, replays and records of
+        open transactions included)."""
         nonlocal counter
         if output == "redis":
             return int(r.xlen(dst))
         if counter is None:
             from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-            counter = Consumer({"bootstrap.servers": broker, "group.id": f"count-{name}"})
+            # uncommitted records too: a killed worker's open transaction stays open on Tansu
+            # (it never times out) until the worker returns and fences it, holding back a
+            # read_committed reader meanwhile
+            counter = Consumer(
+                {
+                    "bootstrap.servers": broker,
+                    "group.id": f"count-{name}",
+                    "isolation.level": "read_uncommitted",
+                }
+            )
             counter.assign([TopicPartition(dst, 0, OFFSET_BEGINNING)])
         seen[0] += sum(m.error() is None for m in counter.consume(num_messages=10_000, timeout=0.2))
         return seen[0]
@@ -79,7 +93,8 @@ def test_workers_of_a_group_move_state_through_changelogs_across_a_kill_a_join_a
 
     def worker(tag: str) -> subprocess.Popen[bytes]:
         extra = ("--rate", "250", "--standby-replicas", str(standby))
-        return group_worker(PIPELINE, broker, src, group, out_url, tmp_path, tag, *extra)
+        url = out_url if output == "redis" else f"{out_url}&transactional_id={name}-{tag}"  # one per worker
+        return group_worker(PIPELINE, broker, src, group, url, tmp_path, tag, *extra)
 
     r: Any = redis_client()
     try:
@@ -274,6 +289,68 @@ def test_a_worker_with_a_local_copy_reads_only_what_others_wrote_after_it(
     assert last.stats()["from_local"] == 0
     last.close()
     commit.close()
+
+
+def test_a_transactional_output_commits_changelog_records_with_its_outputs(broker: str) -> None:
+    """With a transactional Kafka output on the cluster, a checkpoint's changelog records go into
+    the output's transaction: a ``read_committed`` reader sees neither them nor the interval's
+    outputs before the output's ``sync`` commits, and both after; rows delivered meanwhile wait
+    for that commit. A restore reads them and, before the group's offsets cover them, skips them."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from aisp.batch import Batch
+    from aisp.connectors.kafka import KafkaSink
+
+    name = uuid.uuid4().hex[:8]
+    topic, group, out = f"ctx-{name}", f"ctg-{name}", f"ctxo-{name}"
+    keyed_topic(broker, topic, [], PARTITIONS)
+    states = ChangelogStates(broker, group, topic, "p")
+    writer = KafkaSink(topic=out, bootstrap=broker, transactional_id=f"tx-{name}").open()
+    assert writer.take_state_writes(states)
+    assert states.claim(2) is None
+    spaces = {"stats": "user"}
+    tables = {"keys.user": pa.table({"key": ["u1", "u2"]}), "op.stats": pa.table({"n": pa.array([3, 4])})}
+    log = changelog_topic(group, topic, "stats")
+
+    def committed_records(topic: str) -> list[Any]:
+        from confluent_kafka import OFFSET_BEGINNING
+
+        reader = Consumer({"bootstrap.servers": broker, "group.id": f"r-{name}", "enable.auto.commit": False})
+        part = 2 if topic == log else 0
+        reader.assign([TopicPartition(topic, part, OFFSET_BEGINNING)])
+        got: list[Any] = []
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            got += [m for m in reader.consume(num_messages=1000, timeout=0.2) if m.error() is None]
+        reader.close()
+        return got
+
+    writer.write(Batch.from_columns({"x": [1, 2, 3]}, ids=np.array([10, 20, 30])))
+    position = writer.snapshot()  # the barrier: flushed, not committed
+    assert states.write(2, tables, {"offset": 7, "spaces": spaces})
+    assert committed_records(out) == [] and committed_records(log) == []
+
+    later = threading.Thread(target=writer.write, args=(Batch.from_columns({"x": [4]}, ids=np.array([40])),))
+    later.start()  # waits for the commit: the next interval's row is not in this transaction
+    time.sleep(0.3)
+    assert later.is_alive()
+    writer.sync()
+    later.join(10)
+    assert not later.is_alive()
+    assert [m.key() for m in committed_records(out)] == [b"10", b"20", b"30"]
+    assert position == {"next": {"0": 3}}
+    assert len(committed_records(log)) == 3  # the layout, u1 and u2
+    writer.close()  # commits the later row
+    states.close()
+
+    commit = Consumer({"bootstrap.servers": broker, "group.id": group})
+    commit.commit(offsets=[TopicPartition(topic, 2, 5)], asynchronous=False)  # never reached 7
+    commit.close()
+    again = ChangelogStates(broker, group, topic, "p")
+    checkpoint = again.claim(2)
+    assert checkpoint is not None and checkpoint.meta["offset"] == 5
+    assert "op.stats" not in checkpoint.tables  # the records covering offset 7 are skipped
+    again.close()
 
 
 @pytest.mark.parametrize(

@@ -295,6 +295,17 @@ class CheckpointCoordinator:
         self._stats.checkpoints += 1
         return checkpoint_id
 
+    def bind_sinks(self) -> None:
+        """Once sources and sinks are open: sinks that commit source offsets learn the sources,
+        and the first transactional sink that can takes the writes of state that follows
+        partitions into its transactions."""
+        states = self.partition_states
+        for sink in self._sink_parts.values():
+            sink.bind_sources(self._source_parts)
+            if states is not None and sink.take_state_writes(states):
+                log.info("keyed state in changelogs is written in the output's transactions")
+                states = None
+
     def commit_sources(self) -> None:
         """Tell every source that all it handed out is done (a drained run without checkpoints:
         brokers get their acks, at-least-once)."""
@@ -372,6 +383,7 @@ class CheckpointCoordinator:
                 self.keyed.write_partitions(captured, offsets)
             for sink in self._sink_parts.values():
                 sink.snapshot()  # the outputs their state covers are durable (a Kafka sink commits)
+                sink.sync()
             if not early:
                 self.keyed.write_partitions(captured, offsets)
             source.commit({"offsets": {p: o for p, o in offsets.items() if int(p) in owned}})

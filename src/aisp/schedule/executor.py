@@ -449,8 +449,7 @@ class LocalExecutor:
             for part in self._source_parts.values():
                 part.close()
             raise
-        for sink in self._sink_parts.values():
-            sink.bind_sources(self._source_parts)
+        self.checkpoints.bind_sinks()
         for batcher in self.batchers.values():
             batcher.start()
         for sid, node in self._nodes.items():

@@ -91,6 +91,13 @@ class SinkPartition(abc.ABC):
         """The pipeline's live sources, by step, once they are open: for a sink that commits
         source positions together with its own writes (Kafka transactions)."""
 
+    def take_state_writes(self, states: Any) -> bool:
+        """Whether this sink writes the keyed state of ``states`` (a ``PartitionStateStore``)
+        in its own transactions, so that it commits with the outputs and the input offsets
+        (a transactional Kafka output and changelog topics on its cluster); its ``snapshot``
+        then leaves the commit to ``sync``."""
+        return False
+
     def sync(self) -> None:  # noqa: B027 - optional hook
         """Make everything up to the last ``snapshot()`` durable (may run while ``write`` goes
         on in another thread); the checkpoint's manifest is written after it returns."""

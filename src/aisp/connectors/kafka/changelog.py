@@ -26,6 +26,13 @@ comparison of the rows).
 Replays are deterministic (a partition's records in offset order, one owner at a time), so the
 restored state and the committed offset always agree. Outputs that must be exactly-once across
 workers go to a sink that deduplicates by event id (Redis Streams, JetStream); see the README.
+
+With a transactional Kafka output on the same cluster, the changelog records are written in its
+transactions (``write_through``), which commit them with the outputs and the input offsets.
+Restores and standbys still read uncommitted records too, and keep to the committed offset as
+above: a worker that died inside a transaction leaves it open until the broker aborts it (after
+``transaction.timeout.ms`` on Apache Kafka; never on Tansu), and a ``read_committed`` reader
+would wait for that before reading on.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import numpy.typing as npt
@@ -71,6 +78,19 @@ def changelog_topic(group: str, topic: str, step: str) -> str:
     return name
 
 
+class Records(Protocol):
+    """Where changelog records are produced: the changelog's own producer, or a transactional
+    output's open transaction."""
+
+    def produce(
+        self, topic: str, *, key: bytes, value: bytes | None, partition: int, headers: Any, on_delivery: Any
+    ) -> None: ...
+
+    def poll(self, timeout: float) -> int: ...
+
+    def flush(self, timeout: float) -> int: ...
+
+
 @dataclass
 class _Owned:
     """What a worker knows of a partition it owns: per step, the keys and rows last written or
@@ -103,7 +123,7 @@ class ChangelogStates:
         from confluent_kafka import Consumer, Producer
         from confluent_kafka.admin import AdminClient
 
-        self._bootstrap, self._group, self._topic, self._pipeline = bootstrap, group, topic, pipeline
+        self.bootstrap, self._group, self._topic, self._pipeline = bootstrap, group, topic, pipeline
         self._restore_timeout_s = restore_timeout_s
         self._prefix = f"{group}-{topic}-"
         self._admin = AdminClient({"bootstrap.servers": bootstrap})
@@ -121,6 +141,7 @@ class ChangelogStates:
                 **(options or {}),
             }
         )
+        self._records: Records = self._producer
         self._offsets = Consumer(  # reads the group's committed offsets; never joins the group
             {"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False}
         )
@@ -129,6 +150,7 @@ class ChangelogStates:
                 "bootstrap.servers": bootstrap,
                 "group.id": f"{group}-restore",
                 "enable.auto.commit": False,
+                "isolation.level": "read_uncommitted",  # see the module docstring
                 "fetch.max.bytes": 64 << 20,
                 "fetch.wait.max.ms": 20,  # the end marker is there: no wait for more to come
             }
@@ -156,6 +178,10 @@ class ChangelogStates:
     def owned(self) -> list[int]:
         with self._lock:
             return sorted(self._owned)
+
+    def write_through(self, records: Records) -> None:
+        """Produce changelog records to ``records`` (a transactional output's transaction)."""
+        self._records = records
 
     # -- topics -------------------------------------------------------------------------------
     def _topics(self) -> dict[str, str]:
@@ -201,7 +227,7 @@ class ChangelogStates:
 
         token = uuid.uuid4().hex.encode()
         self._producer.produce(name, key=END, value=token, partition=partition)
-        self._flush(name)
+        self._flush(name, self._producer)
         reader = self._reader
         deadline = time.monotonic() + self._restore_timeout_s
         try:
@@ -345,7 +371,7 @@ class ChangelogStates:
     ) -> None:
         while True:
             try:
-                self._producer.produce(
+                self._records.produce(
                     name,
                     key=key,
                     value=value,
@@ -355,7 +381,7 @@ class ChangelogStates:
                 )
                 return
             except BufferError:  # the local queue is full: let deliveries drain it
-                self._producer.poll(0.05)
+                self._records.poll(0.05)
 
     def _delivered(self, err: Any, msg: Any) -> None:
         if err is not None:
@@ -364,8 +390,8 @@ class ChangelogStates:
         where = (msg.topic(), msg.partition())
         self._ends[where] = max(self._ends.get(where, 0), msg.offset() + 1)
 
-    def _flush(self, name: str) -> None:
-        left = self._producer.flush(60)
+    def _flush(self, name: str, records: Records | None = None) -> None:
+        left = (records or self._records).flush(60)
         if left or self._errors:
             raise StateError(
                 f"changelog {name!r}: {left} records undelivered"

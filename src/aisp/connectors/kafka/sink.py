@@ -12,6 +12,12 @@ reader sees an interval's outputs all at once and the consumer group's offsets m
 A restart fences the previous producer (``init_transactions``), which aborts its open
 transaction. Without checkpoints a transaction is committed every ``transaction_max_s``.
 
+Keyed state in changelog topics on the same cluster (``--partition-state changelog``) is
+written in the same transaction (``take_state_writes``): a checkpoint's ``snapshot`` then only
+flushes and notes the source offsets, the changelog records are produced into the open
+transaction, and ``sync`` commits outputs, changelog records and offsets at once; rows the
+pipeline delivers in between wait for that commit, so a transaction holds one interval exactly.
+
 With ``compact`` (several workers of a group writing one topic) the topic is compacted and
 nothing is skipped: each event id's record may appear more than once, always with the same
 value, and a reader keeps one per key (as compaction eventually does).
@@ -30,6 +36,7 @@ interval of output), and on a first start the whole partition, once.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -110,6 +117,28 @@ def _count_records(bootstrap: str, topic: str, partition: int, start: int, idle_
         c.close()
 
 
+class _InTransaction:
+    """A transactional writer's producer as changelog writes see it: a record produced goes
+    into the open transaction (one begins when none is open); ``BufferError`` when the local
+    queue is full, as with a producer."""
+
+    def __init__(self, writer: _KafkaWriter) -> None:
+        self._writer = writer
+
+    def produce(
+        self, topic: str, *, key: bytes, value: bytes | None, partition: int, headers: Any, on_delivery: Any
+    ) -> None:
+        self._writer.produce_in_transaction(
+            topic, key=key, value=value, partition=partition, headers=headers, on_delivery=on_delivery
+        )
+
+    def poll(self, timeout: float) -> int:
+        return int(self._writer._producer.poll(timeout))
+
+    def flush(self, timeout: float) -> int:
+        return int(self._writer._producer.flush(timeout))
+
+
 class _KafkaWriter(SinkPartition):
     def __init__(self, cfg: KafkaSink, resume: dict[int, int] | None) -> None:
         from confluent_kafka import Producer
@@ -137,7 +166,12 @@ class _KafkaWriter(SinkPartition):
             }
         )
         self._txn_since: float | None = None  # when the open transaction began
+        self._txn_lock = threading.RLock()  # begin, produce into, commit: one thread at a time
         self._sources: list[Any] = []  # Kafka source partitions whose offsets go with a commit
+        self._deferred = False  # commits wait for ``sync`` (changelog writes join the transaction)
+        self._pending: list[tuple[list[Any], Any]] | None = None  # offsets noted by ``snapshot``
+        self._committed = threading.Event()  # no commit pending: rows may open the next transaction
+        self._committed.set()
         if cfg.transactional_id:  # fences an earlier producer (its open transaction is aborted)
             self._call("init_transactions", cfg.retry_s)
         self._next: dict[int, int] = {}
@@ -172,6 +206,8 @@ class _KafkaWriter(SinkPartition):
                 if err.txn_requires_abort():
                     self._producer.abort_transaction(self._cfg.flush_timeout_s)
                     self._txn_since = None
+                self._pending = None
+                self._committed.set()  # rows waiting for the commit see the failure
                 raise SinkError(f"kafka {self._cfg.topic!r}: {method} failed: {err.str()}") from exc
 
     def bind_sources(self, sources: Mapping[str, SourcePartition]) -> None:
@@ -183,17 +219,44 @@ class _KafkaWriter(SinkPartition):
             if isinstance(part, KafkaSourcePartition) and part.bootstrap == self._cfg.bootstrap
         ]
 
-    def _commit(self, *, with_offsets: bool) -> None:
-        """Commit the open transaction, with the Kafka sources' offsets when at a barrier."""
-        if self._txn_since is None:
-            return
-        if with_offsets:
-            for part in self._sources:
-                offsets, group = part.transaction_offsets()
-                if offsets:
-                    self._call("send_offsets_to_transaction", offsets, group, self._cfg.flush_timeout_s)
-        self._call("commit_transaction", self._cfg.flush_timeout_s)
-        self._txn_since = None
+    def take_state_writes(self, states: Any) -> bool:
+        from aisp.connectors.kafka.changelog import ChangelogStates
+
+        if not (
+            self._cfg.transactional_id
+            and isinstance(states, ChangelogStates)
+            and states.bootstrap == self._cfg.bootstrap
+        ):
+            return False
+        self._deferred = True
+        states.write_through(_InTransaction(self))
+        return True
+
+    def produce_in_transaction(self, topic: str, **kwargs: Any) -> None:
+        with self._txn_lock:
+            self._begin()
+            self._producer.produce(topic, **kwargs)
+
+    def _begin(self) -> None:
+        with self._txn_lock:
+            if self._cfg.transactional_id and self._txn_since is None:
+                self._call("begin_transaction")
+                self._txn_since = time.monotonic()
+
+    def _offsets(self) -> list[tuple[list[Any], Any]]:
+        """The Kafka sources' offsets after everything handed out, with their group metadata."""
+        return [part.transaction_offsets() for part in self._sources]
+
+    def _commit(self, offsets: list[tuple[list[Any], Any]] | None) -> None:
+        """Commit the open transaction, with the sources' ``offsets`` when at a barrier."""
+        with self._txn_lock:
+            if self._txn_since is None:
+                return
+            for tps, group in offsets or ():
+                if tps:
+                    self._call("send_offsets_to_transaction", tps, group, self._cfg.flush_timeout_s)
+            self._call("commit_transaction", self._cfg.flush_timeout_s)
+            self._txn_since = None
 
     def _delivered(self, err: Any, msg: Any) -> None:
         if err is not None:
@@ -205,6 +268,8 @@ class _KafkaWriter(SinkPartition):
     def write(self, batch: Batch) -> None:
         if not batch.num_rows:
             return
+        if not self._committed.wait(self._cfg.retry_s):
+            raise SinkError(f"kafka {self._cfg.topic!r}: a checkpoint's transaction was not committed")
         lines = self._encoder.encode(batch).split(b"\n")
         ids = batch.ids
         parts = (ids % self._cfg.partitions).astype(np.int64).tolist()
@@ -214,9 +279,8 @@ class _KafkaWriter(SinkPartition):
                 self._skip[p] -= 1
                 self.skipped += 1
                 continue
-            if self._cfg.transactional_id and self._txn_since is None:
-                self._call("begin_transaction")
-                self._txn_since = time.monotonic()
+            if self._txn_since is None:
+                self._begin()
             while True:
                 try:
                     self._producer.produce(
@@ -235,7 +299,7 @@ class _KafkaWriter(SinkPartition):
             raise SinkError(f"kafka {self._cfg.topic!r}: delivery failed: {self._errors[0]}")
         if self._txn_since is not None and time.monotonic() - self._txn_since >= self._cfg.transaction_max_s:
             self.flush()
-            self._commit(with_offsets=False)
+            self._commit(None)
 
     def flush(self) -> None:
         left = self._producer.flush(self._cfg.flush_timeout_s)
@@ -247,9 +311,25 @@ class _KafkaWriter(SinkPartition):
 
     def snapshot(self) -> Any:
         self.flush()
-        self._commit(with_offsets=True)
+        if self._deferred:  # committed by ``sync``, after the changelog records join
+            self._committed.clear()
+            self._pending = self._offsets()
+        elif self._txn_since is not None:
+            self._commit(self._offsets())
         return {"next": {str(p): o for p, o in sorted(self._next.items())}}
 
+    def sync(self) -> None:
+        if self._pending is None:
+            return
+        try:
+            self.flush()
+            self._commit(self._pending)
+        finally:
+            self._pending = None
+            self._committed.set()
+
     def close(self) -> None:
+        self.sync()
         self.flush()
-        self._commit(with_offsets=True)
+        if self._txn_since is not None:
+            self._commit(self._offsets())

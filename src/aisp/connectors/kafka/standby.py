@@ -174,7 +174,9 @@ class Standby(threading.Thread):
         from confluent_kafka import Consumer, TopicPartition
 
         common = {"bootstrap.servers": self._servers, "enable.auto.commit": False}
-        reader = Consumer({**common, "group.id": f"{self._group}-standby"})
+        # uncommitted records too: a dead worker's open transaction must not hold the copy back
+        uncommitted = {"isolation.level": "read_uncommitted"}
+        reader = Consumer({**common, **uncommitted, "group.id": f"{self._group}-standby"})
         offsets = Consumer({**common, "group.id": self._group})  # reads committed offsets only
         assigned: set[tuple[str, int]] = set()
         names: dict[str, str] = {}
