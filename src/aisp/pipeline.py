@@ -296,6 +296,8 @@ class Stream:
         alerts when they shift (``aisp.observe.drift``)."""
         if drift is not None:
             _check_alert(step_id, drift.alert)
+        if getattr(runtime, "cache", None) is not None:  # a model with a cache of its own
+            self.pipeline.graph.caches[step_id] = runtime.cache  # type: ignore[attr-defined]
         spec = InferSpec(
             runtime=runtime,
             inputs=dict(inputs),

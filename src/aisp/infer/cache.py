@@ -2,10 +2,12 @@
 stored answer instead of a model call.
 
 ``ResponseCache`` keys each row by a hash of its ``inputs`` columns (exact match) and keeps the
-``outputs`` columns of the answers in memory, under a memory bound (least recently used first
-out) and a time to live. A Bloom filter of the stored keys stands in front: a row whose key it
-has never seen costs no lookup in the store (``lookups`` counts the ones that do). ``cached``
-puts the cache around model steps of a pipeline:
+``outputs`` columns of the answers under a memory bound (least recently used first out) and a
+time to live: in this process (``LocalStore``), or in Redis (``redis=URL``, ``cache_redis``),
+where the workers of a group share them. A Bloom filter of the stored keys stands in front: a
+row whose key it has never seen costs no lookup in the store (``lookups`` counts the ones that
+do). ``SemanticCache`` (``semantic_cache``) answers by embedding similarity instead. ``cached``
+puts either around model steps of a pipeline:
 
     stream -> {step}.lookup -> {step}.route -> hit --------------------------------> {step}
                                              -> miss -> model steps -> {step}.store -^
@@ -31,7 +33,7 @@ import pyarrow as pa
 from aisp.batch import Batch
 from aisp.errors import ConfigError
 
-__all__ = ["BloomFilter", "ResponseCache", "cached"]
+__all__ = ["BloomFilter", "LocalStore", "ResponseCache", "cached"]
 
 HIT = "__cache_hit"
 KEY = "__cache_key"  # a row's key, from its lookup to its store (not hashed twice)
@@ -45,32 +47,84 @@ class BloomFilter:
         if bits < 64 or hashes < 1:
             raise ConfigError(f"a Bloom filter needs >= 64 bits and >= 1 hash, got {bits}, {hashes}")
         self.bits, self.hashes = bits, hashes
-        self._words = np.zeros((bits + 63) // 64, dtype=np.uint64)
+        self.words = np.zeros((bits + 63) // 64, dtype=np.uint64)
 
-    def _positions(self, keys: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    def positions(self, keys: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
         low, high = keys & np.uint64(0xFFFFFFFF), keys >> np.uint64(32)
         probes = np.arange(self.hashes, dtype=np.uint64)
         with np.errstate(over="ignore"):
             return (low[:, None] + probes[None, :] * (high[:, None] | np.uint64(1))) % np.uint64(self.bits)
 
     def add(self, keys: npt.NDArray[np.uint64]) -> None:
-        pos = self._positions(keys).ravel()
-        np.bitwise_or.at(self._words, pos >> np.uint64(6), np.uint64(1) << (pos & np.uint64(63)))
+        pos = self.positions(keys).ravel()
+        np.bitwise_or.at(self.words, pos >> np.uint64(6), np.uint64(1) << (pos & np.uint64(63)))
 
     def __contains__(self, key: int) -> bool:
         return bool(self.may_contain(np.array([key], dtype=np.uint64))[0])
 
     def may_contain(self, keys: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
-        pos = self._positions(keys)
-        set_bits = (self._words[pos >> np.uint64(6)] >> (pos & np.uint64(63))) & np.uint64(1)
+        pos = self.positions(keys)
+        set_bits = (self.words[pos >> np.uint64(6)] >> (pos & np.uint64(63))) & np.uint64(1)
         return np.asarray(set_bits.all(axis=1), dtype=bool)
 
     def clear(self) -> None:
-        self._words[:] = 0
+        self.words[:] = 0
+
+
+class LocalStore:
+    """Answers (bytes) by 64-bit key in this process: each kept ``ttl_s``, the least recently
+    used out past ``max_bytes``; ``bloom`` holds the keys stored (built again when the keys
+    evicted since it was last built outnumber those kept: it would mostly say "maybe" for
+    nothing)."""
+
+    def __init__(self, max_bytes: int, ttl_s: float, bloom: BloomFilter, clock: Callable[[], float]) -> None:
+        self.max_bytes, self.ttl_s, self._bloom, self._clock = max_bytes, ttl_s, bloom, clock
+        self._entries: OrderedDict[int, tuple[float, bytes]] = OrderedDict()
+        self._forgotten = 0
+        self.bytes = 0
+
+    def get(self, keys: list[int]) -> list[bytes | None]:
+        now = self._clock()
+        out: list[bytes | None] = []
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None or entry[0] <= now:
+                out.append(None)
+                continue
+            self._entries.move_to_end(key)
+            out.append(entry[1])
+        return out
+
+    def put(self, keys: list[int], blobs: list[bytes]) -> int:
+        """Store; the number of answers evicted to stay under the bound."""
+        expires = self._clock() + self.ttl_s
+        for key, blob in zip(keys, blobs, strict=True):
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.bytes -= len(old[1])
+            self._entries[key] = (expires, blob)
+            self.bytes += len(blob)
+        self._bloom.add(np.array(keys, dtype=np.uint64))
+        evicted = 0
+        while self.bytes > self.max_bytes and self._entries:
+            _, (_, blob) = self._entries.popitem(last=False)
+            self.bytes -= len(blob)
+            evicted += 1
+        self._forgotten += evicted
+        if self._forgotten > len(self._entries):
+            self._bloom.clear()
+            self._bloom.add(np.fromiter(self._entries.keys(), dtype=np.uint64, count=len(self._entries)))
+            self._forgotten = 0
+        return evicted
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 class ResponseCache:
-    """Answers of a model stage by a hash of their inputs (see the module docstring)."""
+    """Answers of a model stage by a hash of their inputs (see the module docstring); ``redis``
+    (``redis://HOST:PORT/DB``) keeps them in Redis under ``namespace``, shared by every worker
+    that names the same."""
 
     def __init__(
         self,
@@ -80,6 +134,8 @@ class ResponseCache:
         max_bytes: int = 64 << 20,
         ttl_s: float = 3600.0,
         bloom_bits: int = 1 << 22,
+        redis: str | None = None,
+        namespace: str = "aisp-cache",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not inputs or not outputs:
@@ -87,11 +143,15 @@ class ResponseCache:
         if max_bytes <= 0 or ttl_s <= 0:
             raise ConfigError(f"max_bytes and ttl_s must be > 0, got {max_bytes}, {ttl_s}")
         self.inputs, self.outputs = list(inputs), list(outputs)
-        self.max_bytes, self.ttl_s, self._clock = max_bytes, ttl_s, clock
+        self.max_bytes, self.ttl_s = max_bytes, ttl_s
         self.bloom = BloomFilter(bloom_bits)
-        self._entries: OrderedDict[int, tuple[float, bytes]] = OrderedDict()
-        self._bytes = 0
-        self._forgotten = 0  # keys evicted since the filter was last built
+        self._store: Any
+        if redis is None:
+            self._store = LocalStore(max_bytes, ttl_s, self.bloom, clock)
+        else:
+            from aisp.infer.cache_redis import RedisStore
+
+            self._store = RedisStore(redis, namespace, max_bytes, ttl_s, self.bloom)
         self._lock = threading.Lock()
         self._enc, self._dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
         self.hits = self.misses = self.bloom_negatives = self.lookups = self.evictions = 0
@@ -105,23 +165,30 @@ class ResponseCache:
             out[i] = int.from_bytes(digest(self._enc.encode(row), digest_size=8).digest(), "little")
         return out
 
+    def get(self, keys: npt.NDArray[np.uint64]) -> dict[int, bytes]:
+        """The stored answers of ``keys`` that have one, by position (counted as hits)."""
+        if hasattr(self._store, "refresh"):
+            self._store.refresh()  # the other workers' keys into the filter
+        maybe = self.bloom.may_contain(keys) if len(keys) else np.zeros(0, dtype=bool)
+        asked = np.flatnonzero(maybe).tolist()
+        with self._lock:
+            blobs = self._store.get([int(keys[i]) for i in asked]) if asked else []
+            found = {i: b for i, b in zip(asked, blobs, strict=True) if b is not None}
+            self.bloom_negatives += len(keys) - len(asked)
+            self.lookups += len(asked)
+            self.hits += len(found)
+            self.misses += len(keys) - len(found)
+        return found
+
+    def put(self, keys: npt.NDArray[np.uint64], blobs: list[bytes]) -> None:
+        """Store ``blobs`` under ``keys``."""
+        with self._lock:
+            self.evictions += self._store.put([int(k) for k in keys.tolist()], blobs)
+
     def lookup(self, batch: Batch) -> Batch:
         """``batch`` with the stored answers of the rows that have one and ``HIT`` marking them."""
         keys = self.keys(batch)
-        maybe = self.bloom.may_contain(keys) if len(keys) else np.zeros(0, dtype=bool)
-        found: dict[int, dict[str, Any]] = {}
-        now = self._clock()
-        with self._lock:
-            self.bloom_negatives += int((~maybe).sum())
-            for i in np.flatnonzero(maybe).tolist():
-                self.lookups += 1
-                entry = self._entries.get(int(keys[i]))
-                if entry is None or entry[0] <= now:
-                    continue
-                self._entries.move_to_end(int(keys[i]))
-                found[i] = self._dec.decode(entry[1])
-            self.hits += len(found)
-            self.misses += batch.num_rows - len(found)
+        found = {i: self._dec.decode(b) for i, b in self.get(keys).items()}
         hit = np.zeros(batch.num_rows, dtype=bool)
         hit[list(found)] = True
         columns: dict[str, Any] = {HIT: hit, KEY: keys}
@@ -137,49 +204,32 @@ class ResponseCache:
         ``lookup`` when they have them); ``batch`` marked not cached."""
         keys = batch.numpy(KEY).astype(np.uint64) if KEY in batch else self.keys(batch)
         values = {name: batch.column(name).to_pylist() for name in self.outputs}
-        expires = self._clock() + self.ttl_s
-        with self._lock:
-            for i, key in enumerate(keys.tolist()):
-                blob = self._enc.encode({name: col[i] for name, col in values.items()})
-                old = self._entries.pop(key, None)
-                if old is not None:
-                    self._bytes -= len(old[1])
-                self._entries[key] = (expires, blob)
-                self._bytes += len(blob)
-            self.bloom.add(keys)
-            self._evict()
+        blobs = [self._enc.encode({n: col[i] for n, col in values.items()}) for i in range(len(keys))]
+        self.put(keys, blobs)
         return batch.drop([KEY]).with_columns({"cached": np.zeros(batch.num_rows, dtype=bool)})
-
-    def _evict(self) -> None:
-        evicted = 0
-        while self._bytes > self.max_bytes and self._entries:
-            _, (_, blob) = self._entries.popitem(last=False)
-            self._bytes -= len(blob)
-            evicted += 1
-        self.evictions += evicted
-        self._forgotten += evicted
-        if self._forgotten > len(self._entries):  # the filter mostly says "maybe" for nothing
-            self.bloom.clear()
-            self.bloom.add(np.fromiter(self._entries.keys(), dtype=np.uint64, count=len(self._entries)))
-            self._forgotten = 0
 
     @property
     def bytes(self) -> int:
         """Bytes of stored answers (the bound ``max_bytes`` applies to them)."""
-        return self._bytes
+        return int(self._store.bytes)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {
                 "hits": self.hits, "misses": self.misses, "bloom_negatives": self.bloom_negatives,
-                "lookups": self.lookups, "evictions": self.evictions, "entries": len(self._entries),
-                "bytes": self._bytes,
+                "lookups": self.lookups, "evictions": self.evictions, "entries": len(self._store),
+                "bytes": int(self._store.bytes),
             }  # fmt: skip
 
+    def close(self) -> None:
+        if hasattr(self._store, "close"):
+            self._store.close()
 
-def cached(stream: Any, step_id: str, cache: ResponseCache, model: Callable[[Any], Any]) -> Any:
+
+def cached(stream: Any, step_id: str, cache: Any, model: Callable[[Any], Any]) -> Any:
     """``model`` (a function adding model steps after a stream, returning the last one) behind
-    ``cache`` (see the module docstring); the united stream, each row marked ``cached``."""
+    ``cache`` (a ``ResponseCache`` or a ``SemanticCache``; see the module docstring); the united
+    stream, each row marked ``cached``."""
 
     def answered(batch: Batch) -> Batch:
         return batch.drop([HIT, KEY]).with_columns({"cached": np.ones(batch.num_rows, dtype=bool)})

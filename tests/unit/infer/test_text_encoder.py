@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aisp import PythonRuntime
-from aisp.infer.text import TextEncoder
+from aisp.infer.cache import ResponseCache
+from aisp.infer.text import TextEncoder, token_keys
 
 DIM = 3
 
@@ -56,3 +57,48 @@ def test_embeddings_are_unit_length_by_default() -> None:
         "embedding"
     ]
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, rtol=1e-6)
+
+
+def pad(rows: list[list[int]], width: int) -> dict[str, Any]:
+    ids = np.array([r + [0] * (width - len(r)) for r in rows], dtype=np.int64)
+    mask = (np.arange(width)[None, :] < np.array([len(r) for r in rows])[:, None]).astype(np.int64)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(1, 50), min_size=1, max_size=12), min_size=1, max_size=20),
+    st.integers(0, 6),
+)
+def test_a_rows_key_ignores_its_padding_and_tells_texts_apart(rows: list[list[int]], extra: int) -> None:
+    width = max(len(r) for r in rows)
+    narrow, wide = pad(rows, width), pad(rows, width + extra)
+    keys = token_keys(narrow, narrow["attention_mask"])
+    assert (keys == token_keys(wide, wide["attention_mask"])).all()
+    distinct = {tuple(r) for r in rows}
+    assert len(set(keys.tolist())) == len(distinct)  # equal texts share a key, others do not
+
+
+def test_an_encoder_with_a_cache_embeds_each_text_once_and_keeps_the_order() -> None:
+    calls: list[int] = []
+
+    def counted(inputs: dict[str, Any]) -> dict[str, Any]:
+        calls.append(len(inputs["input_ids"]))
+        return hidden(inputs)
+
+    model = PythonRuntime(
+        counted,
+        name="counted",
+        input_names=["input_ids", "attention_mask"],
+        output_names=["last_hidden_state"],
+    )
+    cache = ResponseCache(["text"], ["embedding"])
+    enc = TextEncoder(model, cache=cache)
+    assert enc.output_names == ("embedding", "cached")
+    first = enc.run(pad([[3, 4], [5]], 2))
+    assert sum(calls) == 2 and not first["cached"].any()
+    again = enc.run(pad([[7, 8, 9], [5], [3, 4]], 3))  # two known texts, padded wider, reordered
+    assert sum(calls) == 3 and again["cached"].tolist() == [False, True, True]
+    alone = TextEncoder(MODEL).run(pad([[7, 8, 9], [5], [3, 4]], 3))["embedding"]
+    np.testing.assert_allclose(again["embedding"], alone, rtol=1e-6)
+    assert cache.stats()["hits"] == 2
