@@ -24,7 +24,7 @@ EXAMPLE = ROOT / "examples" / "search"
 
 def answers(**params: Any) -> dict[str, dict[str, Any]]:
     p = load_search_example("pipeline").build(**params)
-    out = CollectSink(columns=["id", "text", "hits", "scores"])
+    out = CollectSink(columns=["id", "text", "hits", "scores", "cached", "route"])
     p.bind(sink=out)
     p.run()
     return {r["id"]: r for r in out.rows}
@@ -51,6 +51,36 @@ def test_the_graph_finds_what_exact_search_finds_and_nothing_stale() -> None:
         owners = {d for d, t in docs.items() if t == row["text"]}
         if owners:  # a query with a document's text finds a document with that text first
             assert row["hits"][0] in owners or row["scores"][0] > 0.99, row
+            assert row["cached"], row  # its text was embedded when the document came
+
+
+def test_repeated_texts_take_their_embeddings_from_a_shared_cache_with_equal_answers() -> None:
+    """The search with its embedding cache in Redis, run twice (two workers, one after the
+    other): the second run embeds nothing, every row comes from the cache, and the answers equal
+    a run without a cache; each query is routed to a topic branch."""
+    from aisp.infer.cache import ResponseCache
+    from aisp.infer.cache_redis import RedisStore
+    from tests.integration.test_exactly_once import redis_client
+
+    redis_client()
+    url = "redis://127.0.0.1:6379/0"
+    RedisStore(url, "aisp-search-embeddings", 1, 1.0, ResponseCache(["t"], ["e"]).bloom).clear()
+    try:
+        exact = 10**6  # exact search: the answers depend on the embeddings only
+        plain = answers(cache="none", exact_below=exact)
+        first, second = answers(cache=url, exact_below=exact), answers(cache=url, exact_below=exact)
+    finally:
+        RedisStore(url, "aisp-search-embeddings", 1, 1.0, ResponseCache(["t"], ["e"]).bloom).clear()
+    assert not any(r["cached"] for r in plain.values())
+    assert all(r["cached"] for r in second.values()) and not all(r["cached"] for r in first.values())
+    topics = set(load_search_example("pipeline").TOPICS) | {"other"}
+    for q, want in plain.items():
+        for got in (first[q], second[q]):
+            # embeddings of a text batched with others differ in the last float bits: near-ties
+            # may swap, nothing else
+            np.testing.assert_allclose(got["scores"], want["scores"], atol=1e-4)
+            assert len(set(got["hits"]) & set(want["hits"])) >= 9, q
+            assert got["route"] == want["route"] and got["route"] in topics
 
 
 def run(cmd: list[str], env: dict[str, str]) -> None:
@@ -74,7 +104,8 @@ def test_a_run_killed_and_restarted_embeds_only_what_came_after_its_checkpoint(t
     whole = tmp_path / "whole.jsonl"
     run(cmd(whole), ENV)
     out, chk, summary = tmp_path / "out.jsonl", tmp_path / "chk", tmp_path / "summary.json"
-    proc = subprocess.Popen(cmd(out, "--checkpoint-dir", str(chk), "--rate", "300"), env=ENV,
+    paced = ("--checkpoint-dir", str(chk), "--rate", "300", "--checkpoint-interval-s", "0.5")  # killed early
+    proc = subprocess.Popen(cmd(out, *paced), env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 120
     while len(list(chk.glob("chk-*/manifest.json"))) < 2 and time.monotonic() < deadline:
