@@ -18,7 +18,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy.typing as npt
@@ -27,7 +26,8 @@ from aisp.batch import DEADLINE_NS, Batch
 from aisp.errors import Overloaded, Unavailable
 from aisp.infer.adaptive import AdaptiveTuner, Setting
 from aisp.infer.config import _MS, BatcherConfig
-from aisp.infer.queue import BatchQueue
+from aisp.infer.in_order import InOrder
+from aisp.infer.queue import BatcherStats, BatchQueue
 from aisp.infer.runtime import CostModel, Runtime, resolve
 
 __all__ = [
@@ -62,26 +62,6 @@ class QueueFull(Overloaded):
 
 class BatcherClosed(Unavailable):
     """``submit`` on a batcher that is closing: its model was unloaded or the server is stopping."""
-
-
-@dataclass(frozen=True, slots=True)
-class BatcherStats:
-    """Counters of a ``DynamicBatcher``: model calls made (``batches``), then rows by fate.
-
-    Every submitted row is in exactly one of ``rows`` (emitted with results), ``timeouts``
-    (expired in the queue), ``errors`` (its call failed), ``shed`` (dropped under overload for a
-    higher tier) and ``queued_rows`` (still waiting).
-    """
-
-    batches: int = 0
-    rows: int = 0
-    timeouts: int = 0
-    errors: int = 0
-    shed: int = 0
-    queued_rows: int = 0
-    inline_batches: int = 0
-    """Of ``batches``, the calls made in the thread that handed the rows over (``run_inline``,
-    ``feed``), not on a dispatcher thread."""
 
 
 class DynamicBatcher:
@@ -133,6 +113,8 @@ class DynamicBatcher:
         self._probe_ns = 0  # when a call too slow for inline last time may be tried there again
         self._caller = threading.local()  # per thread: ns not spent on its own work (not_work_ns)
         self._failure: BaseException | None = None
+        # results in the order batches were formed (``ordered``, several instances), else as calls end
+        self._in_order = InOrder(self._emit_one) if config.ordered and config.instances > 1 else None
         self._tuner: AdaptiveTuner | None = None
         if config.adaptive is not None:
             self._tuner = AdaptiveTuner(config.adaptive, max_batch_size=config.max_batch_size, now_ns=clock())
@@ -238,6 +220,7 @@ class DynamicBatcher:
         with self._lock:
             if (
                 self._closing
+                or self._in_order is not None  # a call in the caller's thread has no place in the order
                 or self._in_flight
                 or self._queue.queued_rows
                 or rows > self._queue.config.max_batch_size
@@ -329,12 +312,19 @@ class DynamicBatcher:
         self.submit(batch)
 
     def _run_claimed(
-        self, batch: Batch, wait_ns: int, began: int | None = None, *, inline: bool = False
+        self,
+        batch: Batch,
+        wait_ns: int,
+        began: int | None = None,
+        *,
+        inline: bool = False,
+        seq: int | None = None,
     ) -> None:
         """Call the model on ``batch`` (its ``_in_flight`` slot taken), then give the slot back.
-        ``began``: when the call's work began (``perf_counter_ns``), if before this call."""
+        ``began``: when the call's work began (``perf_counter_ns``), if before this call;
+        ``seq``: its number when results leave in order."""
         try:
-            self._call(batch, wait_ns, began, inline=inline)
+            self._call(batch, wait_ns, began, inline=inline, seq=seq)
         finally:
             with self._lock:
                 self._in_flight -= 1
@@ -388,28 +378,31 @@ class DynamicBatcher:
                 work = self._next_work()
             if work is None:
                 return
-            expired, batch, wait_ns, idle_ns = work
+            expired, batch, wait_ns, idle_ns, seq = work
             for rows, reason in expired:
                 self._guard(self._dead, rows, reason)
             if batch is not None:  # the call's work began when this thread stopped idling
-                self._run_claimed(batch, wait_ns, began + idle_ns)
+                self._run_claimed(batch, wait_ns, began + idle_ns, seq=seq)
 
-    def _next_work(self) -> tuple[list[tuple[Batch, str]], Batch | None, int, int] | None:
+    def _next_work(self) -> tuple[list[tuple[Batch, str]], Batch | None, int, int, int | None] | None:
         """Under the lock: wait until rows expire or a batch is ready; None once closed and
-        empty. Also returns the nanoseconds this thread spent waiting for work."""
+        empty. Also returns the nanoseconds this thread spent waiting for work, and the batch's
+        number when results leave in order."""
         queue = self._queue
         idle_ns = 0
         while True:
             now = self._clock()
             expired = queue.expire(now)
-            batch = queue.form_batch(now) if self._closing else queue.pop_ready(now, idle=True)
+            free = self.config.instances - self._in_flight  # this one among them: a burst is split
+            batch = queue.form_batch(now, free) if self._closing else queue.pop_ready(now, True, free)
             if expired or batch is not None:
                 self._count["timeouts"] += sum(b.num_rows for b, _ in expired)
                 self._in_flight += batch is not None
                 self._not_full.notify_all()
                 if queue.queued_rows:
                     self._not_empty.notify()
-                return expired, batch, queue.last_wait_ns, idle_ns
+                seq = self._in_order.number() if batch is not None and self._in_order else None
+                return expired, batch, queue.last_wait_ns, idle_ns, seq
             if self._closing:
                 return None
             wake = queue.next_wakeup_ns(now)
@@ -417,7 +410,15 @@ class DynamicBatcher:
             self._not_empty.wait(None if wake is None else max(wake - now, 10_000) / 1e9)
             idle_ns += time.perf_counter_ns() - waited
 
-    def _call(self, batch: Batch, wait_ns: int, began: int | None = None, *, inline: bool = False) -> None:
+    def _call(
+        self,
+        batch: Batch,
+        wait_ns: int,
+        began: int | None = None,
+        *,
+        inline: bool = False,
+        seq: int | None = None,
+    ) -> None:
         rows = batch.num_rows
         began = time.perf_counter_ns() if began is None else began
         try:
@@ -427,6 +428,8 @@ class DynamicBatcher:
             with self._lock:
                 self._count.update(batches=1, errors=rows)
             self._guard(self._dead, batch, f"{type(exc).__name__}: {exc}")
+            if self._in_order is not None and seq is not None:
+                self._in_order.done(seq, None)
             return
         with self._lock:
             self._called(rows, wait_ns, compute_ns, inline=inline)
@@ -434,9 +437,15 @@ class DynamicBatcher:
         if self._on_batch is not None:
             self._guard(self._on_batch, rows, wait_ns, compute_ns, started - began)
             self._not_work(started - began)  # counted once, by on_batch
-            started = time.perf_counter_ns()
+        if self._in_order is not None and seq is not None:
+            self._in_order.done(seq, result)
+        else:
+            self._emit_one(result)
+
+    def _emit_one(self, result: Batch) -> None:
+        started = time.perf_counter_ns()
         self._guard(self._emit, result)
-        self._after.observe(rows, time.perf_counter_ns() - started)
+        self._after.observe(result.num_rows, time.perf_counter_ns() - started)
 
     def _compute(
         self, inputs: Mapping[str, npt.NDArray[Any]]

@@ -36,6 +36,10 @@ class BatcherConfig:
     lowest-tier rows instead (dead-lettered with reason ``shed``), so higher tiers get in.
     With ``adaptive`` set, ``max_batch_size`` and ``max_queue_delay_ms`` are only the upper
     bound and the first setting: the batcher tunes them online (``aisp.infer.adaptive``).
+    With ``ordered`` and several ``instances``, results leave in the order their batches were
+    formed (a call that ends early waits for the ones before it), for steps after the model
+    that need the input's order (a vector index applies upserts, deletes and queries in order);
+    with one tier, that is the order rows arrived in.
 
     >>> BatcherConfig(max_batch_size=64, preferred_batch_sizes=(32, 16)).preferred_batch_sizes
     (16, 32)
@@ -53,6 +57,7 @@ class BatcherConfig:
     tier_timeout_ms: Mapping[int, float] = field(default_factory=dict)
     overload: Literal["block", "shed"] = "block"
     adaptive: AdaptiveConfig | None = None
+    ordered: bool = False
 
     def __post_init__(self) -> None:
         _int_at_least("max_batch_size", self.max_batch_size, 1)
@@ -74,6 +79,8 @@ class BatcherConfig:
         for tier, ms in self.tier_timeout_ms.items():
             _int_at_least("tier_timeout_ms keys", tier, 0)
             _ms_at_least(f"tier_timeout_ms[{tier}]", ms, 0.0, strict=True)
+        if not isinstance(self.ordered, bool):
+            raise ConfigError(f"ordered must be a bool, got {self.ordered!r}")
         if self.overload not in ("block", "shed"):
             raise ConfigError(f"overload must be 'block' or 'shed', got {self.overload!r}")
 

@@ -9,7 +9,7 @@ real time.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -18,7 +18,7 @@ from aisp.batch import DEADLINE_NS, TIER, Batch
 from aisp.infer.config import _MS, BatcherConfig
 from aisp.infer.runtime import CostModel
 
-__all__ = ["BatchQueue"]
+__all__ = ["BatchQueue", "BatcherStats"]
 
 
 class _Piece:
@@ -125,9 +125,10 @@ class BatchQueue:
             self._min_deadline = piece.min_deadline if md is None else min(md, piece.min_deadline)
 
     # -- policy -----------------------------------------------------------------------------
-    def target_size(self) -> int:
-        """Rows the next batch takes: the largest preferred size that fits, else up to max."""
-        n = min(self.queued_rows, self.config.max_batch_size)
+    def target_size(self, share: int = 1) -> int:
+        """Rows the next batch takes: the largest preferred size that fits, else up to max;
+        ``share``: the model instances free to take what is queued, which it is split among."""
+        n = min(-(-self.queued_rows // max(share, 1)), self.config.max_batch_size)
         for size in reversed(self.config.preferred_batch_sizes):
             if size <= n:
                 return size
@@ -144,9 +145,10 @@ class BatchQueue:
             return True
         return now_ns >= min(self._oldest_ns() + self._delay_ns, self._budget_flush_ns(now_ns))
 
-    def pop_ready(self, now_ns: int, idle: bool) -> Batch | None:
-        """The next model batch if a flush rule holds at ``now_ns``, else ``None``."""
-        return self.form_batch(now_ns) if self.ready(now_ns, idle) else None
+    def pop_ready(self, now_ns: int, idle: bool, share: int = 1) -> Batch | None:
+        """The next model batch if a flush rule holds at ``now_ns``, else ``None``; ``share``
+        as in ``target_size``."""
+        return self.form_batch(now_ns, share) if self.ready(now_ns, idle) else None
 
     def next_wakeup_ns(self, now_ns: int) -> int | None:
         """When a time rule (delay, latency budget, timeout, deadline) next fires; None if empty."""
@@ -192,9 +194,9 @@ class BatchQueue:
         return self._min_deadline
 
     # -- output -----------------------------------------------------------------------------
-    def form_batch(self, now_ns: int) -> Batch | None:
+    def form_batch(self, now_ns: int, share: int = 1) -> Batch | None:
         """Take the next batch now, whatever the flush rules say (used to drain on close)."""
-        need = self.target_size()
+        need = self.target_size(share)
         if need == 0:
             return None
         taken: list[Batch] = []
@@ -314,3 +316,23 @@ class BatchQueue:
                 break
         self.queued_rows -= freed
         return freed
+
+
+@dataclass(frozen=True, slots=True)
+class BatcherStats:
+    """Counters of a ``DynamicBatcher``: model calls made (``batches``), then rows by fate.
+
+    Every submitted row is in exactly one of ``rows`` (emitted with results), ``timeouts``
+    (expired in the queue), ``errors`` (its call failed), ``shed`` (dropped under overload for a
+    higher tier) and ``queued_rows`` (still waiting).
+    """
+
+    batches: int = 0
+    rows: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    shed: int = 0
+    queued_rows: int = 0
+    inline_batches: int = 0
+    """Of ``batches``, the calls made in the thread that handed the rows over (``run_inline``,
+    ``feed``), not on a dispatcher thread."""

@@ -7,7 +7,8 @@ enter the index, replacing that id's earlier vector), ``delete`` (its ``id`` lea
 and delete before it; the step emits the query rows, each with ``hits`` (the ids, best first)
 and ``scores`` (inner products: cosine similarity for unit vectors, as ``TextEncoder`` makes).
 Order matters, so the steps before it must keep it: a model step with several instances
-(``BatcherConfig.instances``) may hand batches on out of order.
+(``BatcherConfig.instances``) hands batches on as their calls end unless it is
+``BatcherConfig(ordered=True)``.
 Upserts and deletes are consumed. Replaying them is idempotent: an id has one vector, the last
 one written.
 

@@ -368,6 +368,59 @@ def test_batcher_resolves_every_row_once() -> None:
     assert stats == BatcherStats(batches=len(sizes), rows=1000, timeouts=0, errors=0, queued_rows=0)
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.floats(0.0, 0.004), min_size=5, max_size=40),
+    st.integers(2, 4),
+    st.sets(st.integers(0, 39), max_size=5),
+)
+def test_ordered_results_leave_in_the_order_their_batches_formed(
+    delays: list[float], instances: int, failing: set[int]
+) -> None:
+    """Several instances with calls of random lengths, some failing: with ``ordered`` the
+    results come out in the order the rows went in (the failed batches' rows dead-lettered,
+    every row once)."""
+    n = len(delays) * 4
+
+    def run(xs: dict[str, np.ndarray]) -> None:
+        first = int(xs["x"][0]) // 4
+        time.sleep(delays[first])
+        if first in failing:
+            raise ValueError("failed call")
+
+    sink = Collector(expect=n)
+    cfg = BatcherConfig(max_batch_size=4, max_queue_delay_ms=0.0, instances=instances, ordered=True)
+    with make_batcher(doubler(run), cfg, sink) as batcher:
+        for start in range(0, n, 4):
+            batcher.submit(rows(range(start, start + 4)))
+        assert sink.done.wait(WAIT_S)
+    out = ids_of(sink.out)
+    assert out == sorted(out)
+    dead = sorted(i for b, _ in sink.dead for i in b.ids.tolist())
+    assert sorted(out + dead) == list(range(n))
+    assert all(int(b.ids[0]) // 4 in failing for b, _ in sink.dead)  # the failed calls' rows
+
+
+def test_a_burst_is_split_among_the_idle_instances() -> None:
+    """Rows that arrive together while two instances are idle go to both, half each, instead of
+    one instance taking them all while the other waits."""
+    sizes: list[int] = []
+    gate = threading.Event()
+    sink = Collector(expect=16)
+    cfg = BatcherConfig(max_batch_size=64, instances=2)
+    batcher = make_batcher(
+        doubler(lambda _x: gate.wait(WAIT_S)), cfg, sink, on_batch=lambda n, *_: sizes.append(n)
+    )
+    with batcher:
+        batcher.submit(rows(range(16)))
+        gate.set()
+        assert sink.done.wait(WAIT_S)
+    assert sorted(sizes) == [8, 8]
+    q = BatchQueue(BatcherConfig(max_batch_size=4))
+    q.push(rows(range(10)), T0)
+    assert (q.target_size(), q.target_size(share=3), q.target_size(share=20)) == (4, 4, 1)
+
+
 def test_work_accounting_leaves_out_backpressure_and_counts_each_call_once() -> None:
     """A caller blocked on a full queue is not working: ``not_work_ns`` grows by that wait, and
     by the work of calls it ran inline, which ``on_batch`` reports (``work_ns`` >= the model's
