@@ -106,7 +106,12 @@ def test_a_restored_index_answers_as_the_one_checkpointed(exact_below: int) -> N
     again.restore(state)
     queries = unit(rng, 50)
     assert again.size == op.size == 200
-    assert answers(again, queries) == answers(op, queries)
+    got, want = answers(again, queries), answers(op, queries)
+    if exact_below > 200:  # exact search: the same answers
+        assert got == want
+    else:  # a graph built anew (in one pass, its inserts threaded) differs in what it misses
+        assert sum(len(set(g) & set(w)) for g, w in zip(got, want, strict=True)) >= 0.97 * 10 * len(want)
+        assert sum(g[0] == w[0] for g, w in zip(got, want, strict=True)) >= 0.95 * len(want)
 
 
 def test_rows_of_an_unknown_op_are_dead_letters_and_the_rest_goes_on() -> None:
