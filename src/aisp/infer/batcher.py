@@ -311,24 +311,6 @@ class DynamicBatcher:
                 batch = batch.slice(start)
         self.submit(batch)
 
-    def _run_claimed(
-        self,
-        batch: Batch,
-        wait_ns: int,
-        began: int | None = None,
-        *,
-        inline: bool = False,
-        seq: int | None = None,
-    ) -> None:
-        """Call the model on ``batch`` (its ``_in_flight`` slot taken), then give the slot back.
-        ``began``: when the call's work began (``perf_counter_ns``), if before this call;
-        ``seq``: its number when results leave in order."""
-        try:
-            self._call(batch, wait_ns, began, inline=inline, seq=seq)
-        finally:
-            with self._lock:
-                self._in_flight -= 1
-
     def _apply(self, setting: Setting) -> None:
         self._queue.retune(
             max_batch_size=setting.max_batch_size,
@@ -410,7 +392,7 @@ class DynamicBatcher:
             self._not_empty.wait(None if wake is None else max(wake - now, 10_000) / 1e9)
             idle_ns += time.perf_counter_ns() - waited
 
-    def _call(
+    def _run_claimed(
         self,
         batch: Batch,
         wait_ns: int,
@@ -419,6 +401,16 @@ class DynamicBatcher:
         inline: bool = False,
         seq: int | None = None,
     ) -> None:
+        """Call the model on ``batch`` (its ``_in_flight`` slot taken), then give the slot back.
+        ``began``: when the call's work began (``perf_counter_ns``), if before this call;
+        ``seq``: its number when results leave in order."""
+        try:
+            self._call(batch, wait_ns, began, inline, seq)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    def _call(self, batch: Batch, wait_ns: int, began: int | None, inline: bool, seq: int | None) -> None:
         rows = batch.num_rows
         began = time.perf_counter_ns() if began is None else began
         try:

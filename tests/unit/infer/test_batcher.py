@@ -405,14 +405,17 @@ def test_a_burst_is_split_among_the_idle_instances() -> None:
     """Rows that arrive together while two instances are idle go to both, half each, instead of
     one instance taking them all while the other waits."""
     sizes: list[int] = []
-    gate = threading.Event()
+    armed, gate = threading.Event(), threading.Event()
     sink = Collector(expect=16)
     cfg = BatcherConfig(max_batch_size=64, instances=2)
-    batcher = make_batcher(
-        doubler(lambda _x: gate.wait(WAIT_S)), cfg, sink, on_batch=lambda n, *_: sizes.append(n)
-    )
+    hold = doubler(lambda _x: armed.is_set() and gate.wait(WAIT_S))  # calls wait; warm-up does not
+    batcher = make_batcher(hold, cfg, sink, on_batch=lambda n, *_: sizes.append(n))
     with batcher:
+        armed.set()
         batcher.submit(rows(range(16)))
+        deadline = time.monotonic() + WAIT_S
+        while batcher.queued_rows and time.monotonic() < deadline:  # both calls formed
+            time.sleep(0.001)
         gate.set()
         assert sink.done.wait(WAIT_S)
     assert sorted(sizes) == [8, 8]
