@@ -58,6 +58,15 @@ def test_workers_share_answers_and_an_unseen_key_costs_no_redis_lookup(namespace
     assert a.stats()["entries"] == b.stats()["entries"] == 2
 
 
+def test_a_redis_cache_that_cannot_work_fails_where_declared() -> None:
+    from aisp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="redis://HOST:PORT"):
+        ResponseCache(["text"], ["score"], redis="http://127.0.0.1:6379")
+    with pytest.raises(ConfigError, match="cannot reach Redis"):
+        ResponseCache(["text"], ["score"], redis="redis://127.0.0.1:1/0")
+
+
 def test_answers_in_redis_stay_under_the_bound_and_expire(namespace: str) -> None:
     r: Any = redis_client()
     cache = ResponseCache(["text"], ["score"], redis=URL, namespace=namespace, max_bytes=4000, ttl_s=1.0)

@@ -85,7 +85,10 @@ class RedisStore:
         self._put = self._r.register_script(_PUT)
         self._refreshed = -float("inf")
         self._lock = threading.Lock()
-        self._r.ping()
+        try:
+            self._r.ping()
+        except Exception as exc:  # redis's connection and auth errors
+            raise ConfigError(f"response cache: cannot reach Redis at {url}: {exc}") from exc
 
     def refresh(self) -> None:
         """Reload the shared Bloom bitmap when it is older than ``refresh_s`` here."""
