@@ -5,7 +5,8 @@
       -> embed (TextEncoder: all-MiniLM-L6-v2, int8 ONNX, dynamic batching; a text embedded
          before is taken from the response cache, in this process or in Redis)
       -> vector index (upserts and deletes by id; HNSW past 512 documents)
-      -> route the query rows by topic (EmbeddingRouter) to a branch per topic
+      -> route the query rows by topic (EmbeddingRouter) to a branch per topic, which ranks its
+         own modules' documents first among near-equals (Rerank)
       -> query rows with their top 10 {"id", "text", "hits", "scores", "cached", "route", "route_score"}
 
 Run it: ``aisp run examples/search/pipeline.py`` (the standard library's docstrings as documents,
