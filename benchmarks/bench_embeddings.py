@@ -18,7 +18,7 @@ Each round runs the three in turn (alternating), over ``--texts`` texts; the rep
 median of ``--rounds`` rounds and the ratios of the medians.
 
     python benchmarks/bench_embeddings.py [--texts 3000 --rounds 3 --batch 64 --threads 2
-        --aisp-batch 128 --instances 2 --aisp-threads 1]
+        --aisp-batch 256 --instances 2 --aisp-threads 1]
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads of the plain loops")
-    ap.add_argument("--aisp-batch", type=int, default=128)
+    ap.add_argument("--aisp-batch", type=int, default=256)
     ap.add_argument("--aisp-threads", type=int, default=1)
     ap.add_argument("--instances", type=int, default=2)
     args = ap.parse_args()

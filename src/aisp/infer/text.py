@@ -88,7 +88,7 @@ class TextEncoder:
         output: str = "last_hidden_state",
         normalize: bool = True,
         chunk_rows: int = 64,
-        chunk_tokens: int = 512,
+        chunk_tokens: int = 256,
         mask: str = "attention_mask",
         cache: ResponseCache | None = None,
     ) -> None:
