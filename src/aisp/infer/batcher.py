@@ -420,8 +420,7 @@ class DynamicBatcher:
             with self._lock:
                 self._count.update(batches=1, errors=rows)
             self._guard(self._dead, batch, f"{type(exc).__name__}: {exc}")
-            if self._in_order is not None and seq is not None:
-                self._in_order.done(seq, None)
+            self._hand_on(seq, None)
             return
         with self._lock:
             self._called(rows, wait_ns, compute_ns, inline=inline)
@@ -429,9 +428,14 @@ class DynamicBatcher:
         if self._on_batch is not None:
             self._guard(self._on_batch, rows, wait_ns, compute_ns, started - began)
             self._not_work(started - began)  # counted once, by on_batch
+        self._hand_on(seq, result)
+
+    def _hand_on(self, seq: int | None, result: Batch | None) -> None:
+        """A call's result (None: it failed) to ``emit``: in the order batches were formed when
+        results leave in order, else at once."""
         if self._in_order is not None and seq is not None:
             self._in_order.done(seq, result)
-        else:
+        elif result is not None:
             self._emit_one(result)
 
     def _emit_one(self, result: Batch) -> None:

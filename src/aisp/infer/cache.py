@@ -33,10 +33,30 @@ import pyarrow as pa
 from aisp.batch import Batch
 from aisp.errors import ConfigError
 
-__all__ = ["BloomFilter", "LocalStore", "ResponseCache", "cached"]
+__all__ = ["BloomFilter", "LocalStore", "ResponseCache", "cached", "encode_answers", "with_answers"]
 
 HIT = "__cache_hit"
 KEY = "__cache_key"  # a row's key, from its lookup to its store (not hashed twice)
+
+
+def encode_answers(encoder: msgspec.msgpack.Encoder, batch: Batch, outputs: Sequence[str]) -> list[bytes]:
+    """Each row's ``outputs`` values, msgpack-encoded: the answers a cache stores."""
+    values = {name: batch.column(name).to_pylist() for name in outputs}
+    return [encoder.encode({n: col[i] for n, col in values.items()}) for i in range(batch.num_rows)]
+
+
+def with_answers(
+    batch: Batch, found: dict[int, dict[str, Any]], outputs: Sequence[str], columns: dict[str, Any]
+) -> Batch:
+    """``batch`` with ``columns``, ``HIT`` marking the rows in ``found`` (by position) and the
+    ``outputs`` columns filled from their answers (null elsewhere)."""
+    hit = np.zeros(batch.num_rows, dtype=bool)
+    hit[list(found)] = True
+    columns[HIT] = hit
+    if found:
+        for name in outputs:
+            columns[name] = pa.array([found[i][name] if i in found else None for i in range(batch.num_rows)])
+    return batch.with_columns(columns)
 
 
 class BloomFilter:
@@ -120,6 +140,12 @@ class LocalStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def refresh(self) -> None:
+        """Nothing to reload: the filter is this process's own."""
+
+    def close(self) -> None:
+        pass
+
 
 class ResponseCache:
     """Answers of a model stage by a hash of their inputs (see the module docstring); ``redis``
@@ -167,8 +193,7 @@ class ResponseCache:
 
     def get(self, keys: npt.NDArray[np.uint64]) -> dict[int, bytes]:
         """The stored answers of ``keys`` that have one, by position (counted as hits)."""
-        if hasattr(self._store, "refresh"):
-            self._store.refresh()  # the other workers' keys into the filter
+        self._store.refresh()  # (Redis) the other workers' keys into the filter
         maybe = self.bloom.may_contain(keys) if len(keys) else np.zeros(0, dtype=bool)
         asked = np.flatnonzero(maybe).tolist()
         with self._lock:
@@ -189,23 +214,13 @@ class ResponseCache:
         """``batch`` with the stored answers of the rows that have one and ``HIT`` marking them."""
         keys = self.keys(batch)
         found = {i: self._dec.decode(b) for i, b in self.get(keys).items()}
-        hit = np.zeros(batch.num_rows, dtype=bool)
-        hit[list(found)] = True
-        columns: dict[str, Any] = {HIT: hit, KEY: keys}
-        if found:
-            for name in self.outputs:
-                columns[name] = pa.array(
-                    [found[i][name] if i in found else None for i in range(batch.num_rows)]
-                )
-        return batch.with_columns(columns)
+        return with_answers(batch, found, self.outputs, {KEY: keys})
 
     def store(self, batch: Batch) -> Batch:
         """Keep the answers of ``batch`` (rows a model just answered; their keys from
         ``lookup`` when they have them); ``batch`` marked not cached."""
         keys = batch.numpy(KEY).astype(np.uint64) if KEY in batch else self.keys(batch)
-        values = {name: batch.column(name).to_pylist() for name in self.outputs}
-        blobs = [self._enc.encode({n: col[i] for n, col in values.items()}) for i in range(len(keys))]
-        self.put(keys, blobs)
+        self.put(keys, encode_answers(self._enc, batch, self.outputs))
         return batch.drop([KEY]).with_columns({"cached": np.zeros(batch.num_rows, dtype=bool)})
 
     @property
@@ -222,8 +237,7 @@ class ResponseCache:
             }  # fmt: skip
 
     def close(self) -> None:
-        if hasattr(self._store, "close"):
-            self._store.close()
+        self._store.close()
 
 
 def cached(stream: Any, step_id: str, cache: Any, model: Callable[[Any], Any]) -> Any:

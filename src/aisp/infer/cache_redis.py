@@ -60,6 +60,13 @@ return evicted
 """
 
 
+_TOUCH = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+for i = 1, #ARGV do redis.call('ZADD', KEYS[1], 'XX', now, ARGV[i]) end
+"""
+
+
 def _client(url: str) -> Any:
     import redis
 
@@ -82,7 +89,7 @@ class RedisStore:
         self._bloom, self._refresh_s = bloom, refresh_s
         self._prefix = f"{namespace}:a:"
         self._keys = [f"{namespace}:lru", f"{namespace}:size", f"{namespace}:bytes", f"{namespace}:forgotten"]
-        self._put = self._r.register_script(_PUT)
+        self._put, self._touch = self._r.register_script(_PUT), self._r.register_script(_TOUCH)
         self._refreshed = -float("inf")
         self._lock = threading.Lock()
         try:
@@ -102,15 +109,11 @@ class RedisStore:
             self._bloom.words[:] = np.frombuffer(raw[:size].ljust(size, b"\0"), dtype="<u8")
 
     def get(self, keys: list[int]) -> list[bytes | None]:
-        names = [f"{self._prefix}{k}" for k in keys]
-        blobs: list[bytes | None] = self._r.mget(names)
+        """The answers of ``keys`` (None: none stored); the found ones' last use noted."""
+        blobs: list[bytes | None] = self._r.mget([f"{self._prefix}{k}" for k in keys])
         used = [str(k) for k, b in zip(keys, blobs, strict=True) if b is not None]
-        if used:  # their last use, for the least-recently-used order
-            self._r.eval(
-                "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000000 + tonumber(t[2])"
-                " for i = 1, #ARGV do redis.call('ZADD', KEYS[1], 'XX', now, ARGV[i]) end",
-                1, self._keys[0], *used,
-            )  # fmt: skip
+        if used:  # for the least-recently-used order
+            self._touch(keys=self._keys[:1], args=used)
         return blobs
 
     def put(self, keys: list[int], blobs: list[bytes]) -> int:
@@ -119,8 +122,9 @@ class RedisStore:
         for key, blob in zip(keys, blobs, strict=True):
             args += [str(key), blob]
         evicted = int(self._put(keys=self._keys, args=args))
-        self._set_bits(np.array(keys, dtype=np.uint64))
-        self._bloom.add(np.array(keys, dtype=np.uint64))
+        stored = np.array(keys, dtype=np.uint64)
+        self._set_bits(stored)
+        self._bloom.add(stored)
         if evicted and int(self._r.get(self._keys[3]) or 0) > len(self):
             self._rebuild()
         return evicted
@@ -155,21 +159,14 @@ class RedisStore:
 
     def clear(self) -> None:
         """Drop every answer and the filter of this namespace."""
-        names = [*self._keys, f"{self._ns}:bloom"]
-        for batch in self._batches(self._r.scan_iter(f"{self._prefix}*", count=1000)):
-            self._r.delete(*batch)
-        self._r.delete(*names)
-
-    @staticmethod
-    def _batches(it: Any, n: int = 1000) -> Any:
-        batch: list[Any] = []
-        for item in it:
-            batch.append(item)
-            if len(batch) >= n:
-                yield batch
-                batch = []
-        if batch:
-            yield batch
+        cursor = 0
+        while True:
+            cursor, found = self._r.scan(cursor, match=f"{self._prefix}*", count=1000)
+            if found:
+                self._r.delete(*found)
+            if not cursor:
+                break
+        self._r.delete(*self._keys, f"{self._ns}:bloom")
 
     def close(self) -> None:
         self._r.close()

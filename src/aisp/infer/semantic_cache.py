@@ -24,11 +24,10 @@ from typing import Any
 import msgspec
 import numpy as np
 import numpy.typing as npt
-import pyarrow as pa
 
 from aisp.batch import Batch
 from aisp.errors import ConfigError
-from aisp.infer.cache import HIT, KEY
+from aisp.infer.cache import KEY, encode_answers, with_answers
 
 __all__ = ["SemanticCache"]
 
@@ -66,10 +65,11 @@ class SemanticCache:
         self.hits = self.misses = self.lookups = self.evictions = 0
 
     def _embeddings(self, batch: Batch) -> npt.NDArray[np.float32]:
-        out = np.asarray(batch.numpy(self.column), dtype=np.float32).reshape(batch.num_rows, -1)
-        return np.asarray(
-            out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12), dtype=np.float32
+        out: npt.NDArray[np.float32] = np.array(batch.numpy(self.column), dtype=np.float32).reshape(
+            batch.num_rows, -1
         )
+        out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+        return out
 
     def lookup(self, batch: Batch) -> Batch:
         """``batch`` with the answers of its rows' best matches at or above the threshold,
@@ -91,23 +91,14 @@ class SemanticCache:
                 self.lookups += rows
             self.hits += len(found)
             self.misses += rows - len(found)
-        hit = np.zeros(rows, dtype=bool)
-        hit[list(found)] = True
-        columns: dict[str, Any] = {HIT: hit, SCORE: score}
-        if found:
-            for name in self.outputs:
-                columns[name] = pa.array([found[i][name] if i in found else None for i in range(rows)])
-        return batch.with_columns(columns)
+        return with_answers(batch, found, self.outputs, {SCORE: score})
 
     def store(self, batch: Batch) -> Batch:
         """Keep the answers of ``batch`` (rows a model just answered) under their embeddings;
         ``batch`` marked not cached."""
         if batch.num_rows:
             vectors = self._embeddings(batch)
-            values = {name: batch.column(name).to_pylist() for name in self.outputs}
-            blobs = [
-                self._enc.encode({n: col[i] for n, col in values.items()}) for i in range(batch.num_rows)
-            ]
+            blobs = encode_answers(self._enc, batch, self.outputs)
             with self._lock:
                 self._add(vectors, blobs)
         return batch.drop([KEY]).with_columns({"cached": np.zeros(batch.num_rows, dtype=bool)})

@@ -131,8 +131,10 @@ class TextEncoder:
         fresh = self._embed({n: a[miss] for n, a in inputs.items()})["embedding"] if len(miss) else None
         dim = fresh.shape[1] if fresh is not None else len(next(iter(found.values()))) // 4
         out = np.empty((rows, dim), dtype=np.float32)
-        for i, blob in found.items():
-            out[i] = np.frombuffer(blob, dtype=np.float32)
+        if found:  # the stored vectors, in one copy
+            out[list(found)] = np.frombuffer(b"".join(found.values()), dtype=np.float32).reshape(
+                len(found), dim
+            )
         if fresh is not None:
             out[miss] = fresh
             self.cache.put(keys[miss], [v.tobytes() for v in fresh])
