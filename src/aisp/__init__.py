@@ -15,7 +15,16 @@ from aisp.errors import (
     SourceError,
 )
 from aisp.graph import Graph, Node
-from aisp.infer import BatcherConfig, ModelRepository, OnnxRuntime, PythonRuntime, ServedModel
+from aisp.infer import (
+    BatcherConfig,
+    LlmSlo,
+    LlmSpec,
+    ModelRepository,
+    OnnxRuntime,
+    OpenAIClient,
+    PythonRuntime,
+    ServedModel,
+)
 from aisp.ingest import Source, TestingSource, WorkloadFSource
 from aisp.pipeline import KeyedStream, Pipeline, Stream
 from aisp.runner import CheckpointOptions, ObserveOptions, RunOptions, RunSummary, run
@@ -48,6 +57,8 @@ __all__ = [
     "JsonlFileSource",
     "KeyedStream",
     "Last",
+    "LlmSlo",
+    "LlmSpec",
     "Max",
     "Mean",
     "Min",
@@ -58,6 +69,7 @@ __all__ = [
     "NullSink",
     "ObserveOptions",
     "OnnxRuntime",
+    "OpenAIClient",
     "Pipeline",
     "PythonRuntime",
     "Quantile",

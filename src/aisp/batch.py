@@ -33,6 +33,7 @@ __all__ = [
     "INGEST_NS",
     "KEY",
     "META_COLUMNS",
+    "PARTIAL",
     "PARTITION_WATERMARK",
     "TIER",
     "WATERMARK",
@@ -50,7 +51,10 @@ EVENT_TIME = "_event_time"
 WATERMARK = "_watermark"
 PARTITION_WATERMARK = "_partition_watermark"
 """The watermark of the row's own input partition, when state follows partitions."""
-META_COLUMNS = (ID, INGEST_NS, KEY, TIER, DEADLINE_NS, EVENT_TIME, WATERMARK, PARTITION_WATERMARK)
+PARTIAL = "_partial"
+"""Set on rows that carry a piece of an event's result (an LLM's tokens as they come), which
+go out to the event's client before the result and close no branch of it."""
+META_COLUMNS = (ID, INGEST_NS, KEY, TIER, DEADLINE_NS, EVENT_TIME, WATERMARK, PARTITION_WATERMARK, PARTIAL)
 
 ColumnLike: TypeAlias = pa.Array | pa.ChunkedArray | npt.NDArray[Any] | Sequence[Any]
 

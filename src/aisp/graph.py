@@ -36,7 +36,7 @@ class Node:
     Attributes:
         step_id: unique id, used in errors, metrics and dead letters.
         kind: ``source``, ``map_batch``, ``map``, ``filter``, ``key_by``, ``stateful``, ``infer``,
-            ``route``, ``union`` or ``sink``.
+            ``llm``, ``route``, ``union`` or ``sink``.
         spec: the operator's configuration (turned into a runtime operator by the executor).
         inputs: upstream references, ``"step"`` or ``"step:port"``.
         ports: the output ports this node offers (sinks offer none).

@@ -28,6 +28,7 @@ from aisp.connectors import connector_for
 from aisp.errors import ConfigError, GraphError
 from aisp.graph import DEFAULT_PORT, Graph, Node
 from aisp.infer.batcher import BatcherConfig
+from aisp.infer.llm_stage import LlmSpec
 from aisp.infer.model_steps import expand_by_tier, expand_rollout
 from aisp.infer.rollout import Rollout, RolloutPolicy
 from aisp.infer.runtime import Runtime
@@ -349,6 +350,11 @@ class Stream:
         united, rollout = expand_rollout(self, step_id, stable, candidate, policy, infer=infer)
         self.pipeline.rollouts[step_id] = rollout
         return united  # type: ignore[no-any-return]
+
+    def llm(self, step_id: str, spec: LlmSpec, *, latency_budget_ms: float = 1000.0) -> Stream:
+        """An LLM generating from each row's prompt: its tokens go on as partial rows while they
+        come, then the row with the answer (``aisp.infer.llm_stage``)."""
+        return self._add(step_id, "llm", spec, latency_budget_ms)
 
     def route(
         self,

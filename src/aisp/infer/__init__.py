@@ -14,6 +14,8 @@ from aisp.infer.batcher import (
     Prepare,
     QueueFull,
 )
+from aisp.infer.llm import Generation, LlmError, OpenAIClient
+from aisp.infer.llm_stage import LlmSlo, LlmSpec, LlmStage
 from aisp.infer.repository import (
     ModelConfig,
     ModelRepository,
@@ -38,11 +40,17 @@ __all__ = [
     "DynamicBatcher",
     "Emit",
     "Finish",
+    "Generation",
     "InferSpec",
+    "LlmError",
+    "LlmSlo",
+    "LlmSpec",
+    "LlmStage",
     "ModelConfig",
     "ModelRepository",
     "OnBatch",
     "OnnxRuntime",
+    "OpenAIClient",
     "Prepare",
     "PythonRuntime",
     "QueueFull",

@@ -19,7 +19,9 @@ How it reasons:
    (``serialization``), a sink that waits on its destination (``slow_sink``), a per-row Python
    function (``row_udf``), another operator (``slow_operator``); and for the whole pipeline,
    events refused or shed at admission (``admission_overload``), model calls failing or rows
-   expiring (``model_errors``). When nothing stands out: ``healthy``.
+   expiring (``model_errors``); an LLM step's requests waiting for a slot (``llm_queueing``)
+   or slow generation (``llm_slow_generation``, see ``diagnose_llm``). When nothing stands
+   out: ``healthy``.
 
 A finding's ``score`` is the share of the events' time it explains (0..1) or, for causes that
 are work done (``slow_model``, ``row_udf``, ``slow_operator``, ``serialization``), the stage's
@@ -37,6 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from aisp.observe.diagnose_llm import LLM_CAUSES, llm_findings
 from aisp.observe.scrape import Scrape, _Hist, _Window, metrics_url
 
 __all__ = ["CAUSES", "Finding", "Scrape", "diagnose", "metrics_url"]
@@ -51,6 +54,7 @@ CAUSES = (
     "slow_sink",
     "admission_overload",
     "model_errors",
+    *LLM_CAUSES,
     "healthy",
 )
 PHASES = ("queue", "batch", "serialize", "compute")
@@ -171,6 +175,8 @@ def _classify(st: _Stage, thread_busy: float) -> tuple[str, str, dict[str, Any]]
     if st.budget_s:
         ev["budget_ms"] = _ms(st.budget_s)
     per_row_us = round(st.own_s / st.batch_rows * 1e6, 2) if st.batch_rows else 0.0
+    if st.kind == "llm":
+        return None  # (``diagnose_llm``)
     if st.kind == "infer":
         return _classify_model(st, thread_busy, ev, per_row_us)
     if st.kind in ("sink", "source"):
@@ -351,6 +357,9 @@ def diagnose(before: Scrape | None, after: Scrape, *, seconds: float | None = No
         findings.append(Finding(cause, st.name, score, {**ev, **base}, suggestion))
     findings.extend(_pipeline_findings(w, stages, findings, base))
     findings.extend(_model_server_findings(w, base))
+    findings.extend(
+        Finding(*f) for f in llm_findings(w, [st.name for st in stages if st.kind == "llm"], base)
+    )
     findings.sort(key=lambda f: -f.score)
     meaningful = [f for f in findings if f.score >= 0.05 or f.cause in ("admission_overload", "model_errors")]
     if not meaningful or (e2e.count and _healthy(stages, e2e, after, meaningful)):

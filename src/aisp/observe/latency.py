@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["LatencyHistogram"]
+__all__ = ["LatencyHistogram", "histogram_buckets"]
 
 _LINEAR = 128  # values below this are counted exactly
 _HALF = 64  # sub-buckets per power of two above it -> <= 0.8% relative error (bucket midpoints)
@@ -209,3 +209,13 @@ def _splits(bounds_ns: tuple[float, ...]) -> npt.NDArray[np.int64]:
         split = np.searchsorted(mids, np.asarray(bounds_ns, dtype=np.float64), side="right").astype(np.int64)
         _SPLITS[bounds_ns] = split
     return split
+
+
+def histogram_buckets(
+    hist: LatencyHistogram, bounds: tuple[float, ...], scale: float
+) -> tuple[list[Any], float]:
+    """Prometheus (bound, cumulative count) pairs and the sum, from a histogram of raw units."""
+    counts = hist.cumulative([b * scale for b in bounds])
+    pairs: list[Any] = [(repr(float(b)), c) for b, c in zip(bounds, counts, strict=True)]
+    pairs.append(("+Inf", hist.count))
+    return pairs, hist.sum_ns / scale

@@ -35,6 +35,8 @@ Families (seconds and rows in the names; labels bounded by the pipeline's steps)
   score share, e2e p50/p99 in ms).
 * Per window step: ``aisp_window_open{stage}`` (open windows), ``aisp_window_late_events_total
   {stage}``, ``aisp_watermark_lag_seconds{stage}`` (the wall clock minus the step's watermark).
+* Per LLM step: time to first token, inter-token gaps, jitter, tokens/s, queueing, requests by
+  outcome (``aisp.observe.llm_metrics``).
 * ``aisp_uptime_seconds``: since the pipeline started (the clock of rates between scrapes).
 * ``aisp_stage_errors_total{stage}``, ``aisp_dead_letters_total{stage}``,
   ``aisp_events_total{direction}``, ``aisp_checkpoints_total``.
@@ -66,7 +68,8 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.utils import floatToGoString as _go_float
 
 from aisp.observe.clock import wall_ms
-from aisp.observe.latency import LatencyHistogram
+from aisp.observe.latency import LatencyHistogram, histogram_buckets
+from aisp.observe.llm_metrics import llm_families
 from aisp.observe.operator_counters import counter_families, operator_counters
 from aisp.observe.rollouts import rollout_families, step_statuses
 from aisp.observe.stats import AdmissionStats, StageStats
@@ -88,16 +91,6 @@ LATENCY_BUCKETS_S = (
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 _NO_WATERMARK = -(2**63)  # a window step's watermark before any event (transform.event_time)
-
-
-def histogram_buckets(
-    hist: LatencyHistogram, bounds: tuple[float, ...], scale: float
-) -> tuple[list[Any], float]:
-    """Prometheus (bound, cumulative count) pairs and the sum, from a histogram of raw units."""
-    counts = hist.cumulative([b * scale for b in bounds])
-    pairs: list[Any] = [(repr(float(b)), c) for b, c in zip(bounds, counts, strict=True)]
-    pairs.append(("+Inf", hist.count))
-    return pairs, hist.sum_ns / scale
 
 
 class PipelineCollector:
@@ -130,6 +123,7 @@ class PipelineCollector:
         yield self._slo(stats, stages)
         yield from self._drift()
         yield from self._windows()
+        yield from llm_families(getattr(self._ex, "llm_stages", {}))
         yield from rollout_families("aisp_step_rollout", "stage", step_statuses(self._ex.graph))
         counters = getattr(self._ex, "counters", None)  # a remote view's come with its snapshots
         yield from counter_families(counters if counters is not None else operator_counters(self._ex.graph))

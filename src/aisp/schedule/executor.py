@@ -22,11 +22,11 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from aisp.batch import Batch
+from aisp.batch import PARTIAL, Batch
 from aisp.errors import AispError, SinkError, StateError
 from aisp.graph import Graph, Node
 from aisp.infer.batcher import DynamicBatcher
-from aisp.infer.stage import InferSpec, build_batcher
+from aisp.infer.llm_stage import LlmStage
 from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
 from aisp.observe.drift import DriftMonitor
 from aisp.observe.stats import RunStats, StageStats
@@ -35,8 +35,10 @@ from aisp.schedule.channel import Channel
 from aisp.schedule.checkpoints import CheckpointCoordinator, Flight
 from aisp.schedule.config import ExecutorOptions, Lineage
 from aisp.schedule.keyed_state import KeyedStateKeeper
-from aisp.schedule.ops import InferOp, SinkOp, can_fork, model_batches, offloaded
+from aisp.schedule.model_steps import make_batcher, make_llm
+from aisp.schedule.ops import InferOp, LlmOp, SinkOp, can_fork, offloaded
 from aisp.schedule.pacing import Pacer
+from aisp.schedule.planning import MODEL_KINDS
 from aisp.schedule.watermarks import SourceClocks
 from aisp.sinks.base import Sink, SinkPartition
 from aisp.sinks.deadletter import DeadLetterWriter
@@ -95,6 +97,7 @@ class LocalExecutor:
         self._sink_parts: dict[str, SinkPartition] = {}
         self._source_parts: dict[str, SourcePartition] = {}
         self.batchers: dict[str, DynamicBatcher] = {}
+        self.llm_stages: dict[str, LlmStage] = {}
         self._restore = restore
         self.clocks = SourceClocks({sid: n for sid, n in self._nodes.items() if n.kind == "source"}, graph)
         """Event time and watermarks of the sources that have them."""
@@ -174,37 +177,12 @@ class LocalExecutor:
                 self._sink_parts[sid] = part
                 self._ops[sid] = SinkOp(part, self.stats)
             elif node.kind == "infer":
-                self._ops[sid] = InferOp(self._make_batcher(node, st), sid, node.spec)
+                self._ops[sid] = InferOp(make_batcher(self, node, st), sid, node.spec)
+            elif node.kind == "llm":
+                self._ops[sid] = LlmOp(make_llm(self, node, st))
             else:
                 ctx = OperatorContext(sid, partial(self._dead_letter_rows, closes=False), self._key_indexes)
                 self._ops[sid] = node.spec.build(ctx)
-
-    def _make_batcher(self, node: Node, st: StageStats) -> DynamicBatcher:
-        spec: InferSpec = node.spec
-        sid = node.step_id
-
-        call = threading.local()  # the dispatcher's last call, for its trace span
-
-        def emit(batch: Batch) -> None:
-            st.rows_out += batch.num_rows
-            if self.tracer is not None and self.tracer.active:
-                self.tracer.model_out(sid, batch, getattr(call, "wait_ns", 0), getattr(call, "compute_ns", 0))
-            try:
-                self._emit(sid, "out", batch)
-            except SinkError as exc:  # from a sink chained after the model: the pipeline stops
-                self._errors.append(exc)
-                self._stop.set()
-
-        batcher = build_batcher(
-            spec,
-            emit=emit,
-            dead_letter=lambda b, reason: self._dead_letter_rows(b, sid, reason),
-            on_batch=model_batches(st, call),
-        )
-        ch = self._channels.get(sid)
-        st.queue_rows = lambda: batcher.queued_rows + (ch.rows if ch else 0)
-        self.batchers[sid] = batcher
-        return batcher
 
     # -- data flow ----------------------------------------------------------------------------
     def _push(self, sid: str, batch: Batch) -> None:
@@ -220,6 +198,9 @@ class LocalExecutor:
         st = self.stats.stages[sid]
         st.rows_in += batch.num_rows
         kind = self._nodes[sid].kind
+        if PARTIAL in batch and kind != "sink":  # pieces of results (tokens) pass on unchanged
+            st.rows_out += batch.num_rows
+            return self._emit(sid, self._nodes[sid].ports[0], batch)
         traced = batch.traced  # sampled events (set at ingest when tracing)
         if traced is not None and self.tracer is not None:
             self.tracer.entered(sid, kind, traced, batch)
@@ -241,24 +222,24 @@ class LocalExecutor:
             if model is not None:  # its calls are counted by on_batch; a full queue is not work
                 took -= model.not_work_ns() - not_work
             st.busy_ns += took
-        if kind != "infer":  # a model's phases come from its batcher
+        if kind not in MODEL_KINDS:  # a model's phases come from its batcher
             st.cpu_ns += time.thread_time_ns() - c0
             st.batches += 1
             st.phase("serialize" if kind == "sink" else "compute", took)
             st.batch_rows.record_one(batch.num_rows)
         if kind == "sink":
             self.flight.landed(-batch.num_rows)
-        elif kind != "infer":
+        elif kind not in MODEL_KINDS:
             self.flight.landed(sum(o.num_rows for _, o in outs) - batch.num_rows)
-        if traced is not None and kind != "infer" and self.tracer is not None:
+        if traced is not None and kind not in MODEL_KINDS and self.tracer is not None:
             self.tracer.left(sid, kind, traced, traced_from, batch.num_rows, outs)
         if self.lineage is not None:
             if kind == "sink":
                 self.lineage.written(sid, batch)
-            elif kind != "infer":  # a model's rows move on from its batcher, one out per in
+            elif kind not in MODEL_KINDS:  # a model's rows move on from its own threads, one out per in
                 self.lineage.forwarded(sid, batch, outs)
         for port, out in outs:
-            if kind != "infer":
+            if kind not in MODEL_KINDS:
                 st.rows_out += out.num_rows
             self._emit(sid, port, out)
 

@@ -13,8 +13,9 @@ from dataclasses import replace
 import numpy as np
 import numpy.typing as npt
 
-from aisp.batch import INGEST_NS, Batch
+from aisp.batch import INGEST_NS, PARTIAL, Batch
 from aisp.infer.batcher import DynamicBatcher
+from aisp.infer.llm_stage import LlmStage
 from aisp.infer.stage import InferSpec
 from aisp.ingest.base import Source
 from aisp.ingest.process import ProcessSource
@@ -83,6 +84,8 @@ class SinkOp:
     def process(self, batch: Batch) -> Emit:
         if not batch.num_rows:
             return []
+        if PARTIAL in batch:  # pieces of results (tokens): for a served pipeline's clients only
+            return []
         self.part.write(batch)
         if not self.part.reports_written:
             self._written(batch.numpy(INGEST_NS), time.monotonic_ns())
@@ -90,6 +93,21 @@ class SinkOp:
 
     def flush(self) -> Emit:
         self.part.flush()
+        return []
+
+
+class LlmOp:
+    """An ``llm`` step: rows go to its ``LlmStage``, whose loop emits them (and their tokens)."""
+
+    def __init__(self, stage: LlmStage) -> None:
+        self.stage = stage
+
+    def process(self, batch: Batch) -> Emit:
+        self.stage.feed(batch)
+        return []
+
+    def flush(self) -> Emit:
+        self.stage.close()
         return []
 
 

@@ -8,9 +8,13 @@ from collections.abc import Collection, Mapping, Sequence
 
 from aisp.graph import Node, split_ref
 
-__all__ = ["CHAINABLE", "CHAIN_UPSTREAM", "assign_tasks", "tasks", "thread_of"]
+__all__ = ["CHAINABLE", "CHAIN_UPSTREAM", "MODEL_KINDS", "assign_tasks", "tasks", "thread_of"]
 
-CHAINABLE = frozenset({"map_batch", "map", "filter", "key_by", "stateful", "route", "union", "sink", "infer"})
+CHAINABLE = frozenset(
+    {"map_batch", "map", "filter", "key_by", "stateful", "route", "union", "sink", "infer", "llm"}
+)
+MODEL_KINDS = frozenset({"infer", "llm"})
+"""Steps whose rows move on from threads of their own (a batcher's dispatchers, an LLM step's loop)."""
 CHAIN_UPSTREAM = frozenset(
     {"source", "map_batch", "map", "filter", "key_by", "stateful", "window", "join", "route", "union"}
 )
@@ -35,7 +39,9 @@ def assign_tasks(
         up, port = split_ref(node.inputs[0])
         up_node = nodes[up]
         single = len(consumers[(up, port)]) == 1
-        after_model = up_node.kind == "infer" and up_node.spec.batcher.instances == 1
+        after_model = up_node.kind == "llm" or (
+            up_node.kind == "infer" and up_node.spec.batcher.instances == 1
+        )
         if single and (up_node.kind in CHAIN_UPSTREAM or after_model):
             task_of[sid] = task_of[up]
     return task_of
@@ -53,11 +59,11 @@ def thread_of(
     for sid, node in nodes.items():
         if node.kind == "infer" and sid in inline and task_of[sid] != sid:
             out[sid] = out[split_ref(node.inputs[0])[0]]  # the upstream task's thread
-        elif node.kind == "infer" or task_of[sid] == sid:
+        elif node.kind in MODEL_KINDS or task_of[sid] == sid:
             out[sid] = sid
         else:
             up = split_ref(node.inputs[0])[0]
-            out[sid] = up if nodes[up].kind == "infer" and up not in inline else out[up]
+            out[sid] = up if nodes[up].kind in MODEL_KINDS and up not in inline else out[up]
     return out
 
 

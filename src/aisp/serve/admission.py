@@ -4,7 +4,7 @@
 ``timeout`` parameter if sooner), the rate limits of its API key and tier (``Overloaded``, 429
 / RESOURCE_EXHAUSTED), and its check against the model's signature (``BadRequest``).
 ``PipelineAdmission``: a served pipeline's events: rate limits, its anomaly-controlled rate
-(``aisp.schedule.anomaly``), then room in its inbox.
+(``aisp.schedule.anomaly``), its LLM steps' time-to-first-token targets, then room in its inbox.
 """
 
 from __future__ import annotations
@@ -129,6 +129,21 @@ class PipelineAdmission:
             )
         return wait
 
+    def _llm_check(self, rows: int, tier: int | None, first: bool) -> None:
+        """A first chunk that an LLM step predicts would miss its time-to-first-token target
+        is refused before it starts (``LlmStage.refusal``)."""
+        if not first or not rows:
+            return
+        for step, stage in self.service.executor.llm_stages.items():
+            refused = stage.refusal(rows, tier)
+            if refused is not None:
+                self.service.refused(rows)
+                retry, why = refused
+                raise Overloaded(
+                    f"pipeline {self.service.name!r}: LLM step {step!r}: {why}; retry in {retry:.2f} s",
+                    retry_after_s=retry,
+                )
+
     def _give_up(self, rows: int, first: bool, deadline: float) -> None:
         if first and time.monotonic() >= deadline:
             self.service.refused(rows)
@@ -147,6 +162,7 @@ class PipelineAdmission:
         while wait:  # a later chunk of a stream waits for the controlled rate
             await asyncio.sleep(wait)
             wait = self._control_wait(rows, first, again=True)
+        self._llm_check(rows, tier, first)
         deadline = time.monotonic() + self.wait_s
         for pause in _pauses():
             if self.service.offer(batch, chunk):
@@ -175,6 +191,7 @@ class PipelineAdmission:
             if stop.wait(wait):
                 return False
             wait = self._control_wait(rows, first, again=True)
+        self._llm_check(rows, tier, first)
         deadline = time.monotonic() + self.wait_s
         for pause in _pauses():
             if self.service.offer(batch, chunk):

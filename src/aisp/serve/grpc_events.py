@@ -120,9 +120,11 @@ class PipelineStreams:
                     if not lines:
                         continue
                     first = line == 1
+                    moved = threading.Event()
                     try:
                         batch, chunk, errors = service.prepare(
                             lines,
+                            notify=moved.set,
                             deadline_ns=deadline_ns,
                             tier=tier,
                             track=mode == "results",
@@ -140,7 +142,7 @@ class PipelineStreams:
                         return  # the call ended while this message waited for room
                     line += len(lines)
                     if chunk is not None:
-                        answers.put(chunk)
+                        answers.put((chunk, moved))
                     else:
                         ack = {
                             "accepted": len(lines) - len(errors),
@@ -159,9 +161,8 @@ class PipelineStreams:
             while (item := answers.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
-                if isinstance(item, Chunk):
-                    item.done.wait()
-                    yield item.lines(0, item.n)
+                if isinstance(item, tuple):
+                    yield from _answers(*item)
                 elif isinstance(item, bytes):
                     yield item
         finally:
@@ -171,8 +172,26 @@ class PipelineStreams:
                     item = answers.get(timeout=0.05)
                 except queue.Empty:
                     continue
-                if isinstance(item, Chunk):
-                    service.tracker.discard(item)
+                if isinstance(item, tuple):
+                    service.tracker.discard(item[0])
+
+
+def _answers(chunk: Chunk, moved: threading.Event) -> Iterator[bytes]:
+    """A chunk's result lines: in one message when it is done, and before that the pieces of
+    results (an LLM step's tokens) as they come, each message what was new."""
+    sent = 0
+    while True:
+        moved.clear()
+        done = chunk.done.is_set()
+        if chunk.pieces or (done and sent < chunk.n):
+            upto = chunk.prefix
+            data = chunk.stream(sent, upto)
+            sent = max(sent, upto)
+            if data:
+                yield data
+        if done:
+            return
+        moved.wait()
 
 
 def _failed_message(n: int, first_line: int, exc: AispError, *, fire: bool) -> bytes:

@@ -50,7 +50,8 @@ async def _body_lines(receive: Any, chunk_rows: int, max_line_bytes: int) -> Asy
 
 
 class Events:
-    """``POST /v1/pipelines/{pipeline}/events``: NDJSON in, one NDJSON result per event out.
+    """``POST /v1/pipelines/{pipeline}/events``: NDJSON in, one NDJSON result per event out
+    (as server-sent events with ``Accept: text/event-stream``).
 
     A raw ASGI endpoint, so the response streams while the (possibly unbounded, chunked) body is
     still being read: results go back in request order as the pipeline finishes them. With
@@ -122,7 +123,8 @@ class Events:
             reply = await self._fire(service, stream, key, opts)
             await reply(scope, receive, send)
         else:
-            await self._results(service, stream, key, opts, _HttpOut(send))
+            sse = "text/event-stream" in request.headers.get("accept", "")
+            await self._results(service, stream, key, opts, _SseOut(send) if sse else _HttpOut(send))
 
     async def _fire(
         self, service: PipelineService, stream: AsyncIterator[list[bytes]], key: str, opts: dict[str, Any]
@@ -210,7 +212,10 @@ class Events:
                 while pending:
                     chunk = pending[0]
                     upto = chunk.prefix
-                    if upto > sent:
+                    if chunk.pieces:  # partial results (tokens): streamed as they come
+                        ready.append(chunk.stream(sent, upto))
+                        sent = max(sent, upto)
+                    elif upto > sent:
                         ready.append(chunk.lines(sent, upto))
                         sent = upto
                     if sent < chunk.n:
@@ -219,7 +224,7 @@ class Events:
                     sent = 0
                     state["unanswered"] -= chunk.n
                     room.set()
-                if ready:
+                if any(ready):
                     await out.write(b"".join(ready))
                 elif not pending and not state["reading"]:
                     break
@@ -257,6 +262,19 @@ class _HttpOut:
 
     async def end(self) -> None:
         await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _SseOut(_HttpOut):
+    """The same lines as server-sent events (``Accept: text/event-stream``): ``data: LINE``
+    each; the end of the results is the end of the stream."""
+
+    async def start(self) -> None:
+        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        await self._send({"type": "http.response.start", "status": 200, "headers": headers})
+
+    async def write(self, data: bytes) -> None:
+        events = b"".join(b"data: " + line + b"\n\n" for line in data.split(b"\n") if line)
+        await super().write(events)
 
 
 class _SocketOut:

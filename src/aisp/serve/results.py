@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from aisp.batch import ID, Batch
+from aisp.batch import ID, PARTIAL, Batch
 from aisp.sinks.base import RowEncoder
 from aisp.transform.operators import Emit
 
@@ -36,6 +36,24 @@ class Chunk:
         self.prefix = 0
         self.notify = notify
         self.done = threading.Event()
+        self.pieces: dict[int, list[bytes]] = {}
+        """Lines of partial rows (``PARTIAL``: tokens as they come) by event, not yet taken."""
+        self._pieces_lock = threading.Lock()
+
+    def add_piece(self, i: int, line: bytes) -> None:
+        with self._pieces_lock:
+            self.pieces.setdefault(i, []).append(line)
+
+    def stream(self, start: int, stop: int) -> bytes:
+        """``lines(start, stop)`` with each event's pieces before its result line, then the
+        pieces of event ``stop`` so far (the one the response waits for: it streams)."""
+        out: list[bytes] = []
+        with self._pieces_lock:
+            for i in range(start, min(stop + 1, self.n)):
+                out += self.pieces.pop(i, ())
+                if i < stop:
+                    out.append(self.lines(i, i + 1)[:-1])
+        return b"\n".join(out) + b"\n" if out else b""
 
     def lines(self, start: int, stop: int) -> bytes:
         """The result lines of events ``start:stop`` (done ones), newline-terminated."""
@@ -70,6 +88,7 @@ class ResultTracker:
     def __init__(self, result_step: str, encoder: RowEncoder) -> None:
         self.result_step = result_step
         self._encoder = encoder
+        self._pieces_encoder = RowEncoder()  # partial rows: their own columns (an LLM's token)
         self._lock = threading.Lock()
         self._chunks: dict[int, Chunk] = {}
         self._starts = np.empty(0, dtype=np.int64)
@@ -101,6 +120,8 @@ class ResultTracker:
 
     # -- the executor's Lineage -------------------------------------------------------------
     def forwarded(self, step: str, batch: Batch, outs: Emit) -> None:
+        if PARTIAL in batch:
+            return  # pieces of results open and close no branch
         ids = batch.ids
         if len(outs) == 1 and outs[0][1].num_rows == ids.shape[0]:
             out_ids = outs[0][1].ids
@@ -118,6 +139,10 @@ class ResultTracker:
     def written(self, step: str, batch: Batch) -> None:
         if not batch.num_rows:
             return
+        if PARTIAL in batch:
+            if step == self.result_step:
+                self._pieces(batch)
+            return
         minus = np.full(batch.num_rows, -1, dtype=np.int32)
         if step == self.result_step:
             if self.observe is not None:
@@ -129,11 +154,24 @@ class ResultTracker:
             self._update(batch.ids, minus, fill=_encode({"sink": step}), rank=self.SIDE_SINK)
 
     def failed(self, step: str, batch: Batch, reason: str, *, closes: bool = True) -> None:
-        if ID not in batch or not batch.num_rows:
+        if ID not in batch or not batch.num_rows or PARTIAL in batch:
             return
         delta = np.full(batch.num_rows, -1 if closes else 0, dtype=np.int32)
         fill = _encode({"error": reason, "step": step})
         self._update(batch.ids, delta, fill=fill, rank=self.ERROR, always_fill=not closes)
+
+    def _pieces(self, batch: Batch) -> None:
+        lines = self._pieces_encoder.encode(batch).split(b"\n")
+        ids = batch.ids
+        wake = []
+        with self._lock:
+            for chunk, rows in self._locate(ids):
+                for i, r in zip((ids[rows] - chunk.start).tolist(), rows.tolist(), strict=True):
+                    chunk.add_piece(i, lines[r])
+                wake.append(chunk)
+        for chunk in wake:
+            if chunk.notify is not None:
+                chunk.notify()
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _locate(self, ids: npt.NDArray[np.int64]) -> list[tuple[Chunk, npt.NDArray[np.intp]]]:

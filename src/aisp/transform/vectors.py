@@ -58,6 +58,10 @@ class VectorIndex:
     exact_below: int = 2048
     connectivity: int = 16
     expansion_search: int = 64
+    payload_column: str | None = None
+    """A column kept with each document (its text, say): queries get the hits' values in
+    ``payloads_column``, best first (what a RAG prompt quotes). Checkpointed with the vectors."""
+    payloads_column: str = "passages"
 
     def __post_init__(self) -> None:
         if self.dim < 1 or self.k < 1:
@@ -123,6 +127,7 @@ class VectorIndexOp:
         self._label_of = np.full(1024, -1, dtype=np.int64)  # code -> live label (-1: none)
         self._vectors = np.zeros((1024, spec.dim), dtype=np.float32)  # by label
         self._code_of = np.full(1024, -1, dtype=np.int64)  # label -> code (-1: retired)
+        self._payload = np.full(1024, None, dtype=object)  # code -> the document's payload
         self._labels = 0
         self._retired = 0
         self._graph: _Usearch | _Faiss | None = None
@@ -178,6 +183,9 @@ class VectorIndexOp:
             grown = np.full(max(int(codes.max()) + 1, 2 * self._label_of.shape[0]), -1, dtype=np.int64)
             grown[: self._label_of.shape[0]] = self._label_of
             self._label_of = grown
+            payload = np.full(grown.shape[0], None, dtype=object)
+            payload[: self._payload.shape[0]] = self._payload
+            self._payload = payload
         return codes
 
     def _upsert(self, part: Batch) -> None:
@@ -186,6 +194,8 @@ class VectorIndexOp:
         last = np.unique(codes[::-1], return_index=True)[1]
         keep = np.sort(len(codes) - 1 - last)
         codes, vectors = codes[keep], vectors[keep]
+        if self.spec.payload_column is not None:
+            self._payload[codes] = np.asarray(part.pylist(self.spec.payload_column), dtype=object)[keep]
         with self._lock:
             self._retire(codes)
             labels = np.arange(self._labels, self._labels + len(codes), dtype=np.int64)
@@ -264,12 +274,16 @@ class VectorIndexOp:
             counts = np.take_along_axis(keep, order, axis=1).sum(axis=1)
             found = codes[np.arange(k)[None, :] < counts[:, None]]
             ids = self._docs.keys_of(found) if found.size else []
+            payloads = self._payload[found].tolist()
         offsets = pa.array(np.concatenate(([0], np.cumsum(counts))).astype(np.int32))
         flat_scores = scores[np.arange(k)[None, :] < counts[:, None]]
-        return part.with_columns({
+        cols = {
             self.spec.hits_column: pa.ListArray.from_arrays(offsets, pa.array(ids, pa.string())),
             self.spec.scores_column: pa.ListArray.from_arrays(offsets, pa.array(flat_scores, pa.float32())),
-        })  # fmt: skip
+        }
+        if self.spec.payload_column is not None:
+            cols[self.spec.payloads_column] = pa.ListArray.from_arrays(offsets, pa.array(payloads))
+        return part.with_columns(cols)
 
     def _exact(self, queries: npt.NDArray[np.float32], k: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         live = np.flatnonzero(self._code_of[: self._labels] >= 0)
@@ -294,7 +308,10 @@ class VectorIndexOp:
             live = np.flatnonzero(self._code_of[: self._labels] >= 0)
             ids = np.array(self._docs.keys_of(self._code_of[live]), dtype=object)
             vectors = np.array([v.tobytes() for v in self._vectors[live]], dtype=object)
-        return {"__id": ids, "__vector": vectors}
+            out = {"__id": ids, "__vector": vectors}
+            if self.spec.payload_column is not None:
+                out["__payload"] = self._payload[self._code_of[live]]
+        return out
 
     def restore(self, columns: Any) -> None:
         ids = [str(i) for i in columns["__id"]]
@@ -303,7 +320,11 @@ class VectorIndexOp:
         vectors = np.frombuffer(b"".join(columns["__vector"]), dtype=np.float32).reshape(
             len(ids), self.spec.dim
         )
-        part = Batch.from_columns(
-            {self.spec.id_column: pa.array(ids, pa.string()), self.spec.vector_column: vectors}
-        )
+        cols: dict[str, Any] = {
+            self.spec.id_column: pa.array(ids, pa.string()),
+            self.spec.vector_column: vectors,
+        }
+        if self.spec.payload_column is not None:
+            cols[self.spec.payload_column] = pa.array(list(columns["__payload"]))
+        part = Batch.from_columns(cols)
         self._upsert(part)  # past ``exact_below``, the graph is built once, at the end

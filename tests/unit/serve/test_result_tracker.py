@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aisp.batch import Batch
+from aisp.batch import PARTIAL, Batch
 from aisp.serve.pipelines import Chunk, ResultTracker
 from aisp.sinks.base import RowEncoder
 
@@ -103,3 +103,30 @@ def test_one_row_per_event_in_one_batch(n: int) -> None:
     tracker.add(chunk)
     tracker.written("out", rows(list(range(7, 7 + n)), list(range(n))))
     assert chunk.lines(0, n) == b"".join(b'{"v":%d}\n' % i for i in range(n))
+
+
+def pieces(ids: list[int], tokens: list[str]) -> Batch:
+    return Batch.from_columns(
+        {"token": tokens, PARTIAL: np.ones(len(ids), dtype=bool)}, ids=np.asarray(ids, dtype=np.int64)
+    )
+
+
+def test_pieces_of_results_stream_before_their_event_and_wait_behind_earlier_ones() -> None:
+    tracker = ResultTracker("out", RowEncoder(["v"]))
+    moved: list[int] = []
+    chunk = Chunk(10, 2, notify=lambda: moved.append(1))
+    tracker.add(chunk)
+    tracker.forwarded("map", pieces([10, 11], ["a", "x"]), [])  # pieces open and close nothing
+    tracker.written("side", pieces([10], ["not the result step's"]))
+    tracker.written("out", pieces([11, 10], ["x", "a"]))
+    assert moved and not chunk.done.is_set()
+    # event 10 is the one the response waits for: its piece goes now; 11's waits behind it
+    assert [json.loads(x) for x in chunk.stream(0, chunk.prefix).splitlines()] == [{"token": "a"}]
+    tracker.written("out", pieces([10], ["b"]))
+    tracker.written("out", rows([10], [1]))
+    assert chunk.prefix == 1
+    got = [json.loads(x) for x in chunk.stream(0, chunk.prefix).splitlines()]
+    assert got == [{"token": "b"}, {"v": 1}, {"token": "x"}]
+    tracker.failed("llm", pieces([11], ["?"]), "ignored: pieces carry no outcome")
+    tracker.written("out", rows([11], [2]))
+    assert chunk.done.is_set() and chunk.stream(1, 2) == b'{"v":2}\n'
