@@ -18,6 +18,7 @@ from aisp import CollectSink, LlmSpec, OpenAIClient, Pipeline, TestingSource
 from aisp.batch import PARTIAL, Batch
 from aisp.faults.proxy import FaultProxy, Faults
 from aisp.infer.llm import LlmError
+from aisp.infer.llm_local import LocalLlama
 from aisp.infer.llm_server import llama_server
 from aisp.infer.llm_stage import LlmStage
 from aisp.infer.remote import BreakerConfig, RetryPolicy
@@ -132,3 +133,18 @@ def test_no_first_token_in_time_is_tried_again_then_the_row_is_a_dead_letter(ser
         and "after 2 attempts" in dead[0]["reason"]
     )
     assert client.endpoints()[0]["requests"] == 2
+
+
+def test_the_in_process_runtime_streams_the_same_way() -> None:
+    local = LocalLlama(n_threads=1, max_tokens=24, system="Answer in one short sentence.")
+    try:
+        rows, dead = generate(local, ["Paris is the capital of France. What is the capital of France?"] * 2)
+    finally:
+        local.close()
+    assert not dead
+    finals = [r for r in rows if not r[PARTIAL]]
+    assert len(finals) == 2 and all(
+        "paris" in f["answer"].lower() and f["endpoint"] == "local" for f in finals
+    )
+    first = rows[: rows.index(finals[0])]  # one generation at a time: the first's tokens, then its row
+    assert first and "".join(r["token"] for r in first) == finals[0]["answer"]

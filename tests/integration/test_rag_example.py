@@ -156,24 +156,32 @@ def test_at_three_times_capacity_admitted_requests_meet_the_ttft_target_and_the_
         capacity = 1 / float(np.median(took))
         offered, seconds = 3 * capacity, 8.0
         results: list[tuple[str, float, float]] = []  # (outcome, ttft or refusal time, retry-after)
+        channel = grpc.insecure_channel(addresses["grpc"])
+        call = channel.stream_stream("/aisp.v1.Pipelines/Events")
 
         def one(i: int) -> None:
             question = {**FRANCE, "id": f"c{i}", "text": f"{FRANCE['text']} [{i}]"}
             t0 = time.monotonic()
-            with httpx.stream("POST", url, content=json.dumps(question), timeout=60) as r:
-                if r.status_code == 429:
-                    r.read()
-                    results.append(("refused", time.monotonic() - t0, float(r.headers["retry-after"])))
+            if i % 4 == 3:  # every fourth over gRPC
+                try:
+                    lines = []
+                    for message in call(iter([json.dumps(question).encode()]), timeout=60):
+                        lines += [(time.monotonic() - t0, json.loads(x)) for x in message.splitlines()]
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    results.append(("refused", time.monotonic() - t0, 1.0))
                     return
-                first = None
-                for line in r.iter_lines():
-                    row = json.loads(line)
-                    if "token" in row and first is None:
-                        first = time.monotonic() - t0
-                    if "error" in row:
-                        results.append(("shed", time.monotonic() - t0, 0.0))
+            else:
+                with httpx.stream("POST", url, content=json.dumps(question), timeout=60) as r:
+                    if r.status_code == 429:
+                        r.read()
+                        results.append(("refused", time.monotonic() - t0, float(r.headers["retry-after"])))
                         return
-                results.append(("answered", first if first is not None else float("inf"), 0.0))
+                    lines = [(time.monotonic() - t0, json.loads(x)) for x in r.iter_lines()]
+            if any("error" in row for _, row in lines):
+                results.append(("shed", time.monotonic() - t0, 0.0))
+            else:
+                results.append(("answered", next(t for t, row in lines if "token" in row), 0.0))
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(int(offered * seconds))]
         start = time.monotonic()
@@ -182,6 +190,7 @@ def test_at_three_times_capacity_admitted_requests_meet_the_ttft_target_and_the_
             t.start()
         for t in threads:
             t.join(60)
+        channel.close()
         metrics = httpx.get(f"http://{addresses['http']}/metrics", timeout=10).text
     answered = [r[1] for r in results if r[0] == "answered"]
     refused = [r for r in results if r[0] == "refused"]

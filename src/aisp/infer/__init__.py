@@ -14,7 +14,7 @@ from aisp.infer.batcher import (
     Prepare,
     QueueFull,
 )
-from aisp.infer.llm import Generation, LlmError, OpenAIClient
+from aisp.infer.llm import Generation, LlmClient, LlmError, OpenAIClient
 from aisp.infer.llm_stage import LlmSlo, LlmSpec, LlmStage
 from aisp.infer.repository import (
     ModelConfig,
@@ -42,6 +42,7 @@ __all__ = [
     "Finish",
     "Generation",
     "InferSpec",
+    "LlmClient",
     "LlmError",
     "LlmSlo",
     "LlmSpec",

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
@@ -32,7 +32,7 @@ from aisp.retry import RETRIES
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["Generation", "LlmError", "OpenAIClient"]
+__all__ = ["Generation", "LlmClient", "LlmError", "OpenAIClient"]
 
 log = logging.getLogger("aisp.llm")
 
@@ -63,6 +63,31 @@ class Generation:
     """When the attempt that answered was sent."""
     first_ns: int
     done_ns: int
+
+
+class LlmClient(Protocol):
+    """What an LLM step calls: ``OpenAIClient`` (servers), ``LocalLlama`` (in this process)."""
+
+    name: str
+    version: str
+
+    @property
+    def capacity(self) -> int:
+        """Generations it runs at once now."""
+        ...
+
+    def endpoints(self) -> list[dict[str, Any]]: ...
+
+    async def generate(
+        self,
+        prompt: str,
+        on_piece: Callable[[str], None],
+        *,
+        max_tokens: int | None = None,
+        deadline_ns: int | None = None,
+    ) -> Generation: ...
+
+    async def aclose(self) -> None: ...
 
 
 @dataclass

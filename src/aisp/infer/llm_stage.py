@@ -4,14 +4,16 @@ Rows queue in the step by tier (higher first) for a free slot of the client's en
 generation's pieces of text go downstream as they come, as *partial* rows (meta columns, the
 ``_partial`` flag and the ``token`` column), pieces that arrive together in one batch, and
 then the row itself with the whole answer and its timings: ``answer``, ``finish_reason``,
-``completion_tokens``, ``ttft_ms`` (from the row's arrival here, queueing included),
+``completion_tokens``, ``ttft_ms`` (from the event's ingest: the steps before and the queueing here
+included),
 ``queue_ms``, ``tokens_per_s``, ``jitter`` (stdev/mean of its gaps between pieces) and
 ``endpoint``. A row whose generation fails goes to the dead letters with the cause.
 
-Admission keeps the time to first token (TTFT) under ``LlmSlo.ttft_ms``: from the requests
-running (their expected ends), those queued ahead, the recent generation times and the recent
-times to a first token, it predicts each arrival's TTFT; one that would miss the target is not
-queued. A higher-tier arrival takes the place of the lowest-tier request queued (which is shed),
+Admission keeps the time to first token (TTFT, from the event's ingest) under
+``LlmSlo.ttft_ms``: from the time the event has spent (or recently took) reaching the step, the
+requests running (their expected ends), those queued ahead, and the recent generation times and
+times to a first token (p90), it predicts each event's TTFT; one that would miss the target is
+not queued. A higher-tier arrival takes the place of the lowest-tier request queued (which is shed),
 a served pipeline refuses the request before it starts (``refusal``: 429 with ``Retry-After``),
 and a request that waited past the target anyway is shed before it starts. ``LlmSlo.jitter``
 bounds the gaps' jitter: while recent requests' jitter is over it, the step runs fewer
@@ -33,7 +35,7 @@ import numpy as np
 
 from aisp.batch import INGEST_NS, PARTIAL, TIER, Batch
 from aisp.errors import ConfigError
-from aisp.infer.llm import Generation, LlmError, OpenAIClient
+from aisp.infer.llm import Generation, LlmClient, LlmError
 from aisp.observe.latency import LatencyHistogram
 
 __all__ = ["LlmSlo", "LlmSpec", "LlmStage", "LlmStats"]
@@ -48,7 +50,8 @@ class LlmSlo:
     """Targets admission enforces (None: not enforced)."""
 
     ttft_ms: float | None = None
-    """Time to first token at p99, from a row's arrival at the step (its queueing included)."""
+    """Time to first token at p99, from the event's ingest: what its client waits, the steps
+    before this one and the queueing here included."""
     jitter: float | None = None
     """Jitter of the gaps between pieces (stdev / mean), averaged over recent requests."""
     margin: float = 0.9
@@ -59,12 +62,13 @@ class LlmSlo:
 
 @dataclass(frozen=True, kw_only=True)
 class LlmSpec:
-    """What an ``llm`` step runs: ``client`` on the prompts in column ``prompt``.
+    """What an ``llm`` step runs: ``client`` (an ``OpenAIClient``, or a ``LocalLlama`` in this
+    process) on the prompts in column ``prompt``.
 
     ``tokens`` False: no partial rows, only each row with its answer. ``max_queue`` bounds the
     requests waiting for a slot (beyond it the lowest tier is shed)."""
 
-    client: OpenAIClient
+    client: LlmClient
     prompt: str = "prompt"
     output: str = "answer"
     tokens: bool = True
@@ -95,6 +99,8 @@ class LlmStats:
         self.recent_jitter: deque[float] = deque(maxlen=window)
         self.recent_generation_ns: deque[int] = deque(maxlen=window)
         self.recent_first_ns: deque[int] = deque(maxlen=window)
+        self.recent_upstream_ns: deque[int] = deque(maxlen=window)
+        """Ingest -> arrival at the step: the time the steps before it take."""
         self.recent_rates: deque[float] = deque(maxlen=window)
 
     @property
@@ -114,10 +120,11 @@ class LlmStats:
 
 
 class _Request:
-    __slots__ = ("arrived_ns", "gaps", "last_ns", "pieces", "prompt", "row", "seq", "tier")
+    __slots__ = ("arrived_ns", "born_ns", "gaps", "last_ns", "pieces", "prompt", "row", "seq", "tier")
 
-    def __init__(self, row: Batch, prompt: str, tier: int, arrived_ns: int, seq: int) -> None:
+    def __init__(self, row: Batch, prompt: str, tier: int, arrived_ns: int, born_ns: int, seq: int) -> None:
         self.row, self.prompt, self.tier, self.arrived_ns, self.seq = row, prompt, tier, arrived_ns, seq
+        self.born_ns = born_ns  # the event's ingest time
         self.pieces = 0
         self.last_ns = 0
         self.gaps: list[int] = []
@@ -158,6 +165,7 @@ class LlmStage:
         self._thread: threading.Thread | None = None
         self._idle: asyncio.Event | None = None
         self._pieces: list[tuple[_Request, str]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- the executor's side --------------------------------------------------------------------
     @property
@@ -204,20 +212,24 @@ class LlmStage:
         await asyncio.get_running_loop().shutdown_asyncgens()
 
     # -- admission --------------------------------------------------------------------------------
-    def predict_ttft_ns(self, ahead: int) -> int | None:
-        """The TTFT of a request with ``ahead`` requests before it (queued or on their way);
-        None while nothing has been measured."""
+    def predict_ttft_ns(self, ahead: int, elapsed_ns: int | None = None) -> int | None:
+        """The TTFT of an event with ``ahead`` requests before it (queued or on their way) and
+        ``elapsed_ns`` since its ingest (None: one not yet through the steps before this one,
+        which recently took their p90); None while nothing has been measured."""
         gen, first = self.stats.recent_generation_ns, self.stats.recent_first_ns
         if not gen or not first:
             return None
-        service = int(np.percentile(list(gen), 75))
+        service = int(np.percentile(list(gen), 90))
         first_ns = int(np.percentile(list(first), 90))
+        if elapsed_ns is None:
+            upstream = list(self.stats.recent_upstream_ns)
+            elapsed_ns = int(np.percentile(upstream, 90)) if upstream else 0
         now = self._clock()
         limit = max(1, self.limit)
         ends = sorted(max(0, service - (now - sent)) for sent in list(self._running.values()))
         ends = ([0] * max(0, limit - len(ends)) + ends)[:limit]
         wait = ends[ahead % limit] + (ahead // limit) * service
-        return wait + first_ns
+        return elapsed_ns + wait + first_ns
 
     def _ahead(self) -> int:
         """Requests a new arrival would wait behind (beyond the free slots)."""
@@ -228,12 +240,12 @@ class LlmStage:
             reserved = sum(r[1] for r in self._reserved)
         return max(0, self._queued + self._feeding + reserved + len(self._running) - self.limit)
 
-    def _over(self, ahead: int) -> tuple[int, int] | None:
-        """(predicted, target) in ns when a request ``ahead`` would miss its TTFT target."""
+    def _over(self, ahead: int, elapsed_ns: int | None = None) -> tuple[int, int] | None:
+        """(predicted, target) in ns when an event ``ahead`` would miss its TTFT target."""
         target = self.spec.slo.ttft_ms
         if target is None:
             return None
-        predicted = self.predict_ttft_ns(ahead)
+        predicted = self.predict_ttft_ns(ahead, elapsed_ns)
         if predicted is None:  # nothing measured yet: only as many as run at once may wait
             return (int(target * _MS) + 1, int(target * _MS)) if ahead >= self.limit else None
         allowed = int(target * self.spec.slo.margin * _MS)
@@ -272,16 +284,19 @@ class LlmStage:
                     self._reserved.popleft()
         prompts = batch.pylist(self.spec.prompt)
         tiers = batch.meta(TIER).tolist()
+        born = batch.numpy(INGEST_NS).tolist()
         self.stats.requests += n
         for i, (prompt, tier) in enumerate(zip(prompts, tiers, strict=True)):
             self._seq += 1
-            req = _Request(batch.slice(i, 1), "" if prompt is None else str(prompt), tier, now, self._seq)
+            text = "" if prompt is None else str(prompt)
+            req = _Request(batch.slice(i, 1), text, tier, now, born[i], self._seq)
+            self.stats.recent_upstream_ns.append(max(0, now - born[i]))
             self._admit(req)
         self._pump()
 
     def _admit(self, req: _Request) -> None:
         ahead = max(0, self._queued + len(self._running) - self.limit)
-        over = self._over(ahead)
+        over = self._over(ahead, self._clock() - req.born_ns)
         full = self._queued >= self.spec.max_queue
         if over is None and not full:
             self._enqueue(req)
@@ -317,16 +332,22 @@ class LlmStage:
             tier = max(t for t, q in self._queues.items() if q)
             req = self._queues[tier].popleft()
             self._queued -= 1
-            waited = self._clock() - req.arrived_ns
-            if target is not None and waited > target * _MS:
-                self._shed(
-                    req, f"waited {waited / _MS:.0f} ms, past the TTFT target {target:.0f} ms", "waited"
-                )
+            now = self._clock()
+            if target is not None and now - req.born_ns > target * _MS:
+                waited = (now - req.born_ns) / _MS
+                self._shed(req, f"waited {waited:.0f} ms, past the TTFT target {target:.0f} ms", "waited")
                 continue
-            self.stats.queue.record_one(waited)
+            self.stats.queue.record_one(now - req.arrived_ns)
             self._running[req.seq] = self._clock()
-            asyncio.get_running_loop().create_task(self._run(req))
+            task = asyncio.get_running_loop().create_task(self._run(req))
+            self._tasks.add(task)  # (the loop keeps only weak references to its tasks)
+            task.add_done_callback(self._task_done)
         self._check_idle()
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # (a fatal error downstream)
+            log.error("llm step: a generation's task failed", exc_info=task.exception())
 
     def _check_idle(self) -> None:
         if self._idle is not None and not (self._queued or self._running or self._feeding):
@@ -359,7 +380,7 @@ class LlmStage:
             req.gaps.append(gap)
             st.inter_token.record_one(gap)
         else:
-            st.ttft.record_one(now - req.arrived_ns)
+            st.ttft.record_one(now - req.born_ns)
         req.pieces += 1
         req.last_ns = now
         st.tokens += 1
@@ -399,7 +420,7 @@ class LlmStage:
             self.spec.output: [gen.text],
             "finish_reason": [gen.finish_reason],
             "completion_tokens": np.array([gen.completion_tokens], dtype=np.int64),
-            "ttft_ms": [(gen.first_ns - req.arrived_ns) / _MS if gen.pieces else None],
+            "ttft_ms": [(gen.first_ns - req.born_ns) / _MS if gen.pieces else None],
             "queue_ms": [(gen.sent_ns - req.arrived_ns) / _MS],
             "tokens_per_s": [rate],
             "jitter": [jitter],

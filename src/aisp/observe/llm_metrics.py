@@ -1,7 +1,7 @@
 """Prometheus families of a pipeline's LLM steps (``aisp.infer.llm_stage``), read at scrape time:
 
-* ``aisp_llm_ttft_seconds{stage}``: time to first token, from a row's arrival at the step
-  (queueing included); ``aisp_llm_first_token_seconds{stage}``: from the request's start (the
+* ``aisp_llm_ttft_seconds{stage}``: time to first token, from the event's ingest (the steps
+  before and the queueing included); ``aisp_llm_first_token_seconds{stage}``: from the request's start (the
   server's share); ``aisp_llm_queue_seconds{stage}``: waiting for a slot;
   ``aisp_llm_inter_token_seconds{stage}``: the gaps between pieces of text;
   ``aisp_llm_generation_seconds{stage}``: request start to its last piece.
@@ -29,7 +29,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 
 _HISTOGRAMS = (
-    ("ttft", "aisp_llm_ttft_seconds", "Time to first token from a row's arrival at the step", TTFT_BUCKETS),
+    ("ttft", "aisp_llm_ttft_seconds", "Time to first token from the event's ingest", TTFT_BUCKETS),
     ("first_token", "aisp_llm_first_token_seconds", "Time to first token from the request's start",
      TTFT_BUCKETS),
     ("queue", "aisp_llm_queue_seconds", "Time a request waited for a free slot", TTFT_BUCKETS),

@@ -320,7 +320,7 @@ class EventTracer:
     def entered(self, step: str, kind: str, traced: npt.NDArray[np.int64], batch: Batch) -> None:
         """Traced rows enter ``step`` (of ``kind``): a model step notes when (its span ends at
         its output); a sink gets their ``traceparent`` values for its outgoing messages."""
-        if kind == "infer":
+        if kind in ("infer", "llm"):
             self.model_in(step, traced, time.monotonic_ns())
         elif kind == "sink":
             batch.traceparents = self.headers(traced) or None

@@ -49,9 +49,15 @@ def make_batcher(ex: LocalExecutor, node: Node, st: StageStats) -> DynamicBatche
 def make_llm(ex: LocalExecutor, node: Node, st: StageStats) -> LlmStage:
     """An ``llm`` step's stage (its loop starts with the first rows)."""
     sid = node.step_id
+
+    def emit(batch: Batch) -> None:  # a row with its answer (its tokens went on before it)
+        if ex.tracer is not None and ex.tracer.active:
+            ex.tracer.model_out(sid, batch, 0, 0)
+        emit_model(ex, sid, st, batch)
+
     stage = LlmStage(
         node.spec,
-        emit=partial(emit_model, ex, sid, st),
+        emit=emit,
         emit_made=partial(emit_model, ex, sid, st, made=True),
         dead_letter=lambda b, reason: ex._dead_letter_rows(b, sid, reason),
     )

@@ -53,7 +53,7 @@ def carry_state(
     spaces: dict[str, str] = {}
     expected: dict[str, dict[str, str]] = {}
     for node in graph.nodes:
-        if node.kind in ("source", "sink", "infer"):
+        if node.kind in ("source", "sink", "infer", "llm"):
             continue
         op = node.spec.build(OperatorContext(node.step_id, lambda *_: None, {}))
         if isinstance(op, Checkpointable):
