@@ -120,11 +120,12 @@ def main() -> int:
         default=1,
         help="the LLM server's threads (1: the other core runs the clients and AISP)",
     )
+    ap.add_argument("--serve-args", default="", help="more arguments for aisp serve")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     out: dict[str, Any] = {"max_tokens": args.max_tokens, "rounds": args.rounds, "streams": {}}
     with llama_server(threads=args.threads) as llm:
-        params = ("--param", f"llm={llm}", "--param", f"max_tokens={args.max_tokens}")
+        params = ("--param", f"llm={llm}", "--param", f"max_tokens={args.max_tokens}", *args.serve_args.split())
         with aisp_serve(
             ROOT / "benchmarks" / "llm_pipeline.py", http=True, grpc=False, extra_args=params
         ) as (

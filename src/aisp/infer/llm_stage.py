@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
-from aisp.batch import INGEST_NS, PARTIAL, TIER, Batch
+from aisp.batch import ID, INGEST_NS, PARTIAL, TIER, Batch
 from aisp.errors import ConfigError
 from aisp.infer.llm import Generation, LlmClient, LlmError
 from aisp.observe.latency import LatencyHistogram
@@ -43,6 +44,7 @@ __all__ = ["LlmSlo", "LlmSpec", "LlmStage", "LlmStats"]
 log = logging.getLogger("aisp.llm")
 
 _MS = 1_000_000
+_PIECE_COLUMNS = [ID, INGEST_NS, "token", PARTIAL]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,11 +122,14 @@ class LlmStats:
 
 
 class _Request:
-    __slots__ = ("arrived_ns", "born_ns", "gaps", "last_ns", "pieces", "prompt", "row", "seq", "tier")
+    __slots__ = ("arrived_ns", "born_ns", "event_id", "gaps", "last_ns", "pieces", "prompt", "row", "seq",
+                 "tier")  # fmt: skip
 
-    def __init__(self, row: Batch, prompt: str, tier: int, arrived_ns: int, born_ns: int, seq: int) -> None:
+    def __init__(
+        self, row: Batch, prompt: str, tier: int, arrived_ns: int, born_ns: int, event_id: int, seq: int
+    ) -> None:
         self.row, self.prompt, self.tier, self.arrived_ns, self.seq = row, prompt, tier, arrived_ns, seq
-        self.born_ns = born_ns  # the event's ingest time
+        self.born_ns, self.event_id = born_ns, event_id  # the event's ingest time and id
         self.pieces = 0
         self.last_ns = 0
         self.gaps: list[int] = []
@@ -284,12 +289,12 @@ class LlmStage:
                     self._reserved.popleft()
         prompts = batch.pylist(self.spec.prompt)
         tiers = batch.meta(TIER).tolist()
-        born = batch.numpy(INGEST_NS).tolist()
+        born, ids = batch.numpy(INGEST_NS).tolist(), batch.ids.tolist()
         self.stats.requests += n
         for i, (prompt, tier) in enumerate(zip(prompts, tiers, strict=True)):
             self._seq += 1
             text = "" if prompt is None else str(prompt)
-            req = _Request(batch.slice(i, 1), text, tier, now, born[i], self._seq)
+            req = _Request(batch.slice(i, 1), text, tier, now, born[i], ids[i], self._seq)
             self.stats.recent_upstream_ns.append(max(0, now - born[i]))
             self._admit(req)
         self._pump()
@@ -393,13 +398,13 @@ class LlmStage:
         pieces, self._pieces = self._pieces, []
         if not pieces:
             return
-        rows = [r.row for r, _ in pieces]
-        batch = Batch.from_columns(
-            {"token": [t for _, t in pieces], PARTIAL: np.ones(len(pieces), dtype=np.bool_)},
-            ids=np.fromiter((r.ids[0] for r in rows), np.int64, len(rows)),
-            ingest_ns=np.fromiter((r.numpy(INGEST_NS)[0] for r in rows), np.int64, len(rows)),
-        )
-        self._emit_made(batch)
+        arrays = [  # straight to Arrow: this runs once per token
+            pa.array([r.event_id for r, _ in pieces], pa.int64()),
+            pa.array([r.born_ns for r, _ in pieces], pa.int64()),
+            pa.array([t for _, t in pieces], pa.string()),
+            pa.array([True] * len(pieces), pa.bool_()),
+        ]
+        self._emit_made(Batch(pa.RecordBatch.from_arrays(arrays, names=_PIECE_COLUMNS)))
 
     def _finished(self, req: _Request, gen: Generation) -> None:
         st = self.stats

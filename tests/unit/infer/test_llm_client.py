@@ -25,7 +25,7 @@ def chunk(
     msg: dict[str, object] = {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
     if usage is not None:
         msg["usage"] = usage
-    return "data: " + json.dumps(msg)
+    return b"data: " + json.dumps(msg).encode()
 
 
 def test_bodies_for_chat_and_completions() -> None:
@@ -45,8 +45,8 @@ def test_bodies_for_chat_and_completions() -> None:
 
 def test_a_chat_stream_is_read_piece_by_piece_until_done() -> None:
     state, pieces = _Stream(0, "http://h:1"), []
-    lines = [": keep-alive", "", chunk(), chunk("Par"), chunk("is"), chunk(finish="stop"),
-             chunk(usage={"completion_tokens": 2, "prompt_tokens": 9}), "data: [DONE]"]  # fmt: skip
+    lines = [b": keep-alive", b"", chunk(), chunk("Par"), chunk("is"), chunk(finish="stop"),
+             chunk(usage={"completion_tokens": 2, "prompt_tokens": 9}), b"data: [DONE]"]  # fmt: skip
     firsts = [state.take(line, "chat", pieces.append) for line in lines]
     assert firsts == [False, False, False, True, False, False, False, False]
     assert pieces == ["Par", "is"] and state.ended
@@ -58,10 +58,10 @@ def test_a_chat_stream_is_read_piece_by_piece_until_done() -> None:
 
 def test_a_completions_stream_and_an_error_in_the_stream() -> None:
     state, pieces = _Stream(0, "x"), []
-    state.take('data: {"choices": [{"text": "Hello"}]}', "completions", pieces.append)
+    state.take(b'data: {"choices": [{"text": "Hello"}]}', "completions", pieces.append)
     assert pieces == ["Hello"]
     with pytest.raises(LlmError, match="server error") as info:
-        state.take('data: {"error": {"message": "boom"}}', "completions", pieces.append)
+        state.take(b'data: {"error": {"message": "boom"}}', "completions", pieces.append)
     assert info.value.tokens == 1
 
 
@@ -70,7 +70,7 @@ def test_any_line_is_taken_or_refused_with_a_clear_error(line: str, api: str) ->
     state = _Stream(0, "x")
     for text in (line, "data:" + line, "data: " + json.dumps({"choices": [{"delta": line, "text": line}]})):
         try:
-            state.take(text, api, lambda _: None)
+            state.take(text.encode(), api, lambda _: None)
         except (LlmError, ValueError):  # ValueError: not JSON (the client fails the attempt with it)
             pass
 
@@ -86,7 +86,7 @@ JSON = st.recursive(
 def test_any_json_value_in_the_stream_is_taken_or_refused(value: object) -> None:
     state = _Stream(0, "x")
     try:
-        state.take("data: " + json.dumps(value), "chat", lambda _: None)
+        state.take(b"data: " + json.dumps(value).encode(), "chat", lambda _: None)
     except LlmError:
         pass
 
