@@ -4,11 +4,11 @@
 The server: llama-cpp-python's OpenAI-compatible server on the packaged SmolLM2-135M-Instruct
 (Q4_1 GGUF, one generation at a time, greedy), on one thread (``--threads``): on two cores the
 other one runs the clients and AISP, so the comparison shows what AISP adds, not a server
-starved of its core. Direct: ``N`` clients, each
-streaming one chat completion after another (``stream: true``, server-sent events) straight from
-the server with an async httpx client, the strongest simple baseline: nothing in the way. AISP:
-the same clients post the same prompts to ``aisp serve benchmarks/llm_pipeline.py`` (an LLM step
-and nothing else; the step's client holds one stream per server, as the server runs one) and
+starved of its core. Direct: ``N`` clients, each streaming one chat completion after another
+(``stream: true``, server-sent events) straight from the server with an async httpx client, the
+strongest simple baseline: nothing in the way. AISP: the same clients post the same prompts to
+``aisp serve benchmarks/llm_pipeline.py`` (an LLM step and nothing else, letting up to 16
+requests at a time through to the server, which queues them as it does the direct ones) and
 read the token lines of the NDJSON response as they come. Every request is timed at the client:
 TTFT from sending to the first piece of text, then the gaps between pieces; jitter is each
 request's stdev/mean of its gaps, averaged. Direct and AISP alternate, ``--rounds`` each,
@@ -125,7 +125,8 @@ def main() -> int:
     args = ap.parse_args()
     out: dict[str, Any] = {"max_tokens": args.max_tokens, "rounds": args.rounds, "streams": {}}
     with llama_server(threads=args.threads) as llm:
-        params = ("--param", f"llm={llm}", "--param", f"max_tokens={args.max_tokens}", *args.serve_args.split())
+        params = ("--param", f"llm={llm}", "--param", f"max_tokens={args.max_tokens}",
+                  "--param", "concurrency=16", *args.serve_args.split())  # fmt: skip
         with aisp_serve(
             ROOT / "benchmarks" / "llm_pipeline.py", http=True, grpc=False, extra_args=params
         ) as (

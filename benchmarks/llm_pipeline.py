@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from aisp import LlmSpec, NullSink, OpenAIClient, Pipeline, TestingSource
+from aisp import LlmSlo, LlmSpec, NullSink, OpenAIClient, Pipeline, TestingSource
 
 
 class Prompt(msgspec.Struct):
@@ -16,10 +16,12 @@ class Prompt(msgspec.Struct):
     prompt: str
 
 
-def build(llm: str, max_tokens: int | str = 32, concurrency: int | str = 1) -> Pipeline:
-    """``llm``: the server(s), comma-separated; ``concurrency``: streams at a time per server."""
+def build(llm: str, max_tokens: int | str = 32, concurrency: int | str = 1, ttft_ms: str = "") -> Pipeline:
+    """``llm``: the server(s), comma-separated; ``concurrency``: streams at a time per server;
+    ``ttft_ms``: a time-to-first-token target for admission."""
     client = OpenAIClient(llm.split(","), max_tokens=int(max_tokens), concurrency=int(concurrency))
+    slo = LlmSlo(ttft_ms=float(ttft_ms)) if ttft_ms else LlmSlo()
     p = Pipeline("llm", output_columns=["id", "answer", "completion_tokens"])
     source = p.source("prompts", TestingSource([]), schema=Prompt)
-    source.llm("llm", LlmSpec(client=client)).sink("out", NullSink())
+    source.llm("llm", LlmSpec(client=client, slo=slo)).sink("out", NullSink())
     return p
