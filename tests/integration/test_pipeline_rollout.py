@@ -28,8 +28,9 @@ def rolled_out(
 ) -> tuple[Pipeline, CollectSink]:
     fraud = load_fraud_example()
     stable = linear_model(tmp_path / "stable.onnx", 0.1)
-    # slack for a loaded machine's noise; the slow candidate adds ~50 ms per call
-    policy = RolloutPolicy(steps=(0.5, 1.0), window_s=0.3, min_samples=300, p99_slack_ms=15.0)
+    # slack for a loaded machine's noise (15 ms was exceeded once in a full suite on a 2-vCPU VM);
+    # the slow candidate adds ~50 ms per call
+    policy = RolloutPolicy(steps=(0.5, 1.0), window_s=0.3, min_samples=300, p99_slack_ms=25.0)
     p = Pipeline("fraud")
     out = CollectSink(columns=["id", "user", "model_variant"])
     stats = (
@@ -107,7 +108,7 @@ def test_a_pipeline_rollout_promotes_or_rolls_back_and_scores_every_event_once(
     summary = p.run(execution=ExecutorOptions(rate_events_per_s=20_000))  # 3 s: time for every window
     status = p.rollouts["score"].status()
     assert summary.rollouts["score"]["state"] == status["state"]  # in the run summary too
-    assert status["state"] == outcome, status["decisions"]
+    assert status["state"] == outcome, [(d["decision"], d.get("evidence")) for d in status["decisions"]]
     decisions = [d["decision"] for d in status["decisions"] if d["decision"] != "wait"]
     if breach is None:
         assert decisions == ["start", "pass", "pass", "promote"]

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -209,3 +212,24 @@ def test_at_three_times_capacity_admitted_requests_meet_the_ttft_target_and_the_
     assert float(queued[0].split()[-1]) == 0.0  # nothing left waiting
     top = [f for f in diagnose(None, Scrape(metrics)) if f.cause.startswith("llm_")]
     assert top and top[0].stage == "llm" and top[0].cause == "llm_queueing"
+
+
+def test_aisp_run_answers_the_built_in_questions_with_their_passages(llm: str, tmp_path: Path) -> None:
+    out = tmp_path / "answers.jsonl"
+    cmd = [sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--output", str(out), "--no-live"]
+    cmd += ["--param", f"llm={llm}", "--param", "repeat=1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=300)
+    rows = {r["id"]: r for r in map(json.loads, out.read_bytes().splitlines())}
+    sources = {
+        "q0": "france",
+        "q1": "japan",
+        "q2": "mars",
+        "q3": "jupiter",
+        "q4": "shakespeare",
+        "q5": "honey",
+    }
+    assert sorted(rows) == sorted(sources)
+    assert all(rows[q]["sources"][0] == s and rows[q]["answer"] for q, s in sources.items())
+    said = [word in rows[f"q{i}"]["answer"].lower() for i, (_, word) in enumerate(CORPUS.QUESTIONS)]
+    assert sum(said) >= len(said) - 1, rows  # a 135M model: the passage's word in (nearly) every answer
