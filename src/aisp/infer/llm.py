@@ -162,10 +162,6 @@ class OpenAIClient:
         """Requests in flight when every endpoint whose breaker is not open is busy."""
         return self.concurrency * sum(1 for e in self._endpoints if e.breaker.state != "open") or 1
 
-    @property
-    def in_flight(self) -> int:
-        return sum(e.outstanding for e in self._endpoints)
-
     def endpoints(self) -> list[dict[str, Any]]:
         """Each endpoint's state, requests in flight and counts (for status pages)."""
         return [

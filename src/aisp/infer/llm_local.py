@@ -46,7 +46,6 @@ class LocalLlama:
         self._llm = Llama(model_path=str(path), n_threads=n_threads, n_ctx=n_ctx, verbose=False)
         self.system, self.max_tokens, self.temperature = system, max_tokens, temperature
         self.name, self.version = name, path.name
-        self.concurrency = 1
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="aisp-llm-local")
         self._outstanding = self._requests = self._failures = 0
         self._lock = threading.Lock()
@@ -54,10 +53,6 @@ class LocalLlama:
     @property
     def capacity(self) -> int:
         return 1
-
-    @property
-    def in_flight(self) -> int:
-        return self._outstanding
 
     def endpoints(self) -> list[dict[str, Any]]:
         return [{"url": "local", "state": "closed", "outstanding": self._outstanding,

@@ -154,7 +154,6 @@ class LlmStage:
         clock: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self.spec, self.client = spec, spec.client
-        self.runtime = spec.client  # what status pages name
         self._emit, self._emit_made, self._dead_letter, self._clock = emit, emit_made, dead_letter, clock
         self.stats = LlmStats(spec.slo.window)
         self.limit = spec.client.capacity
@@ -164,7 +163,7 @@ class LlmStage:
         self._running: dict[int, int] = {}  # seq -> sent_ns
         self._seq = 0
         self._feeding = 0  # rows fed, not yet on the loop
-        self._reserved: deque[list[int]] = deque()  # [expires_ns, rows] admitted by ``refusal``
+        self._reserved: deque[int] = deque()  # when each request ``refusal`` admitted stops counting
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -240,9 +239,9 @@ class LlmStage:
         """Requests a new arrival would wait behind (beyond the free slots)."""
         now = self._clock()
         with self._lock:
-            while self._reserved and self._reserved[0][0] < now:
+            while self._reserved and self._reserved[0] < now:
                 self._reserved.popleft()
-            reserved = sum(r[1] for r in self._reserved)
+            reserved = len(self._reserved)
         return max(0, self._queued + self._feeding + reserved + len(self._running) - self.limit)
 
     def _over(self, ahead: int, elapsed_ns: int | None = None) -> tuple[int, int] | None:
@@ -256,7 +255,7 @@ class LlmStage:
         allowed = int(target * self.spec.slo.margin * _MS)
         return (predicted, int(target * _MS)) if predicted > allowed else None
 
-    def refusal(self, rows: int, tier: int | None = None) -> tuple[float, str] | None:
+    def refusal(self, rows: int) -> tuple[float, str] | None:
         """(retry after seconds, why) when a request of ``rows`` events would miss the TTFT
         target; None admits it, and it counts as one request on its way for a second (a served
         pipeline's admission, before the rows start through the pipeline, where some may not
@@ -264,15 +263,11 @@ class LlmStage:
         over = self._over(self._ahead())
         if over is None:
             with self._lock:
-                self._reserved.append([self._clock() + 1_000_000_000, 1])
+                self._reserved.append(self._clock() + 1_000_000_000)
             return None
         self.stats.refused += rows
         predicted, target = over
-        retry = max(0.05, (predicted - target) / 1e9)
-        why = (
-            f"predicted time to first token {predicted / _MS:.0f} ms is over the target {target / _MS:.0f} ms"
-        )
-        return retry, why
+        return max(0.05, (predicted - target) / 1e9), _over_target(predicted, target)
 
     # -- the loop's side --------------------------------------------------------------------------
     def _arrive(self, batch: Batch) -> None:
@@ -280,13 +275,8 @@ class LlmStage:
         now = self._clock()
         with self._lock:
             self._feeding -= n
-            left = n  # the rows admitted for this batch are no longer on their way
-            while left and self._reserved:
-                take = min(left, self._reserved[0][1])
-                self._reserved[0][1] -= take
-                left -= take
-                if not self._reserved[0][1]:
-                    self._reserved.popleft()
+            for _ in range(min(n, len(self._reserved))):  # admitted rows no longer on their way
+                self._reserved.popleft()
         prompts = batch.pylist(self.spec.prompt)
         tiers = batch.meta(TIER).tolist()
         born, ids = batch.numpy(INGEST_NS).tolist(), batch.ids.tolist()
@@ -316,11 +306,7 @@ class LlmStage:
         if full:
             self._shed(req, f"the LLM step's queue is full ({self.spec.max_queue} requests)", "queue_full")
         else:
-            predicted, target = over  # type: ignore[misc]
-            self._shed(
-                req, f"predicted time to first token {predicted / _MS:.0f} ms is over the target"
-                f" {target / _MS:.0f} ms", "ttft_slo",
-            )  # fmt: skip
+            self._shed(req, _over_target(*over), "ttft_slo")  # type: ignore[misc]
 
     def _enqueue(self, req: _Request) -> None:
         self._queues.setdefault(req.tier, deque()).append(req)
@@ -361,15 +347,13 @@ class LlmStage:
     async def _run(self, req: _Request) -> None:
         try:
             gen = await self.client.generate(req.prompt, lambda text: self._piece(req, text))
-        except LlmError as exc:
-            self._flush()
-            self.stats.failed += 1
-            self._dead_letter(req.row, f"llm: {exc}")
         except Exception as exc:  # noqa: BLE001 - the row goes to the dead letters, the step goes on
-            log.exception("llm step: a generation failed unexpectedly")
+            if not isinstance(exc, LlmError):
+                log.exception("llm step: a generation failed unexpectedly")
             self._flush()
             self.stats.failed += 1
-            self._dead_letter(req.row, f"llm: {type(exc).__name__}: {exc}")
+            why = str(exc) if isinstance(exc, LlmError) else f"{type(exc).__name__}: {exc}"
+            self._dead_letter(req.row, f"llm: {why}")
         else:
             self._flush()
             self._finished(req, gen)
@@ -446,22 +430,9 @@ class LlmStage:
             st.recent_jitter.clear()
         self.limit = min(self.limit, capacity)
 
-    # -- what observers read ---------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
-        st = self.stats
-        return {
-            "model": self.client.name,
-            "limit": self.limit,
-            "running": self.running,
-            "queued": self.queued_rows,
-            "requests": st.requests,
-            "completed": st.completed,
-            "failed": st.failed,
-            "shed": dict(st.shed),
-            "refused": st.refused,
-            "tokens": st.tokens,
-            "ttft_p99_ms": st.ttft.percentile(99) / _MS if st.ttft.count else None,
-            "jitter": st.jitter,
-            "tokens_per_s": st.tokens_per_s,
-            "endpoints": self.client.endpoints(),
-        }
+
+def _over_target(predicted_ns: int, target_ns: int) -> str:
+    return (
+        f"predicted time to first token {predicted_ns / _MS:.0f} ms is over the target"
+        f" {target_ns / _MS:.0f} ms"
+    )

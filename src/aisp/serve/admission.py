@@ -129,13 +129,13 @@ class PipelineAdmission:
             )
         return wait
 
-    def _llm_check(self, rows: int, tier: int | None, first: bool) -> None:
+    def _llm_check(self, rows: int, first: bool) -> None:
         """A first chunk that an LLM step predicts would miss its time-to-first-token target
         is refused before it starts (``LlmStage.refusal``)."""
         if not first or not rows:
             return
         for step, stage in self.service.executor.llm_stages.items():
-            refused = stage.refusal(rows, tier)
+            refused = stage.refusal(rows)
             if refused is not None:
                 self.service.refused(rows)
                 retry, why = refused
@@ -162,7 +162,7 @@ class PipelineAdmission:
         while wait:  # a later chunk of a stream waits for the controlled rate
             await asyncio.sleep(wait)
             wait = self._control_wait(rows, first, again=True)
-        self._llm_check(rows, tier, first)
+        self._llm_check(rows, first)
         deadline = time.monotonic() + self.wait_s
         for pause in _pauses():
             if self.service.offer(batch, chunk):
@@ -191,7 +191,7 @@ class PipelineAdmission:
             if stop.wait(wait):
                 return False
             wait = self._control_wait(rows, first, again=True)
-        self._llm_check(rows, tier, first)
+        self._llm_check(rows, first)
         deadline = time.monotonic() + self.wait_s
         for pause in _pauses():
             if self.service.offer(batch, chunk):
