@@ -25,7 +25,7 @@ from aisp.infer import (
     PythonRuntime,
     ServedModel,
 )
-from aisp.ingest import Source, TestingSource, WorkloadFSource
+from aisp.ingest import FilesSource, Source, TestingSource, WorkloadFSource
 from aisp.pipeline import KeyedStream, Pipeline, Stream
 from aisp.runner import CheckpointOptions, ObserveOptions, RunOptions, RunSummary, run
 from aisp.schedule.anomaly import AnomalyPolicy
@@ -50,6 +50,7 @@ __all__ = [
     "DistinctCount",
     "EventTime",
     "ExecutorOptions",
+    "FilesSource",
     "First",
     "Graph",
     "GraphError",

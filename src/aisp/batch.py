@@ -273,7 +273,7 @@ class Batch:
         return Batch(self._rb.filter(pa.array(mask) if isinstance(mask, np.ndarray) else mask))
 
     def take(self, indices: npt.NDArray[np.integer[Any]] | Sequence[int]) -> Batch:
-        return Batch(self._rb.take(pa.array(indices)))
+        return Batch(self._rb.take(pa.array(indices, pa.int64())))
 
     def __repr__(self) -> str:
         return f"Batch(rows={self.num_rows}, columns={self.column_names})"

@@ -19,8 +19,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
-import numpy as np
-import numpy.typing as npt
 import pyarrow as pa
 
 from aisp.batch import Batch
@@ -56,6 +54,8 @@ from aisp.transform.vectors import VectorIndex
 from aisp.transform.windows import Session, Sliding, Tumbling, WindowSpec
 
 __all__ = ["KeyedStream", "Pipeline", "Stream"]
+
+RowFn = Callable[[dict[str, Any]], dict[str, Any] | None]
 
 
 class Pipeline:
@@ -132,10 +132,8 @@ class Pipeline:
         return self.graph
 
     def bind(self, *, source: Source | None = None, sink: Sink | None = None) -> None:
-        """Replace the single source and/or the primary sink (what ``--input``/``--output`` do).
-
-        The primary sink is the one named ``"out"`` if present, else the only sink.
-        """
+        """Replace the single source and/or the primary sink (what ``--input``/``--output`` do):
+        the sink named ``"out"`` if present, else the only sink."""
         if source is not None:
             srcs = [n for n in self.graph.nodes if n.kind == "source"]
             if len(srcs) != 1:
@@ -151,10 +149,8 @@ class Pipeline:
             self.graph.replace(primary[0].step_id, spec=sink)
 
     def run(self, options: RunOptions | None = None, **overrides: Any) -> RunSummary:
-        """Run to completion in this process and return the ``RunSummary``.
-
-        ``overrides`` are ``RunOptions`` fields, e.g. ``p.run(dead_letter="dl.jsonl")``.
-        """
+        """Run to completion in this process and return the ``RunSummary``; ``overrides``
+        are ``RunOptions`` fields, e.g. ``p.run(dead_letter="dl.jsonl")``."""
         opts = options or RunOptions()
         return run(self, replace(opts, **overrides) if overrides else opts)
 
@@ -218,22 +214,12 @@ class Stream:
         """
         return self._add(step_id, "map_batch", MapBatch(fn), latency_budget_ms)
 
-    def map(
-        self,
-        step_id: str,
-        fn: Callable[[dict[str, Any]], dict[str, Any] | None],
-        *,
-        latency_budget_ms: float = 5.0,
-    ) -> Stream:
+    def map(self, step_id: str, fn: RowFn, *, latency_budget_ms: float = 5.0) -> Stream:
         """Per-row map (slower fallback): ``fn(row_dict) -> row_dict | None``."""
         return self._add(step_id, "map", MapRows(fn), latency_budget_ms)
 
     def filter(
-        self,
-        step_id: str,
-        predicate: Callable[[Batch], npt.NDArray[np.bool_] | Any],
-        *,
-        latency_budget_ms: float = 0.5,
+        self, step_id: str, predicate: Callable[[Batch], Any], *, latency_budget_ms: float = 0.5
     ) -> Stream:
         """Keep rows where ``predicate(batch)`` (a boolean array) is true."""
         return self._add(step_id, "filter", Filter(predicate), latency_budget_ms)
@@ -382,10 +368,15 @@ class Stream:
         self._add(step_id, "route", spec, latency_budget_ms, ports=tuple(branches))
         return {b: Stream(self.pipeline, step_id, b) for b in branches}
 
+    def apply(self, step_id: str, spec: Any, *, latency_budget_ms: float = 5.0) -> Stream:
+        """A step of an operator spec (``build(ctx) -> Operator``): ``ImagePreprocess``,
+        ``AudioDecode``, your own; its state, if it has any, is checkpointed."""
+        return self._add(step_id, "stateful", spec, latency_budget_ms)
+
     def vector_index(self, step_id: str, index: VectorIndex, *, latency_budget_ms: float = 5.0) -> Stream:
         """A vector index fed by this stream's upserts and deletes, answering its queries with
         the top k ids and scores (``aisp.transform.vectors``); its documents are checkpointed."""
-        return self._add(step_id, "stateful", index, latency_budget_ms)
+        return self.apply(step_id, index, latency_budget_ms=latency_budget_ms)
 
     def sink(self, step_id: str, sink: Sink, *, latency_budget_ms: float = 2.0) -> None:
         self.pipeline.graph.add(
@@ -405,6 +396,13 @@ class KeyedStream(Stream):
     """A stream whose rows carry ``_key``; keyed state operators are available on it."""
 
     space: str = ""
+
+    def apply(self, step_id: str, spec: Any, *, latency_budget_ms: float = 5.0) -> KeyedStream:
+        """``Stream.apply`` keyed: a spec whose ``space`` is empty gets this stream's."""
+        if getattr(spec, "space", None) == "":
+            spec = replace(spec, space=self.space)
+        super().apply(step_id, spec, latency_budget_ms=latency_budget_ms)
+        return KeyedStream(self.pipeline, step_id, space=self.space)
 
     def stateful(
         self,

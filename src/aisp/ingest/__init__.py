@@ -4,6 +4,7 @@ brokers) are in ``aisp.connectors``."""
 
 from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
 from aisp.ingest.decode import ColumnarDecoder
+from aisp.ingest.files import FilesSource
 from aisp.ingest.generator import WorkloadFSource
 from aisp.ingest.messages import MessageDecoder
 from aisp.ingest.testing import TestingSource
@@ -11,6 +12,7 @@ from aisp.ingest.testing import TestingSource
 __all__ = [
     "ColumnarDecoder",
     "DeadLetterRecord",
+    "FilesSource",
     "MessageDecoder",
     "Source",
     "SourceContext",

@@ -56,6 +56,7 @@ _SCALARS: dict[type, pa.DataType] = {
     msgspec.inspect.FloatType: pa.float64(),
     msgspec.inspect.BoolType: pa.bool_(),
     msgspec.inspect.StrType: pa.string(),
+    msgspec.inspect.BytesType: pa.binary(),  # base64 in JSON (an image, an audio chunk)
 }
 
 

@@ -1,0 +1,386 @@
+"""Image preprocessing as one step: encoded images (a binary column) in, model-ready tensors out.
+
+``ImagePreprocess`` (``stream.images("prep", ImagePreprocess(size=(224, 224)))``) takes each
+row's bytes (JPEG, PNG or WebP) from a binary column, as files, HTTP bodies and broker messages
+bring them, or from a text column of base64, as JSON carries them, and makes one tensor per row:
+
+- the header is read first, without decoding: an empty, truncated or corrupt file, a format
+  other than those, or an image of more than ``max_pixels`` pixels (a decompression bomb: a
+  few kilobytes that would decode to gigabytes) is refused before any pixel is made, and the
+  row goes to the dead-letter sink with the reason; the other rows go on;
+- OpenCV decodes (libjpeg-turbo, libpng, libwebp) and resizes, both without the GIL, on a pool
+  of one thread per core (``aisp.transform.media.decode_pool``): each thread takes a
+  contiguous slice of the batch and writes its rows straight into the batch's tensor;
+- ``fit`` makes every image ``size`` (height, width): ``letterbox`` keeps the aspect ratio and
+  pads (with ``pad_value``), ``crop`` keeps it and cuts the centre, ``stretch`` does not keep it;
+- ``color`` (``RGB``, ``BGR`` or ``GRAY``), then ``(pixel * scale - mean) / std`` per channel to
+  float32 (or the pixels as they are with ``dtype="uint8"``), laid out ``NCHW`` or ``NHWC``.
+
+The tensor is a fixed-size-list column (``output``), the form an infer step reads as a model
+input; with it each row gets where its pixels came from, so a model's boxes map back to the
+original image: ``image_height`` and ``image_width`` (the original size) and ``image_scale_x``,
+``image_scale_y``, ``image_offset_x``, ``image_offset_y`` (tensor x = x * scale_x + offset_x).
+The step's ``counters`` count images, bytes, decode seconds and pixels (``/metrics``).
+
+Needs the ``media`` extra (``pip install 'aisp[media]'``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+
+from aisp.batch import Batch
+from aisp.errors import ConfigError
+from aisp.graph import DEFAULT_PORT
+from aisp.transform.media import MediaCounters, dead_letter_rows, decode_pool, run_sliced
+from aisp.transform.operators import Emit, Operator, OperatorContext
+
+__all__ = ["ImagePreprocess", "MediaError", "decode_image", "image_header"]
+
+_FITS = ("letterbox", "crop", "stretch")
+_JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+class MediaError(ValueError):
+    """An input that cannot be decoded; the message is the dead letter's reason."""
+
+
+def _cv2() -> Any:
+    try:
+        import cv2
+    except ImportError as exc:  # pragma: no cover - the media extra is part of the dev install
+        raise ConfigError("image steps need OpenCV: pip install 'aisp[media]'") from exc
+    return cv2
+
+
+def _be(data: bytes, at: int, n: int) -> int:
+    return int.from_bytes(data[at : at + n], "big")
+
+
+def _le(data: bytes, at: int, n: int) -> int:
+    return int.from_bytes(data[at : at + n], "little")
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int]:
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            raise MediaError("corrupt JPEG: no marker where one should be")
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            i += 2
+            continue
+        length = _be(data, i + 2, 2)
+        if length < 2:
+            raise MediaError("corrupt JPEG: a segment shorter than its header")
+        if marker in _JPEG_SOF:
+            if i + 9 > n:
+                break
+            return _be(data, i + 7, 2), _be(data, i + 5, 2)
+        if marker in (0xDA, 0xD9):
+            raise MediaError("corrupt JPEG: image data before its frame header")
+        i += 2 + length
+    raise MediaError("truncated JPEG: ends before its frame header")
+
+
+def _webp_size(data: bytes) -> tuple[int, int]:
+    if len(data) < 30:
+        raise MediaError("truncated WebP: shorter than its headers")
+    if _le(data, 4, 4) + 8 > len(data):
+        raise MediaError("truncated WebP: shorter than its RIFF header says")
+    chunk = data[12:16]
+    if chunk == b"VP8 ":
+        if data[23:26] != b"\x9d\x01\x2a":
+            raise MediaError("corrupt WebP: bad VP8 frame tag")
+        return _le(data, 26, 2) & 0x3FFF, _le(data, 28, 2) & 0x3FFF
+    if chunk == b"VP8L":
+        if data[20] != 0x2F:
+            raise MediaError("corrupt WebP: bad VP8L signature")
+        bits = _le(data, 21, 4)
+        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    if chunk == b"VP8X":
+        return _le(data, 24, 3) + 1, _le(data, 27, 3) + 1
+    raise MediaError(f"corrupt WebP: unknown chunk {chunk!r}")
+
+
+def image_header(data: bytes) -> tuple[str, int, int]:
+    """``(format, width, height)`` read from an encoded image's header, without decoding it; a
+    truncated JPEG (no end marker), PNG (no end chunk) or WebP (shorter than its RIFF size) is
+    refused here too.
+
+    >>> image_header(b"GIF89a...")
+    Traceback (most recent call last):
+    ...
+    aisp.transform.images.MediaError: unsupported image format: GIF
+    """
+    n = len(data)
+    if n == 0:
+        raise MediaError("empty image (zero bytes)")
+    if data[:3] == b"\xff\xd8\xff":
+        width, height = _jpeg_size(data)
+        if data.rfind(b"\xff\xd9", max(0, n - 1024)) < 0:
+            raise MediaError("truncated JPEG: no end-of-image marker")
+        fmt = "jpeg"
+    elif data[:8] == b"\x89PNG\r\n\x1a\n":
+        if n < 24 or data[12:16] != b"IHDR":
+            raise MediaError("truncated PNG: no image header")
+        width, height = _be(data, 16, 4), _be(data, 20, 4)
+        if data.find(b"IEND", max(0, n - 12)) < 0:
+            raise MediaError("truncated PNG: no end chunk")
+        fmt = "png"
+    elif data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        width, height = _webp_size(data)
+        fmt = "webp"
+    else:
+        for magic, name in ((b"GIF8", "GIF"), (b"BM", "BMP"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF")):
+            if data.startswith(magic):
+                raise MediaError(f"unsupported image format: {name}")
+        raise MediaError("not an image: no JPEG, PNG or WebP signature")
+    if width < 1 or height < 1:
+        raise MediaError(f"corrupt {fmt.upper()}: {width}x{height} pixels")
+    return fmt, width, height
+
+
+def _payload(data: bytes | str | None, max_bytes: int) -> bytes:
+    """A row's image bytes (a text column holds them as base64, as JSON carries them)."""
+    if data is None:
+        raise MediaError("no image (null)")
+    if isinstance(data, str):
+        try:
+            data = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise MediaError(f"not base64: {exc}") from None
+    if len(data) > max_bytes:
+        raise MediaError(f"image too large: {len(data)} bytes (limit {max_bytes})")
+    return data
+
+
+def decode_image(
+    data: bytes, *, max_pixels: int = 40_000_000, color: str = "RGB", at_least: tuple[int, int] = (0, 0)
+) -> npt.NDArray[np.uint8]:
+    """One image as ``uint8`` ``[height, width, channels]`` (``GRAY``: ``[height, width]``),
+    checked as ``ImagePreprocess`` checks it; raises ``MediaError`` with the reason.
+
+    A JPEG is decoded by libjpeg-turbo (``simplejpeg``) in strict mode, so corrupt data is an
+    error rather than a grey band, and at the smallest of its DCT scales (1/2, 1/4, 1/8) that
+    is still ``at_least`` (height, width): a large photo for a small tensor decodes a fraction
+    of its pixels. PNG and WebP are decoded by OpenCV."""
+    fmt, width, height = image_header(data)
+    if width * height > max_pixels:
+        raise MediaError(f"image too large: {width}x{height} pixels (limit {max_pixels})")
+    if fmt == "jpeg":
+        import simplejpeg
+
+        try:
+            img = simplejpeg.decode_jpeg(
+                data, colorspace=color, min_height=at_least[0], min_width=at_least[1], strict=True
+            )
+        except ValueError as exc:
+            raise MediaError(f"corrupt JPEG: {exc}") from None
+        return np.asarray(img[:, :, 0] if color == "GRAY" else img, dtype=np.uint8)
+    cv2 = _cv2()
+    flag = cv2.IMREAD_GRAYSCALE if color == "GRAY" else cv2.IMREAD_COLOR
+    img = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), flag)
+    if img is None:
+        raise MediaError(f"corrupt {fmt.upper()}: the decoder refused it")
+    if img.shape[0] != height or img.shape[1] != width:
+        raise MediaError(
+            f"corrupt image: header says {width}x{height}, decoded {img.shape[1]}x{img.shape[0]}"
+        )
+    if color == "RGB":
+        img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+    return np.asarray(img, dtype=np.uint8)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImagePreprocess:
+    """The image step's settings (see the module docstring)."""
+
+    size: tuple[int, int] = (224, 224)
+    """(height, width) of the tensor."""
+    column: str = "image"
+    output: str = "pixels"
+    fit: str = "letterbox"
+    color: str = "RGB"
+    layout: str = "NCHW"
+    dtype: str = "float32"
+    scale: float = 1 / 255
+    mean: tuple[float, ...] = (0.0, 0.0, 0.0)
+    std: tuple[float, ...] = (1.0, 1.0, 1.0)
+    pad_value: int = 0
+    max_pixels: int = 40_000_000
+    """Images with more pixels are refused from their header (decompression bombs)."""
+    max_bytes: int = 32 << 20
+    threads: int = 0
+    """Decoding threads (0: one per core)."""
+    counters: MediaCounters = field(default_factory=lambda: MediaCounters("pixels"), compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.size) != 2 or min(self.size) < 1:
+            raise ConfigError(f"size must be (height, width) >= 1, got {self.size}")
+        if self.fit not in _FITS:
+            raise ConfigError(f"fit must be one of {list(_FITS)}, got {self.fit!r}")
+        if self.color not in ("RGB", "BGR", "GRAY"):
+            raise ConfigError(f"color must be RGB, BGR or GRAY, got {self.color!r}")
+        if self.layout not in ("NCHW", "NHWC"):
+            raise ConfigError(f"layout must be NCHW or NHWC, got {self.layout!r}")
+        if self.dtype not in ("float32", "uint8"):
+            raise ConfigError(f"dtype must be float32 or uint8, got {self.dtype!r}")
+        if len(self.mean) != self.channels or len(self.std) != self.channels or min(self.std) <= 0:
+            raise ConfigError(f"mean and std need {self.channels} values (std > 0)")
+        if self.max_pixels < 1 or self.max_bytes < 1:
+            raise ConfigError("max_pixels and max_bytes must be >= 1")
+
+    @property
+    def channels(self) -> int:
+        return 1 if self.color == "GRAY" else 3
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """One row's tensor shape (without the batch dimension)."""
+        h, w = self.size
+        c = self.channels
+        return (c, h, w) if self.layout == "NCHW" else (h, w, c)
+
+    def build(self, ctx: OperatorContext) -> Operator:
+        return ImagePreprocessOp(self, ctx)
+
+
+class ImagePreprocessOp:
+    """The running image step."""
+
+    def __init__(self, spec: ImagePreprocess, ctx: OperatorContext) -> None:
+        self.spec, self._ctx = spec, ctx
+        self._cv2 = _cv2()
+        self._cv2.setNumThreads(1)  # the pool is the parallelism; OpenCV's own would oversubscribe
+        self._pool = decode_pool(spec.threads)
+        c = spec.channels
+        self._gain = np.asarray([spec.scale / s for s in spec.std], dtype=np.float32).reshape(1, 1, c)
+        self._bias = np.asarray([m / s for m, s in zip(spec.mean, spec.std, strict=True)], dtype=np.float32)
+        self._bias = self._bias.reshape(1, 1, c)
+
+    def process(self, batch: Batch) -> Emit:
+        spec = self.spec
+        col = batch.column(spec.column)
+        kinds = (pa.types.is_binary, pa.types.is_large_binary, pa.types.is_string, pa.types.is_null)
+        if not any(kind(col.type) for kind in kinds):
+            raise ConfigError(f"column {spec.column!r} is {col.type}, not binary")
+        payloads: list[bytes | str | None] = col.to_pylist()
+        rows = len(payloads)
+        h, w = spec.size
+        pixels = np.empty((rows, h, w, spec.channels), dtype=np.uint8)
+        info = np.zeros((rows, 6), dtype=np.float64)  # height, width, scale x, scale y, offset x, y
+        errors: list[str | None] = [None] * rows
+
+        def work(start: int, end: int) -> tuple[int, int]:
+            took = time.perf_counter_ns()
+            nbytes = 0
+            for i in range(start, end):
+                try:
+                    data = _payload(payloads[i], spec.max_bytes)
+                    nbytes += len(data)
+                    _, width, height = image_header(data)
+                    img = decode_image(
+                        data,
+                        max_pixels=spec.max_pixels,
+                        color=spec.color,
+                        at_least=self._needed(height, width),
+                    )
+                    info[i] = self._fit(img, pixels[i], height, width)
+                except MediaError as exc:
+                    errors[i] = str(exc)
+            return nbytes, time.perf_counter_ns() - took
+
+        done = run_sliced(self._pool, rows, work)
+        bad = [(i, e) for i, e in enumerate(errors) if e is not None]
+        ok = np.flatnonzero(np.fromiter((e is None for e in errors), dtype=bool, count=rows))
+        spec.counters.add(
+            items=len(ok),
+            refused=len(bad),
+            nbytes=sum(b for b, _ in done),
+            decode_ns=sum(t for _, t in done),
+            units=len(ok) * h * w,
+        )
+        if bad:
+            dead_letter_rows(self._ctx, batch, bad)
+            batch, pixels, info = batch.take(ok), pixels[ok], info[ok]
+        tensor = self._tensor(pixels)
+        flat = pa.FixedSizeListArray.from_arrays(pa.array(tensor.reshape(-1)), int(np.prod(spec.shape)))
+        names = ("height", "width", "scale_x", "scale_y", "offset_x", "offset_y")
+        cols: dict[str, Any] = {spec.output: flat}
+        for j, name in enumerate(names):
+            cols[f"image_{name}"] = info[:, j].astype(np.int64) if j < 2 else info[:, j]
+        return [(DEFAULT_PORT, batch.with_columns(cols))]
+
+    def _needed(self, ih: int, iw: int) -> tuple[int, int]:
+        """The smallest (height, width) an image of ``ih`` x ``iw`` may decode to and still
+        give the tensor every pixel it needs."""
+        h, w = self.spec.size
+        if self.spec.fit == "stretch":
+            return h, w
+        s = min(h / ih, w / iw) if self.spec.fit == "letterbox" else max(h / ih, w / iw)
+        return math.ceil(ih * s), math.ceil(iw * s)
+
+    def _fit(
+        self, img: npt.NDArray[np.uint8], out: npt.NDArray[np.uint8], ih: int, iw: int
+    ) -> tuple[float, ...]:
+        """Resize ``img`` (an ``ih`` x ``iw`` image, maybe decoded smaller) into ``out`` as
+        ``fit`` says; (height, width, scales, offsets) from the original image to the tensor."""
+        cv2, spec = self._cv2, self.spec
+        dh, dw = img.shape[:2]
+        fy, fx = dh / ih, dw / iw  # decoded / original
+        h, w = spec.size
+        if img.ndim == 2:
+            img = img[:, :, None]
+        interp = cv2.INTER_AREA if dh * dw > h * w else cv2.INTER_LINEAR
+        if spec.fit == "stretch":
+            out[:] = cv2.resize(img, (w, h), interpolation=interp).reshape(out.shape)
+            return ih, iw, w / iw, h / ih, 0.0, 0.0
+        if spec.fit == "letterbox":
+            s = min(h / dh, w / dw)
+            nh, nw = max(1, min(h, round(dh * s))), max(1, min(w, round(dw * s)))
+            y0, x0 = (h - nh) // 2, (w - nw) // 2
+            out.fill(spec.pad_value)
+            out[y0 : y0 + nh, x0 : x0 + nw] = cv2.resize(img, (nw, nh), interpolation=interp).reshape(
+                nh, nw, -1
+            )
+            return ih, iw, nw / iw, nh / ih, float(x0), float(y0)
+        s = max(h / dh, w / dw)  # crop: the centre window of the source that fills the tensor
+        ch, cw = min(dh, max(1, round(h / s))), min(dw, max(1, round(w / s)))
+        y0, x0 = (dh - ch) // 2, (dw - cw) // 2
+        window = np.ascontiguousarray(img[y0 : y0 + ch, x0 : x0 + cw])
+        out[:] = cv2.resize(window, (w, h), interpolation=interp).reshape(out.shape)
+        sx, sy = w / cw, h / ch  # decoded -> tensor
+        return ih, iw, sx * fx, sy * fy, -x0 * sx, -y0 * sy
+
+    def _tensor(self, pixels: npt.NDArray[np.uint8]) -> npt.NDArray[Any]:
+        spec = self.spec
+        if spec.dtype == "float32":
+            out = np.empty(pixels.shape, dtype=np.float32)
+
+            def norm(start: int, end: int) -> None:  # numpy's loops release the GIL: per slice
+                np.multiply(pixels[start:end], self._gain, out=out[start:end])
+                out[start:end] -= self._bias
+
+            run_sliced(self._pool, len(pixels), norm, min_rows=4)
+            tensor: npt.NDArray[Any] = out
+        else:
+            tensor = pixels
+        if spec.layout == "NCHW":
+            tensor = np.ascontiguousarray(tensor.transpose(0, 3, 1, 2))
+        return tensor
+
+    def flush(self) -> Emit:
+        return []
