@@ -359,7 +359,7 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-def _load_example(relative: str, name: str) -> Any:
+def load_example(relative: str, name: str) -> Any:
     """An example's module, imported from its file (once)."""
     import importlib.util
 
@@ -375,17 +375,17 @@ def _load_example(relative: str, name: str) -> Any:
 
 def load_fraud_example() -> Any:
     """The fraud example's pipeline module (``build``, ``Event``), imported from its file."""
-    return _load_example("fraud/pipeline.py", "aisp_example_fraud_pipeline")
+    return load_example("fraud/pipeline.py", "aisp_example_fraud_pipeline")
 
 
 def load_search_example(module: str = "pipeline") -> Any:
     """The search example's ``pipeline`` or ``corpus`` module, imported from its file."""
-    return _load_example(f"search/{module}.py", f"aisp_example_search_{module}")
+    return load_example(f"search/{module}.py", f"aisp_example_search_{module}")
 
 
 def mlp_model(path: Path, *, width: int = 1024, seed: int = 0) -> Path:
     """A compute-heavy MLP (``features`` [batch, 18] -> width -> width -> ``score`` [batch, 1],
     random weights): milliseconds per call, so batching and queues matter. The diagnosis
     examples' ``write_mlp``."""
-    scenario = _load_example("diagnose/scenario.py", "aisp_example_diagnose_scenario")
+    scenario = load_example("diagnose/scenario.py", "aisp_example_diagnose_scenario")
     return scenario.write_mlp(path, width=width, seed=seed)  # type: ignore[no-any-return]

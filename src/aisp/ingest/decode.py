@@ -97,6 +97,8 @@ def _converter(t: msgspec.inspect.Type) -> Converter:
         return lambda v: pa.array(np.array(v, dtype=np.bool_))
     if isinstance(t, msgspec.inspect.StrType):
         return lambda v: pa.array(v, type=pa.string())
+    if isinstance(t, msgspec.inspect.BytesType):  # msgspec decoded the base64 already
+        return lambda v: pa.array(v, type=pa.binary())
     if (
         isinstance(t, msgspec.inspect.ListType)
         and isinstance(t.item_type, msgspec.inspect.FloatType | msgspec.inspect.IntType)

@@ -4,6 +4,7 @@ from typing import Annotated, Any
 
 import msgspec
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 
@@ -244,3 +245,15 @@ print("ok")
 
 def test_decoder_process_is_restarted_when_its_child_dies_or_hangs() -> None:
     run_script(DECODER_RESTART_CHECK)
+
+
+class Blob(msgspec.Struct):
+    id: str
+    data: bytes
+
+
+def test_bytes_fields_decode_from_base64_into_a_binary_column() -> None:
+    d = ColumnarDecoder(Blob).decode([b'{"id": "a", "data": "AAEC"}', b'{"id": "b", "data": "not base64!"}'])
+    assert d.columns["data"].type == pa.binary()
+    assert d.columns["data"].to_pylist() == [b"\x00\x01\x02"] and d.kept.tolist() == [0]
+    assert "base64" in d.errors[0].reason

@@ -1,0 +1,252 @@
+"""Text in images as one model of the ``infer` step: image tensors in, text regions and their text out.
+
+``TextReader`` wraps PP-OCRv4's two ONNX models (from the ``rapidocr-onnxruntime`` package,
+installed ``--no-deps`` by ``make``: ``packaged_ppocr()`` finds them without importing it):
+
+1. **detection** (DBNet) runs on the whole batch at once: the infer step's dynamic batching
+   gives it many images per call, all of one shape, which ``ImagePreprocess`` made (letterboxed
+   to ``size``, a multiple of 32, BGR, ImageNet mean and deviation: ``det_preprocess()``);
+2. each image's probability map becomes boxes (threshold, contours, each contour's rotated
+   rectangle, kept if its mean probability is at least ``box_threshold``, then grown by
+   ``unclip`` as DBNet shrank it in training), in the tensor's pixels;
+3. **recognition** (SVTR, CTC) runs on every region of the batch together: each region is cut
+   out of the image (its rotated rectangle straightened), scaled to 48 pixels high, and the
+   regions are sorted by width and run in chunks, each padded to its widest, so a long line
+   does not make every short word pay for its padding; greedy CTC decoding with the model's
+   own alphabet (its ``character`` metadata) gives the text and the mean probability of its
+   characters.
+
+Outputs per row: ``texts`` (list of strings), ``scores`` (list of floats), ``boxes`` (list of
+8 floats per region, four corners x, y in the tensor's pixels, clockwise from top left: map them
+to the original image with the ``image_scale_*`` and ``image_offset_*`` columns the image step
+adds) and ``regions`` (how many).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from aisp.errors import ConfigError, ModelError
+from aisp.infer.runtime import Arrays, OnnxRuntime, TensorSpec
+
+__all__ = ["TextReader", "det_preprocess", "packaged_ppocr"]
+
+_MEAN = (0.485, 0.456, 0.406)
+_STD = (0.229, 0.224, 0.225)
+_REC_HEIGHT = 48
+
+
+def packaged_ppocr() -> tuple[Path, Path]:
+    """(detection, recognition) ONNX files of PP-OCRv4 from the ``rapidocr-onnxruntime`` package."""
+    spec = importlib.util.find_spec("rapidocr_onnxruntime")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "package 'rapidocr_onnxruntime' is not installed: pip install --no-deps rapidocr-onnxruntime"
+        )
+    models = Path(next(iter(spec.submodule_search_locations))) / "models"
+    det, rec = models / "ch_PP-OCRv4_det_infer.onnx", models / "ch_PP-OCRv4_rec_infer.onnx"
+    for path in (det, rec):
+        if not path.is_file():
+            raise ConfigError(f"{path} is missing from its package")
+    return det, rec
+
+
+def det_preprocess() -> dict[str, Any]:
+    """``ImagePreprocess`` settings for the detector: BGR, ImageNet mean and deviation, NCHW."""
+    return {"color": "BGR", "mean": _MEAN, "std": _STD, "layout": "NCHW", "fit": "letterbox"}
+
+
+class TextReader:
+    """PP-OCR detection and recognition as one model (see the module docstring); its one input
+    ``image`` is ``[rows, 3 * height * width]`` as ``ImagePreprocess(**det_preprocess())`` makes it."""
+
+    def __init__(
+        self,
+        size: tuple[int, int],
+        *,
+        det: str | Path | None = None,
+        rec: str | Path | None = None,
+        name: str = "ppocr",
+        threshold: float = 0.3,
+        box_threshold: float = 0.5,
+        unclip: float = 1.6,
+        min_side: float = 3.0,
+        max_regions: int = 100,
+        rec_chunk: int = 16,
+        max_rec_width: int = 960,
+        threads: int = 1,
+    ) -> None:
+        if size[0] % 32 or size[1] % 32:
+            raise ConfigError(f"the detector needs a size that is a multiple of 32, got {size}")
+        if det is None or rec is None:
+            det, rec = packaged_ppocr()
+        self._det = OnnxRuntime(det, name=f"{name}-det", intra_op_threads=threads)
+        self._rec = OnnxRuntime(rec, name=f"{name}-rec", intra_op_threads=threads)
+        import onnxruntime as ort
+
+        meta = ort.InferenceSession(str(rec), providers=["CPUExecutionProvider"]).get_modelmeta()
+        chars = meta.custom_metadata_map.get("character")
+        if not chars:
+            raise ConfigError(f"{rec} has no 'character' metadata: not a PP-OCR recognition model?")
+        self._alphabet = np.array(["", *chars.splitlines(), " "], dtype=object)
+        self.size, self.name = size, name
+        self._threshold, self._box_threshold, self._unclip = threshold, box_threshold, unclip
+        self._min_side, self._max_regions = min_side, max_regions
+        self._rec_chunk, self._max_rec_width = rec_chunk, max_rec_width
+        self.input_names = ("image",)
+        self.output_names = ("texts", "scores", "boxes", "regions")
+        h, w = size
+        self.input_specs: Mapping[str, TensorSpec] = {
+            "image": TensorSpec(np.dtype(np.float32), (None, 3 * h * w))
+        }
+        import cv2
+
+        self._cv2 = cv2
+
+    @property
+    def version(self) -> str:
+        return "PP-OCRv4"
+
+    @property
+    def provider(self) -> str:
+        return self._det.provider
+
+    def run(self, inputs: Mapping[str, npt.NDArray[Any]]) -> Arrays:
+        h, w = self.size
+        images = np.ascontiguousarray(inputs["image"], dtype=np.float32).reshape(-1, 3, h, w)
+        rows = images.shape[0]
+        probs = next(iter(self._det.run({self._det.input_names[0]: images}).values()))
+        if probs.shape[0] != rows or probs.shape[-2:] != (h, w):
+            raise ModelError(f"detector output {probs.shape} does not match input {images.shape}")
+        boxes = [self._boxes(probs[i].reshape(h, w)) for i in range(rows)]
+        crops, owner = [], []
+        for i, found in enumerate(boxes):
+            if found:
+                bgr = self._pixels(images[i])
+                for box in found:
+                    crops.append(self._crop(bgr, box))
+                    owner.append(i)
+        texts, scores = self._read(crops)
+        out_texts = np.empty(rows, dtype=object)
+        out_scores = np.empty(rows, dtype=object)
+        out_boxes = np.empty(rows, dtype=object)
+        for i in range(rows):
+            out_texts[i], out_scores[i], out_boxes[i] = [], [], []
+        for j, i in enumerate(owner):
+            out_texts[i].append(texts[j])
+            out_scores[i].append(scores[j])
+            out_boxes[i].extend(float(v) for v in boxes[i][len(out_texts[i]) - 1].reshape(-1))
+        regions = np.fromiter((len(t) for t in out_texts), dtype=np.int64, count=rows)
+        return {"texts": out_texts, "scores": out_scores, "boxes": out_boxes, "regions": regions}
+
+    def _pixels(self, tensor: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
+        """The detector's input back to BGR ``uint8`` pixels (for cutting regions out)."""
+        mean = np.asarray(_MEAN, dtype=np.float32)[:, None, None]
+        std = np.asarray(_STD, dtype=np.float32)[:, None, None]
+        pixels = (tensor * std + mean) * 255.0
+        out: npt.NDArray[np.uint8] = np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 2, 0).copy()
+        return out
+
+    def _boxes(self, prob: npt.NDArray[np.float32]) -> list[npt.NDArray[np.float32]]:
+        """DBNet's post-processing: the rotated rectangles of the text regions in ``prob``."""
+        cv2 = self._cv2
+        bitmap = (prob > self._threshold).astype(np.uint8)
+        contours, _ = cv2.findContours(bitmap, cv2.RETR_LIST, cv2.CHAIN_APPROX_SIMPLE)
+        h, w = prob.shape
+        out = []
+        for contour in contours[: self._max_regions * 4]:
+            rect = cv2.minAreaRect(contour)
+            if min(rect[1]) < self._min_side:
+                continue
+            x, y, bw, bh = cv2.boundingRect(contour)
+            mask = np.zeros((bh, bw), dtype=np.uint8)
+            cv2.fillPoly(mask, [contour.reshape(-1, 2) - (x, y)], 1)
+            if cv2.mean(prob[y : y + bh, x : x + bw], mask)[0] < self._box_threshold:
+                continue
+            (cx, cy), (rw, rh), angle = rect
+            grow = rw * rh * self._unclip / max(2 * (rw + rh), 1e-6)  # DBNet's unclip distance
+            rw, rh = rw + 2 * grow, rh + 2 * grow
+            if min(rw, rh) < self._min_side + 2:
+                continue
+            corners = cv2.boxPoints(((cx, cy), (rw, rh), angle))
+            corners[:, 0] = np.clip(corners[:, 0], 0, w - 1)
+            corners[:, 1] = np.clip(corners[:, 1], 0, h - 1)
+            out.append(_clockwise(corners))
+            if len(out) == self._max_regions:
+                break
+        out.sort(key=lambda b: (round(float(b[0, 1]) / 10), float(b[0, 0])))  # reading order
+        return out
+
+    def _crop(self, image: npt.NDArray[np.uint8], box: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
+        """The region ``box`` straightened (a perspective warp), upright."""
+        cv2 = self._cv2
+        width = int(max(np.linalg.norm(box[0] - box[1]), np.linalg.norm(box[2] - box[3])))
+        height = int(max(np.linalg.norm(box[0] - box[3]), np.linalg.norm(box[1] - box[2])))
+        width, height = max(width, 1), max(height, 1)
+        target = np.array([[0, 0], [width, 0], [width, height], [0, height]], dtype=np.float32)
+        m = cv2.getPerspectiveTransform(box.astype(np.float32), target)
+        crop = cv2.warpPerspective(
+            image, m, (width, height), borderMode=cv2.BORDER_REPLICATE, flags=cv2.INTER_CUBIC
+        )
+        if height / width >= 1.5:
+            crop = np.rot90(crop)
+        return np.ascontiguousarray(crop)
+
+    def _read(self, crops: list[npt.NDArray[np.uint8]]) -> tuple[list[str], list[float]]:
+        """Recognition of every crop: sorted by width, in chunks padded to their widest."""
+        cv2 = self._cv2
+        n = len(crops)
+        texts, scores = [""] * n, [0.0] * n
+        widths = [
+            min(self._max_rec_width, max(1, round(_REC_HEIGHT * c.shape[1] / c.shape[0]))) for c in crops
+        ]
+        order = sorted(range(n), key=widths.__getitem__)
+        for start in range(0, n, self._rec_chunk):
+            chunk = order[start : start + self._rec_chunk]
+            width = max(320, max(widths[i] for i in chunk))
+            batch = np.zeros((len(chunk), 3, _REC_HEIGHT, width), dtype=np.float32)
+            for k, i in enumerate(chunk):
+                resized = cv2.resize(crops[i], (widths[i], _REC_HEIGHT)).astype(np.float32)
+                batch[k, :, :, : widths[i]] = (resized.transpose(2, 0, 1) / 255.0 - 0.5) / 0.5
+            probs = next(iter(self._rec.run({self._rec.input_names[0]: batch}).values()))
+            for k, i in enumerate(chunk):
+                texts[i], scores[i] = self._ctc(probs[k])
+        return texts, scores
+
+    def _ctc(self, probs: npt.NDArray[np.float32]) -> tuple[str, float]:
+        """Greedy CTC: the best class per step, repeats merged, blanks dropped."""
+        best = probs.argmax(axis=1)
+        keep = best != 0
+        keep[1:] &= best[1:] != best[:-1]
+        if not keep.any():
+            return "", 0.0
+        chars = best[keep]
+        if chars.max() >= len(self._alphabet):
+            raise ModelError(
+                f"recognition output has {probs.shape[1]} classes, the alphabet {len(self._alphabet)}"
+            )
+        return "".join(self._alphabet[chars]), float(probs.max(axis=1)[keep].mean())
+
+    def warmup(self, batch_sizes: Sequence[int]) -> None:
+        h, w = self.size
+        for rows in batch_sizes:
+            self.run({"image": np.zeros((rows, 3 * h * w), dtype=np.float32)})
+        self._read([np.zeros((_REC_HEIGHT, 160, 3), dtype=np.uint8)])
+
+    def __repr__(self) -> str:
+        return f"TextReader({self.size}, det={self._det!r}, rec={self._rec!r})"
+
+
+def _clockwise(corners: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """Four corners as top-left, top-right, bottom-right, bottom-left."""
+    by_x = corners[np.argsort(corners[:, 0], kind="stable")]
+    left, right = by_x[:2], by_x[2:]
+    tl, bl = left[np.argsort(left[:, 1])]
+    tr, br = right[np.argsort(right[:, 1])]
+    return np.array([tl, tr, br, bl], dtype=np.float32)
