@@ -136,7 +136,9 @@ class _ParentSink(SinkPartition):
             raise SinkError(f"sink {self._name} failed: {self._error}")
         try:
             self._tx.send_bytes(data)
-        except OSError as exc:
+        except OSError as exc:  # the child went: its reason, if it sent one, is on the ack pipe
+            if self._reader is not None:
+                self._reader.join(timeout=5)
             raise SinkError(f"sink {self._name} failed: {self._error or exc}") from exc
 
     def write(self, batch: Batch) -> None:
