@@ -17,7 +17,8 @@ How it reasons:
    (``slow_model``), a model held to tiny batches (``small_batches``) or whose batches wait for
    rows that do not come (``slow_batch_fill``), encoding or decoding that burns CPU
    (``serialization``), a sink that waits on its destination (``slow_sink``), a per-row Python
-   function (``row_udf``), another operator (``slow_operator``); and for the whole pipeline,
+   function (``row_udf``), image or audio decoding (``decode_bound``), another operator
+   (``slow_operator``); and for the whole pipeline,
    events refused or shed at admission (``admission_overload``), model calls failing or rows
    expiring (``model_errors``); an LLM step's requests waiting for a slot (``llm_queueing``)
    or slow generation (``llm_slow_generation``, see ``diagnose_llm``). When nothing stands
@@ -51,6 +52,7 @@ CAUSES = (
     "serialization",
     "row_udf",
     "slow_operator",
+    "decode_bound",
     "slow_sink",
     "admission_overload",
     "model_errors",
@@ -61,7 +63,13 @@ PHASES = ("queue", "batch", "serialize", "compute")
 SATURATED = 0.8  # a thread busy this share of the time is the bottleneck
 TINY_BATCH_ROWS = 32  # a cap this low makes a model call's fixed cost dominate
 BUSY_MODEL = 0.5  # a model busy this share of the time makes its rows wait for it
-HOT_SPOTS = ("row_udf", "slow_operator", "serialization", "slow_model")  # causes that are work done
+HOT_SPOTS = (
+    "row_udf",
+    "slow_operator",
+    "decode_bound",
+    "serialization",
+    "slow_model",
+)  # causes that are work done
 WAITING_CPU_SHARE = 0.25  # busy with less CPU than this: waiting, not working
 
 
@@ -78,6 +86,7 @@ class _Stage:
     queue_rows: float
     budget_s: float
     settings: dict[str, float] = field(default_factory=dict)
+    media: dict[str, float] = field(default_factory=dict)  # an image or audio step's work, per second
 
     def mean(self, phase: str) -> float:
         return self.phases[phase].mean
@@ -150,6 +159,10 @@ def _stages(w: _Window, seconds: float) -> list[_Stage]:
                 queue_rows=w.gauge("aisp_stage_queue_rows", stage=name),
                 budget_s=w.gauge("aisp_stage_latency_budget_seconds", stage=name),
                 settings=settings,
+                media={
+                    m: w.delta(f"aisp_media_{m}_total", stage=name) / max(seconds, 1e-9)
+                    for m in ("decode_seconds", "bytes", "units")
+                },
             )
         )
     return out
@@ -267,6 +280,17 @@ def _classify_operator(
 ) -> tuple[str, str, dict[str, Any]] | None:
     """An operator's cause: a per-row Python function, or slow vectorised work."""
     ev["compute_us_per_row"] = per_row_us
+    decoding = st.media.get("decode_seconds", 0.0)
+    if decoding > 0 and decoding >= 0.5 * st.busy:  # the pool's threads summed
+        ev.update(decode_threads_busy=round(decoding, 2), mb_in_per_s=round(st.media["bytes"] / 1e6, 2),
+                  units_per_s=round(st.media["units"]))  # fmt: skip
+        return (
+            "decode_bound",
+            f"step {st.name!r} spends its time decoding ({round(decoding, 2)} threads busy, "
+            f"{ev['mb_in_per_s']} MB/s in): give it more cores (its pool's threads, or workers), or "
+            "send smaller inputs (a JPEG no larger than the tensor needs decodes at a DCT scale)",
+            ev,
+        )
     if st.kind == "map":
         return (
             "row_udf",

@@ -1,5 +1,8 @@
 """Counters that operators keep of their own work, as metrics: the tokens a text tokenizer made
-(``aisp_tokens_total{stage}``) and what a response cache did (``aisp_cache_rows_total{stage,
+(``aisp_tokens_total{stage}``), what an image or audio step decoded
+(``aisp_media_items_total{stage,outcome}``, ``aisp_media_bytes_total``,
+``aisp_media_decode_seconds_total``, ``aisp_media_units_total{stage,unit}``: pixels or samples)
+and what a response cache did (``aisp_cache_rows_total{stage,
 outcome}``: hit or miss; ``aisp_cache_lookups_total``, store lookups, which the Bloom filter
 spares a row it never saw; ``aisp_cache_evictions_total``; ``aisp_cache_entries``,
 ``aisp_cache_bytes``). ``operator_counters`` reads them off a graph (its ``map_batch`` steps'
@@ -17,14 +20,20 @@ __all__ = ["counter_families", "operator_counters"]
 
 
 def operator_counters(graph: Any) -> dict[str, dict[str, Any]]:
-    """``{"tokens": {stage: n}, "caches": {stage: stats}}`` of ``graph``'s operators now."""
+    """``{"tokens": {stage: n}, "caches": {stage: stats}, "media": {stage: stats}}`` of
+    ``graph``'s operators now."""
     tokens = {}
     for node in getattr(graph, "nodes", ()):
         made = getattr(getattr(node.spec, "fn", None), "tokens", None)
         if node.kind == "map_batch" and isinstance(made, int):
             tokens[node.step_id] = made
     caches = {sid: cache.stats() for sid, cache in getattr(graph, "caches", {}).items()}
-    return {"tokens": tokens, "caches": caches}
+    media = {}
+    for node in getattr(graph, "nodes", ()):
+        stats = getattr(getattr(node.spec, "counters", None), "stats", None)
+        if callable(stats):  # an image or audio step's MediaCounters
+            media[node.step_id] = stats()
+    return {"tokens": tokens, "caches": caches, "media": media}
 
 
 def counter_families(counters: Mapping[str, Mapping[str, Any]]) -> list[Any]:
@@ -56,4 +65,24 @@ def counter_families(counters: Mapping[str, Mapping[str, Any]]) -> list[Any]:
             entries.add_metric([sid], st["entries"])
             size.add_metric([sid], st["bytes"])
         out += [rows, lookups, evictions, entries, size]
-    return out
+    return out + _media_families(counters.get("media") or {})
+
+
+def _media_families(media: Mapping[str, Mapping[str, Any]]) -> list[Any]:
+    if not media:
+        return []
+    items = CounterMetricFamily(
+        "aisp_media_items", "Images or audio inputs decoded or refused", labels=["stage", "outcome"]
+    )
+    size = CounterMetricFamily("aisp_media_bytes", "Encoded bytes in", labels=["stage"])
+    seconds = CounterMetricFamily(
+        "aisp_media_decode_seconds", "Time spent decoding, summed over the pool's threads", labels=["stage"]
+    )
+    units = CounterMetricFamily("aisp_media_units", "Pixels or samples made", labels=["stage", "unit"])
+    for sid, st in sorted(media.items()):
+        items.add_metric([sid, "decoded"], st["items"])
+        items.add_metric([sid, "refused"], st["refused"])
+        size.add_metric([sid], st["bytes"])
+        seconds.add_metric([sid], st["decode_seconds"])
+        units.add_metric([sid, st["unit"]], st["units"])
+    return [items, size, seconds, units]

@@ -209,3 +209,24 @@ def test_a_model_servers_429s_are_admission_overload_by_model() -> None:
     assert (findings[0].cause, findings[0].stage) == ("admission_overload", "fraud")
     assert findings[0].evidence["refused"] == 500
     assert all(f.stage != "other" for f in findings)
+
+
+def test_an_image_step_busy_decoding_is_decode_bound() -> None:
+    stages = {
+        **CALM,
+        "prepare": {"kind": "stateful", "busy": 9.5, "cpu": 9.0, "compute": [0.19] * 500, "rows": [16] * 500,
+                    "budget": 0.05},
+    }  # fmt: skip
+    media = (
+        "# TYPE aisp_media_decode_seconds counter",
+        'aisp_media_decode_seconds_total{stage="prepare"} 17.6',
+        "# TYPE aisp_media_bytes counter",
+        'aisp_media_bytes_total{stage="prepare"} 800000000',
+        "# TYPE aisp_media_units counter",
+        'aisp_media_units_total{stage="prepare",unit="pixels"} 1638400000',
+    )
+    top = diagnose(None, Scrape(metrics_text(10.0, stages, e2e=[0.3] * 1000, events_in=8000, extra=media)))[0]
+    assert (top.cause, top.stage) == ("decode_bound", "prepare")
+    assert top.evidence["mb_in_per_s"] == 80.0 and top.evidence["decode_threads_busy"] == 1.76
+    plain = diagnose(None, Scrape(metrics_text(10.0, stages, e2e=[0.3] * 1000, events_in=8000)))[0]
+    assert plain.cause == "slow_operator"

@@ -207,3 +207,23 @@ def test_fuzz_every_row_is_either_a_tensor_or_a_dead_letter(payloads: list[bytes
         with pytest.raises(MediaError):
             data = payloads[i]
             decode_image(data, max_pixels=1 << 20)
+
+
+def test_an_image_steps_counters_are_metrics_of_its_stage() -> None:
+    from prometheus_client.core import Metric
+
+    from aisp import CollectSink, Pipeline, TestingSource
+    from aisp.observe.operator_counters import counter_families, operator_counters
+
+    p, out = Pipeline("img"), CollectSink(columns=["image_width"])
+    rows = [{"image": encode(picture(20, 30), ".png")}, {"image": b"junk"}]
+    p.source("src", TestingSource(rows)).apply("prep", ImagePreprocess(size=(8, 8))).sink("out", out)
+    p.run()
+    families: dict[str, Metric] = {f.name: f for f in counter_families(operator_counters(p.graph))}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples
+    }
+    assert samples[("aisp_media_items_total", (("outcome", "decoded"), ("stage", "prep")))] == 1
+    assert samples[("aisp_media_items_total", (("outcome", "refused"), ("stage", "prep")))] == 1
+    assert samples[("aisp_media_units_total", (("stage", "prep"), ("unit", "pixels")))] == 64
+    assert samples[("aisp_media_bytes_total", (("stage", "prep"),))] == len(rows[0]["image"]) + 4
