@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from aisp.errors import ModelError
 
-__all__ = ["CostModel", "OnnxRuntime", "PythonRuntime", "Runtime", "TensorSpec", "resolve"]
+__all__ = ["CostModel", "OnnxRuntime", "PythonRuntime", "Reshaped", "Runtime", "TensorSpec", "resolve"]
 
 Arrays = dict[str, npt.NDArray[Any]]
 
@@ -314,3 +314,53 @@ def warmup_with_zeros(runtime: Runtime, batch_sizes: Sequence[int]) -> None:
         if any(v is None for v in dummy.values()):
             return
         runtime.run({n: v for n, v in dummy.items() if v is not None})
+
+
+class Reshaped:
+    """``runtime`` fed from flat rows: each input named in ``shapes`` comes as ``[rows, size]``
+    (a fixed-size-list column, as ``ImagePreprocess`` makes its tensors) and is reshaped to
+    ``[rows, *shape]`` before the call, so an image model with dynamic dimensions (``[N, 3, ?,
+    ?]``) can be an infer step's model; an output of more than two dimensions (a mask, a feature
+    map) comes back flattened per row, ``[rows, size]``, as a column holds it.
+
+    >>> rt = PythonRuntime(lambda xs: {"s": xs["x"].sum(axis=(2, 3))[:, :1]}, input_names=["x"],
+    ...                    output_names=["s"], name="m")
+    >>> Reshaped(rt, {"x": (2, 2, 2)}).run({"x": np.ones((3, 8), dtype=np.float32)})["s"].tolist()
+    [[4.0], [4.0], [4.0]]
+    """
+
+    def __init__(self, runtime: Runtime, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        unknown = sorted(set(shapes) - set(runtime.input_names))
+        if unknown:
+            raise ModelError(f"model {runtime.name!r} has no inputs {unknown}: {runtime.input_names}")
+        self._runtime, self._shapes = runtime, dict(shapes)
+        self.name, self.input_names, self.output_names = (
+            runtime.name,
+            runtime.input_names,
+            runtime.output_names,
+        )
+        specs = dict(runtime.input_specs)
+        for name, shape in self._shapes.items():
+            specs[name] = TensorSpec(specs.get(name, TensorSpec()).dtype, (None, int(np.prod(shape))))
+        self.input_specs: Mapping[str, TensorSpec] = specs
+
+    @property
+    def version(self) -> str:
+        return self._runtime.version
+
+    @property
+    def provider(self) -> str:
+        return self._runtime.provider
+
+    def run(self, inputs: Mapping[str, npt.NDArray[Any]]) -> Arrays:
+        shaped = {
+            n: a.reshape(a.shape[0], *self._shapes[n]) if n in self._shapes else a for n, a in inputs.items()
+        }
+        out = self._runtime.run(shaped)
+        return {n: a.reshape(a.shape[0], -1) if a.ndim > 2 else a for n, a in out.items()}
+
+    def warmup(self, batch_sizes: Sequence[int]) -> None:
+        warmup_with_zeros(self, batch_sizes)
+
+    def __repr__(self) -> str:
+        return f"Reshaped({self._runtime!r}, {self._shapes})"

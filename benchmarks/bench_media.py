@@ -1,0 +1,220 @@
+"""Images and audio through AISP against hand-written loops, in one run.
+
+**Images** (``--images`` JPEG files of 640x480 to 1600x1200 on disk, written once): decode,
+resize to the model's input keeping the aspect ratio (letterbox), normalise, run the model. The
+model (``--model``): ``cls``, PP-OCR's text direction classifier (3 x 48 x 192, light: decoding
+dominates), or ``det``, PP-OCRv4's text detector (3 x 320 x 640, heavy: the model dominates).
+
+* ``pillow``: a loop over the files that does what a user writes first: Pillow opens and
+  decodes each, resizes it (bilinear), numpy normalises it, one ONNX Runtime call per image
+  with ``--threads`` intra-op threads (every core by default);
+* ``pillow_draft``: the same loop with ``Image.draft``, which lets libjpeg decode at a DCT scale
+  (1/2, 1/4, 1/8) no smaller than the target: the strongest plain loop;
+* ``aisp``: ``FilesSource`` -> ``ImagePreprocess`` (a decoding pool of one thread per core) ->
+  an ``infer`` step with dynamic batching (the model's intra-op threads: ``--aisp-threads``).
+
+Each round runs the three in turn (alternating); the report gives images/s and the p99 of each
+image's latency (a loop: the time of its iteration; AISP: read to result, queueing included),
+the median of ``--rounds`` rounds and the ratios of the medians.
+
+**Audio** (``--streams``, a list): that many concurrent callers, each sending 100 ms chunks of
+16-bit PCM at real time (the source paced at streams x 10 chunks/s) through the audio example's
+pipeline (decode, MFCC with carry-over, Silero VAD across streams); the report gives the chunks'
+p99 latency and whether the pipeline kept up (chunks/s against the rate).
+
+    python benchmarks/bench_media.py [--images 240 --model cls --rounds 3 --streams 64,128,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+MODELS = {"cls": ("ch_ppocr_mobile_v2.0_cls_infer.onnx", (48, 192)), "det": ("ch_PP-OCRv4_det_infer.onnx", (320, 640))}
+MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+
+
+def model_path(name: str) -> Path:
+    from aisp.infer.ocr import packaged_ppocr
+
+    return packaged_ppocr()[0].parent / MODELS[name][0]
+
+
+def write_photos(directory: Path, count: int) -> list[Path]:
+    """``count`` photo-like JPEGs (gradients, shapes, noise) of several sizes, quality 90."""
+    import cv2
+
+    sizes = [(480, 640), (720, 960), (768, 1024), (1200, 1600)]
+    paths = []
+    for i in range(count):
+        rng = np.random.default_rng(i)
+        h, w = sizes[i % len(sizes)]
+        y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+        img = np.stack([x / w * 200, y / h * 200, (x + y) / (w + h) * 255], axis=2)
+        for _ in range(12):
+            cx, cy, r = int(rng.integers(0, w)), int(rng.integers(0, h)), int(rng.integers(10, h // 3))
+            color = tuple(int(c) for c in rng.integers(0, 255, 3))
+            cv2.circle(img, (cx, cy), r, color, -1)
+        img = np.clip(img + rng.normal(0, 6, img.shape), 0, 255).astype(np.uint8)
+        path = directory / f"photo-{i:04d}.jpg"
+        cv2.imwrite(str(path), img, [cv2.IMWRITE_JPEG_QUALITY, 90])
+        paths.append(path)
+    return paths
+
+
+class PillowLoop:
+    """The hand-written loop (see the module docstring)."""
+
+    def __init__(self, model: Path, size: tuple[int, int], threads: int, draft: bool) -> None:
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(model), sess_options=opts, providers=["CPUExecutionProvider"])
+        self.input = self.session.get_inputs()[0].name
+        self.size, self.draft = size, draft
+
+    def one(self, path: Path) -> Any:
+        from PIL import Image
+
+        h, w = self.size
+        with Image.open(path) as img:
+            if self.draft:
+                img.draft("RGB", (w, h))  # libjpeg's DCT scaling, no smaller than the target
+            img = img.convert("RGB")
+            s = min(h / img.height, w / img.width)
+            nw, nh = max(1, round(img.width * s)), max(1, round(img.height * s))
+            resized = img.resize((nw, nh), Image.Resampling.BILINEAR)
+        canvas = np.zeros((h, w, 3), dtype=np.float32)
+        y0, x0 = (h - nh) // 2, (w - nw) // 2
+        canvas[y0 : y0 + nh, x0 : x0 + nw] = np.asarray(resized, dtype=np.float32)
+        tensor = ((canvas / 255.0 - MEAN) / STD).transpose(2, 0, 1)[None]
+        return self.session.run(None, {self.input: np.ascontiguousarray(tensor)})
+
+    def run(self, paths: list[Path]) -> dict[str, float]:
+        took = []
+        t0 = time.perf_counter()
+        for path in paths:
+            t = time.perf_counter()
+            self.one(path)
+            took.append(time.perf_counter() - t)
+        seconds = time.perf_counter() - t0
+        return {"per_s": len(paths) / seconds, "p99_ms": float(np.percentile(took, 99)) * 1000}
+
+
+def through_aisp(directory: Path, model: str, threads: int, batch: int) -> dict[str, float]:
+    from aisp import BatcherConfig, FilesSource, NullSink, OnnxRuntime, Pipeline
+    from aisp.infer.runtime import Reshaped
+    from aisp.transform.images import ImagePreprocess
+
+    size = MODELS[model][1]
+    p = Pipeline("images")
+    prep = ImagePreprocess(column="data", size=size, mean=tuple(MEAN.tolist()), std=tuple(STD.tolist()))
+    runtime = OnnxRuntime(model_path(model), name=model, intra_op_threads=threads)
+    shaped = Reshaped(runtime, {runtime.input_names[0]: (3, *size)})
+    tensors = p.source("files", FilesSource(directory, pattern="*.jpg", batch_rows=8)).apply("prepare", prep)
+    tensors.infer(
+        "model",
+        shaped,
+        inputs={runtime.input_names[0]: "pixels"},
+        outputs={runtime.output_names[0]: "out"},
+        batcher=BatcherConfig(max_batch_size=batch, max_queue_delay_ms=5.0),
+    ).sink("out", NullSink())
+    t0 = time.perf_counter()
+    summary = p.run()
+    seconds = time.perf_counter() - t0
+    assert summary.events_out == len(list(directory.glob("*.jpg"))), summary
+    return {
+        "per_s": summary.events_out / seconds,
+        "p99_ms": summary.latency_ms["p99"],
+        "mean_batch": summary.models["model"].get("mean_batch_rows", 0.0),
+    }
+
+
+def audio(streams: int, seconds: float) -> dict[str, Any]:
+    from aisp import RunOptions
+    from aisp.schedule.config import ExecutorOptions
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.workload import load_example
+
+    example = load_example("audio/pipeline.py", "aisp_example_audio_pipeline")
+    p = example.build(streams=streams, seconds=seconds, chunk_ms=100)
+    rate = streams * 10.0
+    t0 = time.perf_counter()
+    summary = p.run(RunOptions(execution=ExecutorOptions(rate_events_per_s=rate)))
+    wall = time.perf_counter() - t0
+    return {
+        "streams": streams,
+        "chunks": summary.events_out,
+        "rate_chunks_per_s": rate,
+        "chunks_per_s": round(summary.events_out / wall, 1),
+        "kept_up": summary.events_out / wall >= 0.95 * rate,
+        "p50_ms": summary.latency_ms["p50"],
+        "p99_ms": summary.latency_ms["p99"],
+        "dead_letters": summary.dead_letters,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--images", type=int, default=240)
+    ap.add_argument("--model", choices=sorted(MODELS), default="cls")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="the loops' intra-op threads (0: every core)")
+    ap.add_argument("--aisp-threads", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=0, help="AISP's largest batch (0: 32 for cls, 8 for det)")
+    ap.add_argument("--streams", default="64,128,256", help="audio: concurrent streams to try ('' skips)")
+    ap.add_argument("--seconds", type=float, default=10.0, help="audio: seconds per stream")
+    args = ap.parse_args()
+    report: dict[str, Any] = {"images": args.images, "model": args.model, "rounds": args.rounds}
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        paths = write_photos(directory, args.images)
+        report["megapixels"] = round(sum(h * w for h, w in _sizes(paths)) / len(paths) / 1e6, 2)
+        loops = {
+            name: PillowLoop(model_path(args.model), MODELS[args.model][1], args.threads, draft)
+            for name, draft in (("pillow", False), ("pillow_draft", True))
+        }
+        for loop in loops.values():
+            loop.run(paths[:4])  # warm-up
+        runs: dict[str, list[dict[str, float]]] = {"pillow": [], "pillow_draft": [], "aisp": []}
+        for _ in range(args.rounds):
+            for name, loop in loops.items():
+                runs[name].append(loop.run(paths))
+            batch = args.batch or (32 if args.model == "cls" else 8)
+            runs["aisp"].append(through_aisp(directory, args.model, args.aisp_threads, batch))
+    med = {k: statistics.median(r["per_s"] for r in v) for k, v in runs.items()}
+    p99 = {k: statistics.median(r["p99_ms"] for r in v) for k, v in runs.items()}
+    report.update(
+        runs={k: [{m: round(x, 2) for m, x in r.items()} for r in v] for k, v in runs.items()},
+        median_images_per_s={k: round(v, 1) for k, v in med.items()},
+        median_p99_ms={k: round(v, 1) for k, v in p99.items()},
+        aisp_vs_pillow=round(med["aisp"] / med["pillow"], 2),
+        aisp_vs_pillow_draft=round(med["aisp"] / med["pillow_draft"], 2),
+    )
+    if args.streams:
+        report["audio"] = [audio(int(n), args.seconds) for n in args.streams.split(",")]
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+def _sizes(paths: list[Path]) -> list[tuple[int, int]]:
+    from PIL import Image
+
+    out = []
+    for path in paths:
+        with Image.open(path) as img:
+            out.append((img.height, img.width))
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
