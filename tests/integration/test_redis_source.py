@@ -44,3 +44,27 @@ def test_entries_delivered_in_a_reply_lost_to_a_broken_connection_are_read_again
         assert seen == list(range(300))  # none lost, in order
     finally:
         r.delete(stream)  # type: ignore[attr-defined]
+
+
+def test_raw_image_messages_become_a_binary_column_an_image_step_decodes() -> None:
+    import cv2
+    import numpy as np
+
+    from aisp import CollectSink, Pipeline
+    from aisp.ingest import RawMessage
+    from aisp.transform.images import ImagePreprocess
+
+    r = redis_client()
+    stream = f"aisp-raw-images-{uuid.uuid4().hex[:8]}"
+    images = [cv2.imencode(".png", np.full((10 + i, 20, 3), i * 20, np.uint8))[1].tobytes() for i in range(5)]
+    for data in [*images[:2], b"not an image", *images[2:]]:
+        r.xadd(stream, {"data": data})  # type: ignore[attr-defined]
+    try:
+        p, out = Pipeline("raw"), CollectSink(columns=["image_height"])
+        src = RedisStreamSource(stream=stream, schema=RawMessage, group="g", stop_when_idle_s=0.5)
+        p.source("images", src).apply("prep", ImagePreprocess(column="data", size=(8, 8))).sink("out", out)
+        summary = p.run()
+        assert sorted(row["image_height"] for row in out.rows) == [10, 11, 12, 13, 14]
+        assert summary.dead_letters == 1 and summary.dead_letters_by_step == {"prep": 1}
+    finally:
+        r.delete(stream)  # type: ignore[attr-defined]

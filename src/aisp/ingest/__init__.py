@@ -3,7 +3,7 @@ broker messages to batches, generators and process offload. Sources addressed by
 brokers) are in ``aisp.connectors``."""
 
 from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
-from aisp.ingest.decode import ColumnarDecoder
+from aisp.ingest.decode import ColumnarDecoder, RawMessage
 from aisp.ingest.files import FilesSource
 from aisp.ingest.generator import WorkloadFSource
 from aisp.ingest.messages import MessageDecoder
@@ -14,6 +14,7 @@ __all__ = [
     "DeadLetterRecord",
     "FilesSource",
     "MessageDecoder",
+    "RawMessage",
     "Source",
     "SourceContext",
     "SourcePartition",

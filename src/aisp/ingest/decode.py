@@ -34,7 +34,7 @@ import pyarrow as pa
 from aisp.batch import matrix_column
 from aisp.ingest.plain import DecodeError, decode_rows, short
 
-__all__ = ["ColumnarDecoder", "DecodeError", "Decoded"]
+__all__ = ["ColumnarDecoder", "DecodeError", "Decoded", "RawMessage"]
 
 Converter = Callable[[Sequence[Any]], pa.Array]
 
@@ -120,6 +120,18 @@ def _converter(t: msgspec.inspect.Type) -> Converter:
     return lambda v: pa.array(msgspec.to_builtins(list(v)), type=arrow)
 
 
+class RawMessage(msgspec.Struct):
+    """The schema of broker messages that are not JSON: each message's bytes as they came (a JPEG,
+    an audio chunk), in the binary column ``data``. ``ColumnarDecoder(RawMessage)`` takes every
+    message as a row, empty ones included (an image or audio step dead-letters those).
+
+    >>> ColumnarDecoder(RawMessage).decode([b"\\xff\\xd8", b""]).columns["data"].to_pylist()
+    [b'\\xff\\xd8', b'']
+    """
+
+    data: bytes
+
+
 class ColumnarDecoder:
     """Decodes chunks of JSON lines into the columns of ``schema`` (a ``msgspec.Struct``).
 
@@ -143,6 +155,8 @@ class ColumnarDecoder:
 
     def decode(self, lines: Sequence[bytes]) -> Decoded:
         """Rows of the lines that are valid, errors for the others (see the module docstring)."""
+        if self.schema is RawMessage:
+            return Decoded({"data": pa.array(lines, type=pa.binary())}, None, [])
         columns, kept, errors = decode_rows(
             self._one, lines, self._columns, self._convert_error, _CONVERT_ERRORS
         )

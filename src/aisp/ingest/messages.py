@@ -1,7 +1,8 @@
 """Broker messages to a batch: the one sequence every broker source runs on what it read.
 
-Each message is one event as JSON. ``MessageDecoder.batch`` decodes a read's messages with the
-pipeline's schema, dead-letters the ones that do not parse (with the message's position in its
+Each message is one event as JSON (or, with the schema ``RawMessage``, as raw bytes: an image, an
+audio chunk). ``MessageDecoder.batch`` decodes a read's messages with the pipeline's schema,
+dead-letters the ones that do not parse (with the message's position in its
 broker and the reason), keeps the engine ids of the others and their ``traceparent`` headers.
 """
 

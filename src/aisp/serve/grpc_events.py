@@ -24,7 +24,8 @@ from aisp.serve.pipelines import Chunk, InboxClosed, PipelineService
 __all__ = ["EVENTS_METHOD", "PipelineStreams", "status_of"]
 
 EVENTS_METHOD = "/aisp.v1.Pipelines/Events"
-"""The pipeline ingest stream: bidirectional, raw bytes messages (NDJSON lines each way)."""
+"""The pipeline ingest stream: bidirectional, raw bytes messages (NDJSON lines each way; to a
+pipeline whose schema is ``RawMessage``, each message is one event's bytes)."""
 
 log = logging.getLogger("aisp.serve")
 
@@ -116,7 +117,8 @@ class PipelineStreams:
             line = 1
             try:
                 for message in request_iterator:
-                    lines = [x for x in bytes(message).split(b"\n") if x]  # as over HTTP
+                    data = bytes(message)  # NDJSON lines as over HTTP; a raw pipeline's: one event
+                    lines = ([data] if data else []) if service.raw else [x for x in data.split(b"\n") if x]
                     if not lines:
                         continue
                     first = line == 1

@@ -24,7 +24,24 @@ from aisp.serve.pipelines import Chunk, PipelineService
 __all__ = ["NDJSON", "Events", "EventsSocket", "close_code"]
 
 NDJSON = "application/x-ndjson"
+RAW_MAX_BYTES = 32 << 20
+"""The largest event of a pipeline whose schema is ``RawMessage`` (a whole body or message)."""
 log = logging.getLogger("aisp.serve")
+
+
+async def _body_whole(receive: Any) -> AsyncIterator[list[bytes]]:
+    """A raw pipeline's request: its whole body is one event (an image, an audio chunk)."""
+    body = bytearray()
+    more = True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionResetError("client disconnected")
+        more = message.get("more_body", False)
+        body += message.get("body", b"")
+        if len(body) > RAW_MAX_BYTES:
+            raise PayloadTooLarge(f"an event is larger than {RAW_MAX_BYTES} bytes")
+    yield [bytes(body)]
 
 
 async def _body_lines(receive: Any, chunk_rows: int, max_line_bytes: int) -> AsyncIterator[list[bytes]]:
@@ -116,7 +133,10 @@ class Events:
         key = (
             api_key(request.headers.get("authorization"), _peer(request)) if self.limiter is not None else ""
         )
-        stream = _body_lines(receive, service.chunk_rows, self.max_line_bytes)
+        if service.raw:
+            stream = _body_whole(receive)
+        else:
+            stream = _body_lines(receive, service.chunk_rows, self.max_line_bytes)
         parent = service.trace_parent(request.headers.get("traceparent"), request.headers.get("tracestate"))
         opts = {"deadline_ns": deadline_ns, "tier": tier, "trace_parent": parent}
         if mode == "fire":
@@ -344,13 +364,16 @@ class EventsSocket:
         key = api_key(headers.get("authorization"), peer) if events.limiter is not None else ""
         parent = service.trace_parent(headers.get("traceparent"), headers.get("tracestate"))
         opts = {"deadline_ns": deadline_ns, "tier": tier, "trace_parent": parent}
-        stream = _socket_lines(receive, service.chunk_rows, events.max_line_bytes)
+        limit = RAW_MAX_BYTES if service.raw else events.max_line_bytes
+        stream = _socket_lines(receive, service.chunk_rows, limit, raw=service.raw)
         await events._results(service, stream, key, opts, _SocketOut(send))
 
 
-async def _socket_lines(receive: Any, chunk_rows: int, max_bytes: int) -> AsyncIterator[list[bytes]]:
-    """The non-empty lines of each message, at most ``chunk_rows`` at a time, until an empty
-    message (the end of the input) or a disconnect."""
+async def _socket_lines(
+    receive: Any, chunk_rows: int, max_bytes: int, *, raw: bool = False
+) -> AsyncIterator[list[bytes]]:
+    """The non-empty lines of each message, at most ``chunk_rows`` at a time (``raw``: each
+    message is one event), until an empty message (the end of the input) or a disconnect."""
     while True:
         message = await receive()
         if message["type"] == "websocket.disconnect":
@@ -358,6 +381,11 @@ async def _socket_lines(receive: Any, chunk_rows: int, max_bytes: int) -> AsyncI
         data = message.get("bytes") or (message.get("text") or "").encode()
         if not data:
             return
+        if raw:
+            if len(data) > max_bytes:
+                raise PayloadTooLarge(f"an event is larger than {max_bytes} bytes")
+            yield [data]
+            continue
         parts = data.split(b"\n")
         if len(data) > max_bytes and max(map(len, parts)) > max_bytes:
             raise PayloadTooLarge(f"a line is longer than {max_bytes} bytes")

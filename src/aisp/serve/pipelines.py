@@ -31,7 +31,7 @@ import numpy as np
 from aisp.batch import DEADLINE_NS, TIER, Batch
 from aisp.errors import ConfigError, Unavailable
 from aisp.ingest.base import Source, SourceContext, SourcePartition
-from aisp.ingest.decode import ColumnarDecoder, Decoded
+from aisp.ingest.decode import ColumnarDecoder, Decoded, RawMessage
 from aisp.ingest.decoder_process import DecoderProcess
 from aisp.observe.stats import AdmissionStats
 from aisp.pipeline import Pipeline
@@ -200,6 +200,8 @@ class PipelineService:
         self.chunk_rows = chunk_rows
         self.inbox = Inbox(capacity_rows)
         self._decoder = ColumnarDecoder(pipeline.input_schema)
+        self.raw = pipeline.input_schema is RawMessage
+        """Each request body or WebSocket message is one event's bytes (``RawMessage``)."""
         self._decoder_process: DecoderProcess | None = None
         self._decode_pool: ThreadPoolExecutor | None = None
         if decode_process and threading.active_count() > 1:
