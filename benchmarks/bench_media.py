@@ -39,7 +39,10 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-MODELS = {"cls": ("ch_ppocr_mobile_v2.0_cls_infer.onnx", (48, 192)), "det": ("ch_PP-OCRv4_det_infer.onnx", (320, 640))}
+MODELS = {
+    "cls": ("ch_ppocr_mobile_v2.0_cls_infer.onnx", (48, 192)),
+    "det": ("ch_PP-OCRv4_det_infer.onnx", (320, 640)),
+}
 MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
 STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
 
@@ -142,6 +145,7 @@ def through_aisp(directory: Path, model: str, threads: int, batch: int) -> dict[
 def audio(streams: int, seconds: float) -> dict[str, Any]:
     from aisp import RunOptions
     from aisp.schedule.config import ExecutorOptions
+
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.workload import load_example
 
