@@ -18,18 +18,17 @@ How it reasons:
    rows that do not come (``slow_batch_fill``), encoding or decoding that burns CPU
    (``serialization``), a sink that waits on its destination (``slow_sink``), a per-row Python
    function (``row_udf``), image or audio decoding (``decode_bound``), another operator
-   (``slow_operator``); and for the whole pipeline,
-   events refused or shed at admission (``admission_overload``), model calls failing or rows
-   expiring (``model_errors``); an LLM step's requests waiting for a slot (``llm_queueing``)
-   or slow generation (``llm_slow_generation``, see ``diagnose_llm``). When nothing stands
-   out: ``healthy``.
+   (``slow_operator``); and for the whole pipeline, events refused or shed at admission
+   (``admission_overload``), model calls failing or rows expiring (``model_errors``); an LLM
+   step's requests waiting for a slot (``llm_queueing``) or slow generation
+   (``llm_slow_generation``, see ``diagnose_llm``). When nothing stands out: ``healthy``.
 
 A finding's ``score`` is the share of the events' time it explains (0..1) or, for causes that
-are work done (``slow_model``, ``row_udf``, ``slow_operator``, ``serialization``), the stage's
-share of all the stages' work when that is larger (Python work under the GIL slows every other
-stage); a stage over its
-own latency budget ranks above admission overload, which otherwise ranks first (when events
-are turned away, the load is the story, not the stages that work as configured).
+are work done (``slow_model``, ``row_udf``, ``slow_operator``, ``decode_bound``,
+``serialization``), the stage's share of all the stages' work when that is larger (Python work
+under the GIL slows every other stage); a stage over its own latency budget ranks above
+admission overload, which otherwise ranks first (when events are turned away, the load is the
+story, not the stages that work as configured).
 """
 
 from __future__ import annotations
@@ -63,13 +62,7 @@ PHASES = ("queue", "batch", "serialize", "compute")
 SATURATED = 0.8  # a thread busy this share of the time is the bottleneck
 TINY_BATCH_ROWS = 32  # a cap this low makes a model call's fixed cost dominate
 BUSY_MODEL = 0.5  # a model busy this share of the time makes its rows wait for it
-HOT_SPOTS = (
-    "row_udf",
-    "slow_operator",
-    "decode_bound",
-    "serialization",
-    "slow_model",
-)  # causes that are work done
+HOT_SPOTS = ("row_udf", "slow_operator", "decode_bound", "serialization", "slow_model")  # work done
 WAITING_CPU_SHARE = 0.25  # busy with less CPU than this: waiting, not working
 
 
