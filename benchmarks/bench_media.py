@@ -10,7 +10,7 @@ dominates), or ``det``, PP-OCRv4's text detector (3 x 320 x 640, heavy: the mode
   with ``--threads`` intra-op threads (every core by default);
 * ``pillow_draft``: the same loop with ``Image.draft``, which lets libjpeg decode at a DCT scale
   (1/2, 1/4, 1/8) no smaller than the target: the strongest plain loop;
-* ``aisp``: ``FilesSource`` -> ``ImagePreprocess`` (a decoding pool of one thread per core) ->
+* ``aisp``: ``FilesSource`` -> ``ImagePreprocess`` (decoding on one thread per core) ->
   an ``infer`` step with dynamic batching (the model's intra-op threads: ``--aisp-threads``).
 
 Each round runs the three in turn (alternating); the report gives images/s and the p99 of each
@@ -21,6 +21,10 @@ the median of ``--rounds`` rounds and the ratios of the medians.
 16-bit PCM at real time (the source paced at streams x 10 chunks/s) through the audio example's
 pipeline (decode, MFCC with carry-over, Silero VAD across streams); the report gives the chunks'
 p99 latency and whether the pipeline kept up (chunks/s against the rate).
+
+**Libraries**, measured in the same run: each JPEG decoder's images/s on one thread and on two
+(whether it releases the GIL), and the MFCC of ``AudioFeatures`` (100 ms chunks of 16 streams)
+against librosa's on the whole streams, in seconds of audio per second.
 
     python benchmarks/bench_media.py [--images 240 --model cls --rounds 3 --streams 64,128,256]
 """
@@ -142,6 +146,79 @@ def through_aisp(directory: Path, model: str, threads: int, batch: int) -> dict[
     }
 
 
+def decoders(paths: list[Path], size: tuple[int, int]) -> dict[str, Any]:
+    """Each JPEG decoder's images/s over ``paths`` on one thread and on two (a library that
+    holds the GIL gains nothing from the second): Pillow, Pillow with ``draft``, OpenCV,
+    OpenCV at a reduced scale, simplejpeg, simplejpeg at a DCT scale covering ``size``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import cv2
+    import simplejpeg
+    from PIL import Image
+
+    blobs = [p.read_bytes() for p in paths]
+    h, w = size
+
+    def pillow(data: bytes, draft: bool = False) -> Any:
+        import io
+
+        with Image.open(io.BytesIO(data)) as img:
+            if draft:
+                img.draft("RGB", (w, h))
+            return np.asarray(img.convert("RGB"))
+
+    fns = {
+        "pillow": pillow,
+        "pillow_draft": lambda d: pillow(d, True),
+        "opencv": lambda d: cv2.imdecode(np.frombuffer(d, np.uint8), cv2.IMREAD_COLOR),
+        "opencv_reduced_4": lambda d: cv2.imdecode(np.frombuffer(d, np.uint8), cv2.IMREAD_REDUCED_COLOR_4),
+        "simplejpeg": lambda d: simplejpeg.decode_jpeg(d),
+        "simplejpeg_scaled": lambda d: simplejpeg.decode_jpeg(d, min_height=h, min_width=w),
+    }
+    cv2.setNumThreads(1)
+    out = {}
+    for name, fn in fns.items():
+        rates = []
+        for threads in (1, 2):
+            with ThreadPoolExecutor(threads) as pool:
+                t0 = time.perf_counter()
+                list(pool.map(fn, blobs))
+                rates.append(len(blobs) / (time.perf_counter() - t0))
+        out[name] = {"one_thread": round(rates[0], 1), "two_threads": round(rates[1], 1),
+                     "scaling": round(rates[1] / rates[0], 2)}  # fmt: skip
+    return out
+
+
+def features(seconds: float = 60.0) -> dict[str, float]:
+    """Seconds of audio per second of work: ``AudioFeatures`` on 100 ms chunks of 16 streams
+    against librosa's MFCC on each whole stream (``center=False``, the same frames)."""
+    import librosa
+    import pyarrow as pa
+
+    from aisp.batch import KEY, Batch
+    from aisp.state.keyed import KeyIndex
+    from aisp.transform.audio import AudioFeatures
+    from aisp.transform.operators import OperatorContext
+
+    rng = np.random.default_rng(0)
+    streams = [rng.standard_normal(int(seconds * 16000 / 16)).astype(np.float32) * 0.1 for _ in range(16)]
+    t0 = time.perf_counter()
+    for y in streams:
+        librosa.feature.mfcc(y=y, sr=16000, n_mfcc=13, n_fft=400, hop_length=160, n_mels=40, center=False)
+    ref = seconds / (time.perf_counter() - t0)
+    index = KeyIndex()
+    op: Any = AudioFeatures(space="s").build(OperatorContext("f", lambda *a, **k: None, {"s": index}))
+    chunk = 1600
+    t0 = time.perf_counter()
+    for start in range(0, len(streams[0]), chunk):
+        names = pa.array([f"s{i}" for i in range(len(streams))])
+        samples = pa.array([y[start : start + chunk] for y in streams], pa.list_(pa.float32()))
+        batch = Batch.from_columns({"stream": names, "samples": samples})
+        op.process(batch.with_columns({KEY: index.encode(names)}))
+    ours = seconds / (time.perf_counter() - t0)
+    return {"librosa_whole_streams": round(ref, 1), "aisp_100ms_chunks": round(ours, 1)}
+
+
 def audio(streams: int, seconds: float) -> dict[str, Any]:
     from aisp import RunOptions
     from aisp.schedule.config import ExecutorOptions
@@ -183,6 +260,7 @@ def main() -> int:
         directory = Path(tmp)
         paths = write_photos(directory, args.images)
         report["megapixels"] = round(sum(h * w for h, w in _sizes(paths)) / len(paths) / 1e6, 2)
+        report["decoders_images_per_s"] = decoders(paths, MODELS[args.model][1])
         loops = {
             name: PillowLoop(model_path(args.model), MODELS[args.model][1], args.threads, draft)
             for name, draft in (("pillow", False), ("pillow_draft", True))
@@ -204,6 +282,7 @@ def main() -> int:
         aisp_vs_pillow=round(med["aisp"] / med["pillow"], 2),
         aisp_vs_pillow_draft=round(med["aisp"] / med["pillow_draft"], 2),
     )
+    report["features_audio_seconds_per_s"] = features()
     if args.streams:
         report["audio"] = [audio(int(n), args.seconds) for n in args.streams.split(",")]
     print(json.dumps(report, indent=1))

@@ -24,6 +24,7 @@ RATES = {
     "row_udf": 30_000,
     "slow_sink": 20_000,
     "admission_overload": 60_000,
+    "decode_bound": 300,
 }
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
 

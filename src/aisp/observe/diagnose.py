@@ -274,13 +274,13 @@ def _classify_operator(
     """An operator's cause: a per-row Python function, or slow vectorised work."""
     ev["compute_us_per_row"] = per_row_us
     decoding = st.media.get("decode_seconds", 0.0)
-    if decoding > 0 and decoding >= 0.5 * st.busy:  # the pool's threads summed
+    if decoding > 0 and decoding >= 0.5 * st.busy:  # its decoding threads summed
         ev.update(decode_threads_busy=round(decoding, 2), mb_in_per_s=round(st.media["bytes"] / 1e6, 2),
                   units_per_s=round(st.media["units"]))  # fmt: skip
         return (
             "decode_bound",
             f"step {st.name!r} spends its time decoding ({round(decoding, 2)} threads busy, "
-            f"{ev['mb_in_per_s']} MB/s in): give it more cores (its pool's threads, or workers), or "
+            f"{ev['mb_in_per_s']} MB/s in): give it more cores (its threads, or workers), or "
             "send smaller inputs (a JPEG no larger than the tensor needs decodes at a DCT scale)",
             ev,
         )

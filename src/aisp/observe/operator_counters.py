@@ -76,7 +76,7 @@ def _media_families(media: Mapping[str, Mapping[str, Any]]) -> list[Any]:
     )
     size = CounterMetricFamily("aisp_media_bytes", "Encoded bytes in", labels=["stage"])
     seconds = CounterMetricFamily(
-        "aisp_media_decode_seconds", "Time spent decoding, summed over the pool's threads", labels=["stage"]
+        "aisp_media_decode_seconds", "Time spent decoding, summed over the decoding threads", labels=["stage"]
     )
     units = CounterMetricFamily("aisp_media_units", "Pixels or samples made", labels=["stage", "unit"])
     for sid, st in sorted(media.items()):

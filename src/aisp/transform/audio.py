@@ -5,7 +5,7 @@ bytes into mono float32 samples at ``sample_rate`` (a list column, ``samples``, 
 ``audio_seconds``): WAV, FLAC and Ogg through libsndfile (``soundfile``), or raw little-endian
 PCM (``format="pcm_s16le"`` or ``"pcm_f32le"`` at ``input_rate``), as a microphone's chunks come
 over a WebSocket; other rates are resampled with soxr. libsndfile and soxr release the GIL, so
-the rows decode on a pool of one thread per core. An empty, truncated, corrupt or unknown input,
+the rows decode on one thread per core. An empty, truncated, corrupt or unknown input,
 or one longer than ``max_seconds``, is a dead letter with the reason; the other rows go on.
 
 ``AudioFeatures`` (keyed by stream id: ``stream.key_by("by_stream", "stream").apply("mfcc",
@@ -44,9 +44,9 @@ from aisp.batch import KEY, Batch
 from aisp.errors import ConfigError
 from aisp.graph import DEFAULT_PORT
 from aisp.transform.images import MediaError
-from aisp.transform.media import MediaCounters, dead_letter_rows, decode_pool, run_sliced
+from aisp.transform.media import MediaCounters, cores, dead_letter_rows, run_sliced
 from aisp.transform.operators import Emit, Operator, OperatorContext
-from aisp.transform.stateful import StateView, _StatefulOp
+from aisp.transform.stateful import Stateful, StateView
 
 __all__ = ["AudioDecode", "AudioFeatures", "mel_filters"]
 
@@ -152,7 +152,7 @@ class AudioDecodeOp:
 
     def __init__(self, spec: AudioDecode, ctx: OperatorContext) -> None:
         self.spec, self._ctx = spec, ctx
-        self._pool = decode_pool(spec.threads)
+        self._threads = spec.threads or cores()
 
     def process(self, batch: Batch) -> Emit:
         spec = self.spec
@@ -176,7 +176,7 @@ class AudioDecodeOp:
                     errors[i] = str(exc)
             return nbytes, time.perf_counter_ns() - took
 
-        done = run_sliced(self._pool, len(payloads), work)
+        done = run_sliced(self._threads, len(payloads), work)
         bad = [(i, e) for i, e in enumerate(errors) if e is not None]
         good = [s for s in out if s is not None]
         lengths = np.fromiter((len(s) for s in good), dtype=np.int64, count=len(good))
@@ -278,7 +278,7 @@ class AudioFeatures:
         return [("tail_len", "int32", 0), ("frames", "int64", 0), *tail, *sums, *squares]
 
     def build(self, ctx: OperatorContext) -> Operator:
-        return _StatefulOp(self._update, ctx.key_index(self.space), self.state_columns(), self.space)
+        return Stateful(self._update, self.space, tuple(self.state_columns())).build(ctx)
 
     def features(
         self, frames: npt.NDArray[np.float64]

@@ -8,8 +8,8 @@ bring them, or from a text column of base64, as JSON carries them, and makes one
   other than those, or an image of more than ``max_pixels`` pixels (a decompression bomb: a
   few kilobytes that would decode to gigabytes) is refused before any pixel is made, and the
   row goes to the dead-letter sink with the reason; the other rows go on;
-- OpenCV decodes (libjpeg-turbo, libpng, libwebp) and resizes, both without the GIL, on a pool
-  of one thread per core (``aisp.transform.media.decode_pool``): each thread takes a
+- libjpeg-turbo (JPEG, through simplejpeg) and OpenCV (PNG, WebP; resizing) work without the
+  GIL, on one thread per core (``aisp.transform.media.run_sliced``): each thread takes a
   contiguous slice of the batch and writes its rows straight into the batch's tensor;
 - ``fit`` makes every image ``size`` (height, width): ``letterbox`` keeps the aspect ratio and
   pads (with ``pad_value``), ``crop`` keeps it and cuts the centre, ``stretch`` does not keep it;
@@ -41,7 +41,7 @@ import pyarrow as pa
 from aisp.batch import Batch
 from aisp.errors import ConfigError
 from aisp.graph import DEFAULT_PORT
-from aisp.transform.media import MediaCounters, dead_letter_rows, decode_pool, run_sliced
+from aisp.transform.media import MediaCounters, cores, dead_letter_rows, run_sliced
 from aisp.transform.operators import Emit, Operator, OperatorContext
 
 __all__ = ["ImagePreprocess", "MediaError", "decode_image", "image_header"]
@@ -264,8 +264,8 @@ class ImagePreprocessOp:
     def __init__(self, spec: ImagePreprocess, ctx: OperatorContext) -> None:
         self.spec, self._ctx = spec, ctx
         self._cv2 = _cv2()
-        self._cv2.setNumThreads(1)  # the pool is the parallelism; OpenCV's own would oversubscribe
-        self._pool = decode_pool(spec.threads)
+        self._cv2.setNumThreads(1)  # the slices are the parallelism; OpenCV's own would oversubscribe
+        self._threads = spec.threads or cores()
         c = spec.channels
         self._gain = np.asarray([spec.scale / s for s in spec.std], dtype=np.float32).reshape(1, 1, c)
         self._bias = np.asarray([m / s for m, s in zip(spec.mean, spec.std, strict=True)], dtype=np.float32)
@@ -303,7 +303,7 @@ class ImagePreprocessOp:
                     errors[i] = str(exc)
             return nbytes, time.perf_counter_ns() - took
 
-        done = run_sliced(self._pool, rows, work)
+        done = run_sliced(self._threads, rows, work)
         bad = [(i, e) for i, e in enumerate(errors) if e is not None]
         ok = np.flatnonzero(np.fromiter((e is None for e in errors), dtype=bool, count=rows))
         spec.counters.add(
@@ -374,7 +374,7 @@ class ImagePreprocessOp:
                 np.multiply(pixels[start:end], self._gain, out=out[start:end])
                 out[start:end] -= self._bias
 
-            run_sliced(self._pool, len(pixels), norm, min_rows=4)
+            run_sliced(self._threads, len(pixels), norm, min_rows=4)
             tensor: npt.NDArray[Any] = out
         else:
             tensor = pixels

@@ -1,10 +1,10 @@
-"""What the image and audio operators share: the counters of their work and the pool they decode on.
+"""What the image and audio operators share: the counters of their work and the threads they decode on.
 
 ``MediaCounters`` is kept by an image or audio step's spec and read off the graph as metrics
 (``aisp.observe.operator_counters``): items decoded and refused, bytes in, seconds spent
-decoding (summed over the pool's threads) and the pixels or samples made. ``decode_pool`` is a
-thread pool sized to the cores: OpenCV, libsndfile and soxr release the GIL while they work, so
-one step's rows decode on every core at once.
+decoding (summed over the threads) and the pixels or samples made. ``run_sliced`` cuts a batch
+into one slice per core and decodes the slices in parallel threads: libjpeg-turbo, OpenCV,
+libsndfile and soxr release the GIL while they work, so one step's rows decode on every core.
 """
 
 from __future__ import annotations
@@ -12,42 +12,54 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from aisp.batch import Batch
 from aisp.transform.operators import OperatorContext
 
-__all__ = ["MediaCounters", "dead_letter_rows", "decode_pool", "run_sliced"]
+__all__ = ["MediaCounters", "cores", "dead_letter_rows", "run_sliced"]
 
 T = TypeVar("T")
 
-_pools: dict[int, ThreadPoolExecutor] = {}
-_pools_lock = threading.Lock()
+
+def cores() -> int:
+    """Threads a decoding step uses when its ``threads`` is 0: one per core."""
+    return os.cpu_count() or 1
 
 
-def decode_pool(threads: int = 0) -> ThreadPoolExecutor:
-    """A process-wide pool of ``threads`` threads (0: one per core), shared by the steps that
-    ask for the same size."""
-    size = threads or os.cpu_count() or 1
-    with _pools_lock:
-        pool = _pools.get(size)
-        if pool is None:
-            pool = _pools[size] = ThreadPoolExecutor(size, thread_name_prefix="aisp-decode")
-        return pool
+def run_sliced(threads: int, rows: int, fn: Callable[[int, int], T], min_rows: int = 2) -> list[T]:
+    """``fn(start, end)`` over ``rows`` cut into one contiguous slice per thread (at most
+    ``threads``, at least ``min_rows`` rows a slice), in parallel; the results in slice order.
 
-
-def run_sliced(
-    pool: ThreadPoolExecutor, rows: int, fn: Callable[[int, int], T], min_rows: int = 2
-) -> list[T]:
-    """``fn(start, end)`` over ``rows`` cut into one contiguous slice per pool thread (at least
-    ``min_rows`` rows each), in parallel; the results in slice order."""
-    parts = max(1, min(pool._max_workers, rows // max(1, min_rows)))
+    The threads are started for the call and joined before it returns (the calling thread takes
+    the first slice): starting one costs tens of microseconds against the milliseconds of a
+    slice's decoding, and no thread outlives the batch, so a process that forks later (a source
+    or sink offloaded to a child process) never finds one running.
+    """
+    parts = max(1, min(threads, rows // max(1, min_rows)))
     if parts == 1:
         return [fn(0, rows)]
     bounds = [rows * i // parts for i in range(parts + 1)]
-    futures = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(parts)]
-    return [f.result() for f in futures]
+    results: list[Any] = [None] * parts
+    failed: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            results[i] = fn(bounds[i], bounds[i + 1])
+        except BaseException as exc:  # noqa: BLE001 - raised again in the calling thread
+            failed.append(exc)
+
+    helpers = [
+        threading.Thread(target=work, args=(i,), name="aisp-decode", daemon=True) for i in range(1, parts)
+    ]
+    for t in helpers:
+        t.start()
+    work(0)
+    for t in helpers:
+        t.join()
+    if failed:
+        raise failed[0]
+    return results
 
 
 def dead_letter_rows(ctx: OperatorContext, batch: Batch, bad: Sequence[tuple[int, str]]) -> None:

@@ -35,7 +35,7 @@ import pyarrow as pa
 from aisp.batch import KEY, Batch
 from aisp.errors import ConfigError
 from aisp.transform.operators import Operator, OperatorContext
-from aisp.transform.stateful import StateView, _StatefulOp
+from aisp.transform.stateful import Stateful, StateView
 
 __all__ = ["SpeechSegments", "packaged_silero_vad"]
 
@@ -86,7 +86,7 @@ class SpeechSegments:
         return [*marks, *pending, *context, *rnn]
 
     def build(self, ctx: OperatorContext) -> Operator:
-        return _StatefulOp(_Vad(self).update, ctx.key_index(self.space), self.state_columns(), self.space)
+        return Stateful(_Vad(self).update, self.space, tuple(self.state_columns())).build(ctx)
 
 
 class _Vad:
