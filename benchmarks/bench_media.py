@@ -146,6 +146,62 @@ def through_aisp(directory: Path, model: str, threads: int, batch: int) -> dict[
     }
 
 
+BUCKETS = {"landscape": (480, 640), "portrait": (640, 480), "wide": (320, 640)}
+"""Shape buckets of the ``--buckets`` measurement; padding puts every image in ``PADDED``."""
+PADDED = (640, 640)
+
+
+def mixed_photos(directory: Path, count: int) -> None:
+    """``count`` JPEGs of three shapes (4:3, 3:4, 2:1) for the bucketing measurement."""
+    import cv2
+
+    shapes = [(720, 960), (960, 720), (640, 1280)]
+    for i in range(count):
+        h, w = shapes[i % 3]
+        rng = np.random.default_rng(i)
+        img = np.clip(rng.normal(128, 40, (h // 8, w // 8, 3)), 0, 255).astype(np.uint8)
+        img = cv2.resize(img, (w, h), interpolation=cv2.INTER_CUBIC)
+        cv2.imwrite(str(directory / f"mixed-{i:04d}.jpg"), img, [cv2.IMWRITE_JPEG_QUALITY, 90])
+
+
+def bucketed(directory: Path, threads: int, buckets: bool) -> dict[str, float]:
+    """The text detector over mixed shapes through AISP: every image letterboxed into one square
+    shape (``PADDED``), or routed by aspect ratio (``ImageBuckets``) to one image step and one
+    model step per bucket (``BUCKETS``), each batching images of its own shape."""
+    from aisp import BatcherConfig, FilesSource, NullSink, OnnxRuntime, Pipeline
+    from aisp.infer.runtime import Reshaped
+    from aisp.transform.images import ImageBuckets, ImagePreprocess
+
+    p = Pipeline("buckets")
+    src = p.source("files", FilesSource(directory, pattern="mixed-*.jpg", batch_rows=8))
+    sizes = BUCKETS if buckets else {"square": PADDED}
+    routes = src.map_batch("bucket", ImageBuckets(sizes, column="data")).route(
+        "by_shape", list(sizes), column="bucket"
+    )
+    ends = []
+    for name, size in sizes.items():
+        runtime = OnnxRuntime(model_path("det"), name=f"det-{name}", intra_op_threads=threads)
+        x = runtime.input_names[0]
+        prep = ImagePreprocess(column="data", size=size, mean=tuple(MEAN.tolist()), std=tuple(STD.tolist()))
+        ends.append(
+            routes[name]
+            .apply(f"prepare.{name}", prep)
+            .infer(
+                f"model.{name}",
+                Reshaped(runtime, {x: (3, *size)}),
+                inputs={x: "pixels"},
+                outputs={runtime.output_names[0]: "mask"},
+                batcher=BatcherConfig(max_batch_size=8, max_queue_delay_ms=5.0),
+            )
+            .map_batch(f"drop.{name}", lambda b: b.drop(["mask", "pixels"]))
+        )
+    (p.union("all", *ends) if len(ends) > 1 else ends[0]).sink("out", NullSink())
+    t0 = time.perf_counter()
+    summary = p.run()
+    seconds = time.perf_counter() - t0
+    return {"per_s": summary.events_out / seconds, "p99_ms": summary.latency_ms["p99"]}
+
+
 def decoders(paths: list[Path], size: tuple[int, int]) -> dict[str, Any]:
     """Each JPEG decoder's images/s over ``paths`` on one thread and on two (a library that
     holds the GIL gains nothing from the second): Pillow, Pillow with ``draft``, OpenCV,
@@ -274,6 +330,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=0, help="AISP's largest batch (0: 32 for cls, 8 for det)")
     ap.add_argument("--streams", default="64,128,256", help="audio: concurrent streams to try ('' skips)")
     ap.add_argument("--seconds", type=float, default=10.0, help="audio: seconds per stream")
+    ap.add_argument(
+        "--buckets", type=int, default=0, help="images of mixed shapes for the bucketing measurement"
+    )
     args = ap.parse_args()
     report: dict[str, Any] = {"images": args.images, "model": args.model, "rounds": args.rounds}
     with tempfile.TemporaryDirectory() as tmp:
@@ -302,6 +361,18 @@ def main() -> int:
         aisp_vs_pillow=round(med["aisp"] / med["pillow"], 2),
         aisp_vs_pillow_draft=round(med["aisp"] / med["pillow_draft"], 2),
     )
+    if args.buckets:
+        with tempfile.TemporaryDirectory() as tmp:
+            mixed_photos(Path(tmp), args.buckets)
+            shaped: dict[str, list[dict[str, float]]] = {"padded": [], "bucketed": []}
+            for _ in range(args.rounds):
+                shaped["padded"].append(bucketed(Path(tmp), args.aisp_threads, False))
+                shaped["bucketed"].append(bucketed(Path(tmp), args.aisp_threads, True))
+        report["buckets"] = {
+            k: [{m: round(x, 2) for m, x in r.items()} for r in v] for k, v in shaped.items()
+        }
+        padded, buckets = (statistics.median(r["per_s"] for r in shaped[k]) for k in ("padded", "bucketed"))
+        report["bucketed_vs_padded"] = round(buckets / padded, 2)
     report["features_audio_seconds_per_s"] = features()
     if args.streams:
         report["audio"] = [audio(int(n), args.seconds) for n in args.streams.split(",")]

@@ -44,7 +44,7 @@ from aisp.graph import DEFAULT_PORT
 from aisp.transform.media import MediaCounters, cores, dead_letter_rows, run_sliced
 from aisp.transform.operators import Emit, Operator, OperatorContext
 
-__all__ = ["ImagePreprocess", "MediaError", "decode_image", "image_header"]
+__all__ = ["ImageBuckets", "ImagePreprocess", "MediaError", "decode_image", "image_header"]
 
 _FITS = ("letterbox", "crop", "stretch")
 _JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
@@ -256,6 +256,39 @@ class ImagePreprocess:
 
     def build(self, ctx: OperatorContext) -> Operator:
         return ImagePreprocessOp(self, ctx)
+
+
+class ImageBuckets:
+    """A batch function that names each row's shape bucket in ``output``, from its header alone:
+    the size in ``sizes`` (name -> (height, width)) whose aspect ratio is nearest the image's
+    (by log ratio), so a stream of mixed shapes can be routed (``stream.route(..., column=
+    "bucket")``) to one ``ImagePreprocess`` and model step per bucket, each batching images of
+    one shape with little padding, instead of letterboxing all into one shape. A row whose
+    header does not parse goes to the first bucket, whose image step dead-letters it.
+
+    >>> ImageBuckets({"wide": (320, 640), "tall": (640, 320)}).pick(b"not an image")
+    'wide'
+    """
+
+    def __init__(
+        self, sizes: dict[str, tuple[int, int]], *, column: str = "image", output: str = "bucket"
+    ) -> None:
+        if not sizes:
+            raise ConfigError("ImageBuckets needs at least one size")
+        self.names = list(sizes)
+        self._log_aspects = np.log([w / h for h, w in sizes.values()])
+        self.column, self.output = column, output
+
+    def pick(self, data: bytes | str | None) -> str:
+        try:
+            _, width, height = image_header(_payload(data, 1 << 62))
+        except MediaError:
+            return self.names[0]
+        return self.names[int(np.abs(self._log_aspects - math.log(width / height)).argmin())]
+
+    def __call__(self, batch: Batch) -> Batch:
+        picked = [self.pick(d) for d in batch.column(self.column).to_pylist()]
+        return batch.with_columns({self.output: pa.array(picked, pa.string())})
 
 
 class ImagePreprocessOp:

@@ -227,3 +227,41 @@ def test_an_image_steps_counters_are_metrics_of_its_stage() -> None:
     assert samples[("aisp_media_items_total", (("outcome", "refused"), ("stage", "prep")))] == 1
     assert samples[("aisp_media_units_total", (("stage", "prep"), ("unit", "pixels")))] == 64
     assert samples[("aisp_media_bytes_total", (("stage", "prep"),))] == len(rows[0]["image"]) + 4
+
+
+def test_buckets_route_each_shape_to_a_step_of_its_own_size() -> None:
+    from aisp import CollectSink, Pipeline, TestingSource
+    from aisp.transform.images import ImageBuckets
+
+    shapes = {"landscape": (30, 40), "portrait": (40, 30), "wide": (20, 40)}
+    sizes = {"landscape": (12, 16), "portrait": (16, 12), "wide": (8, 16)}
+    rows = [
+        {"image": encode(picture(*shapes[name], seed=i), ".jpg" if i % 2 else ".png"), "want": name}
+        for i, name in enumerate(["wide", "landscape", "portrait", "portrait", "wide", "landscape"] * 3)
+    ]
+    rows.append({"image": b"junk", "want": "landscape"})  # unreadable: first bucket, dead-lettered
+    p = Pipeline("buckets")
+    routes = (
+        p.source("src", TestingSource(rows))
+        .map_batch("bucket", ImageBuckets(sizes))
+        .route("by_shape", list(sizes), column="bucket")
+    )
+    outs = {name: CollectSink(columns=["want", "bucket", "pixels"]) for name in sizes}
+    for name, size in sizes.items():
+        routes[name].apply(f"prep.{name}", ImagePreprocess(size=size)).sink(f"out.{name}", outs[name])
+    summary = p.run()
+    for name, (h, w) in sizes.items():
+        got = outs[name].rows
+        assert len(got) == 6 and {r["want"] for r in got} == {r["bucket"] for r in got} == {name}
+        assert all(len(r["pixels"]) == 3 * h * w for r in got)
+    assert summary.dead_letters_by_step == {"prep.landscape": 1}
+
+
+def test_buckets_read_base64_text_and_need_a_size() -> None:
+    from aisp.transform.images import ImageBuckets
+
+    buckets = ImageBuckets({"square": (8, 8), "tall": (16, 8)})
+    assert buckets.pick(base64.b64encode(encode(picture(40, 20), ".png")).decode()) == "tall"
+    assert buckets.pick(None) == "square"
+    with pytest.raises(ConfigError):
+        ImageBuckets({})
