@@ -4,7 +4,9 @@
 bytes into mono float32 samples at ``sample_rate`` (a list column, ``samples``, and
 ``audio_seconds``): WAV, FLAC and Ogg through libsndfile (``soundfile``), or raw little-endian
 PCM (``format="pcm_s16le"`` or ``"pcm_f32le"`` at ``input_rate``), as a microphone's chunks come
-over a WebSocket; other rates are resampled with soxr. libsndfile and soxr release the GIL, so
+over a WebSocket; other rates are resampled with soxr, input by input (a stream of chunks is
+resampled by the keyed ``Resample`` step, ``aisp.transform.resample``, which carries each
+stream's filter from chunk to chunk). libsndfile and soxr release the GIL, so
 the rows decode on one thread per core. An empty, truncated, corrupt or unknown input,
 or one longer than ``max_seconds``, is a dead letter with the reason; the other rows go on.
 
