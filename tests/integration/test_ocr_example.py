@@ -94,3 +94,51 @@ def test_served_pipeline_reads_base64_images_over_http() -> None:
         good = next(a for a in answers if a.get("id") == "p3")
         assert similarity(good["texts"], lines) >= 0.8
         assert any("image" in json.dumps(a) and "not an image" in json.dumps(a) for a in answers), answers
+
+
+def line_match(found: list[str], lines: list[str]) -> float:
+    """The mean over the lines drawn of how alike the best text read is (0..1), in any order."""
+    norm = [t.replace(" ", "").lower() for t in found]
+    best = [
+        max(
+            (difflib.SequenceMatcher(None, t, line.replace(" ", "").lower()).ratio() for t in norm),
+            default=0.0,
+        )
+        for line in lines
+    ]
+    return sum(best) / len(best)
+
+
+def test_upside_down_pages_are_turned_by_the_direction_classifier() -> None:
+    import cv2
+    import numpy as np
+
+    from aisp import BatcherConfig, Pipeline, TestingSource
+    from aisp.infer.ocr import TextReader, det_preprocess
+    from aisp.transform.images import ImagePreprocess
+
+    pages = [PAGES.page(i) for i in range(4)]
+    rows = []
+    for i, (_, data, _) in enumerate(pages):
+        img = cv2.rotate(cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR), cv2.ROTATE_180)
+        rows.append({"id": str(i), "image": cv2.imencode(".png", img)[1].tobytes()})
+
+    def read(upright: bool) -> list[float]:
+        p, out = Pipeline("flipped"), CollectSink(columns=["id", "texts"])
+        reader = TextReader((320, 640), upright=upright)
+        p.source("src", TestingSource(rows)).apply(
+            "prep", ImagePreprocess(size=(320, 640), **det_preprocess())
+        ).infer(
+            "read",
+            reader,
+            inputs={"image": "pixels"},
+            outputs={n: n for n in reader.output_names},
+            batcher=BatcherConfig(max_batch_size=8, max_queue_delay_ms=10.0),  # warmed up to 8 only
+        ).sink("out", out)
+        p.run()
+        return [line_match(r["texts"], pages[int(r["id"])][2]) for r in out.rows]
+
+    turned, as_is = read(True), read(False)
+    assert len(turned) == len(as_is) == 4
+    assert sum(turned) / 4 >= 0.85, turned
+    assert sum(as_is) / 4 < sum(turned) / 4 - 0.3, (as_is, turned)

@@ -1,6 +1,6 @@
 """Text in images as one model of the ``infer` step: image tensors in, text regions and their text out.
 
-``TextReader`` wraps PP-OCRv4's two ONNX models (from the ``rapidocr-onnxruntime`` package,
+``TextReader`` wraps PP-OCR's three ONNX models (from the ``rapidocr-onnxruntime`` package,
 installed ``--no-deps`` by ``make``: ``packaged_ppocr()`` finds them without importing it):
 
 1. **detection** (DBNet) runs on the whole batch at once: the infer step's dynamic batching
@@ -10,11 +10,13 @@ installed ``--no-deps`` by ``make``: ``packaged_ppocr()`` finds them without imp
    rectangle, kept if its mean probability is at least ``box_threshold``, then grown by
    ``unclip`` as DBNet shrank it in training), in the tensor's pixels;
 3. **recognition** (SVTR, CTC) runs on every region of the batch together: each region is cut
-   out of the image (its rotated rectangle straightened), scaled to 48 pixels high, and the
-   regions are sorted by width and run in chunks, each padded to its widest, so a long line
-   does not make every short word pay for its padding; greedy CTC decoding with the model's
-   own alphabet (its ``character`` metadata) gives the text and the mean probability of its
-   characters.
+   out of the image (its rotated rectangle straightened) and turned the right way up where the
+   direction classifier (PP-OCR's text-line orientation model, 0 or 180 degrees, on every
+   region of the batch at once) is at least ``upright_threshold`` sure it is upside down, then
+   scaled to 48 pixels high; the regions are sorted by width and run in chunks, each padded
+   to its widest, so a long line does not make every short word pay for its padding; greedy
+   CTC decoding with the model's own alphabet (its ``character`` metadata) gives the text and
+   the mean probability of its characters.
 
 Outputs per row: ``texts`` (list of strings), ``scores`` (list of floats), ``boxes`` (list of
 8 floats per region, four corners x, y in the tensor's pixels, clockwise from top left: map them
@@ -42,19 +44,25 @@ _STD = (0.229, 0.224, 0.225)
 _REC_HEIGHT = 48
 
 
-def packaged_ppocr() -> tuple[Path, Path]:
-    """(detection, recognition) ONNX files of PP-OCRv4 from the ``rapidocr-onnxruntime`` package."""
+def packaged_ppocr() -> tuple[Path, Path, Path]:
+    """(detection, recognition, direction classifier) ONNX files of PP-OCR (v4; the classifier
+    is v2.0's) from the ``rapidocr-onnxruntime`` package."""
     spec = importlib.util.find_spec("rapidocr_onnxruntime")
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(
             "package 'rapidocr_onnxruntime' is not installed: pip install --no-deps rapidocr-onnxruntime"
         )
     models = Path(next(iter(spec.submodule_search_locations))) / "models"
-    det, rec = models / "ch_PP-OCRv4_det_infer.onnx", models / "ch_PP-OCRv4_rec_infer.onnx"
-    for path in (det, rec):
+    names = (
+        "ch_PP-OCRv4_det_infer.onnx",
+        "ch_PP-OCRv4_rec_infer.onnx",
+        "ch_ppocr_mobile_v2.0_cls_infer.onnx",
+    )
+    det, rec, cls = (models / name for name in names)
+    for path in (det, rec, cls):
         if not path.is_file():
             raise ConfigError(f"{path} is missing from its package")
-    return det, rec
+    return det, rec, cls
 
 
 def det_preprocess() -> dict[str, Any]:
@@ -63,7 +71,7 @@ def det_preprocess() -> dict[str, Any]:
 
 
 class TextReader:
-    """PP-OCR detection and recognition as one model (see the module docstring); its one input
+    """PP-OCR detection, direction and recognition as one model (see the module docstring); its one input
     ``image`` is ``[rows, 3 * height * width]`` as ``ImagePreprocess(**det_preprocess())`` makes it."""
 
     def __init__(
@@ -72,6 +80,9 @@ class TextReader:
         *,
         det: str | Path | None = None,
         rec: str | Path | None = None,
+        cls: str | Path | None = None,
+        upright: bool = True,
+        upright_threshold: float = 0.9,
         name: str = "ppocr",
         threshold: float = 0.3,
         box_threshold: float = 0.5,
@@ -84,10 +95,15 @@ class TextReader:
     ) -> None:
         if size[0] % 32 or size[1] % 32:
             raise ConfigError(f"the detector needs a size that is a multiple of 32, got {size}")
-        if det is None or rec is None:
-            det, rec = packaged_ppocr()
+        if det is None or rec is None or (upright and cls is None):
+            packaged = packaged_ppocr()
+            det, rec, cls = det or packaged[0], rec or packaged[1], cls or packaged[2]
         self._det = OnnxRuntime(det, name=f"{name}-det", intra_op_threads=threads)
         self._rec = OnnxRuntime(rec, name=f"{name}-rec", intra_op_threads=threads)
+        self._cls = (
+            OnnxRuntime(cls, name=f"{name}-cls", intra_op_threads=threads) if upright and cls else None
+        )
+        self._upright_threshold = upright_threshold
         import onnxruntime as ort
 
         meta = ort.InferenceSession(str(rec), providers=["CPUExecutionProvider"]).get_modelmeta()
@@ -132,7 +148,7 @@ class TextReader:
                 for box in found:
                     crops.append(self._crop(bgr, box))
                     owner.append(i)
-        texts, scores = self._read(crops)
+        texts, scores = self._read(self._upright(crops))
         out_texts = np.empty(rows, dtype=object)
         out_scores = np.empty(rows, dtype=object)
         out_boxes = np.empty(rows, dtype=object)
@@ -198,9 +214,32 @@ class TextReader:
             crop = np.rot90(crop)
         return np.ascontiguousarray(crop)
 
+    def _strip(self, crop: npt.NDArray[np.uint8], width: int) -> npt.NDArray[np.float32]:
+        """``crop`` scaled to ``width`` x 48 pixels as the line models take it: CHW, in -1..1."""
+        resized = self._cv2.resize(crop, (width, _REC_HEIGHT)).astype(np.float32)
+        out: npt.NDArray[np.float32] = (resized.transpose(2, 0, 1) / 255.0 - 0.5) / 0.5
+        return out
+
+    def _upright(self, crops: list[npt.NDArray[np.uint8]]) -> list[npt.NDArray[np.uint8]]:
+        """The crops, those the direction classifier finds upside down turned 180 degrees; it
+        reads each as PP-OCR does, 48 x 192 pixels (keeping the aspect, padded), in chunks."""
+        if self._cls is None or not crops:
+            return crops
+        out = list(crops)
+        for start in range(0, len(crops), self._rec_chunk):
+            chunk = range(start, min(start + self._rec_chunk, len(crops)))
+            batch = np.zeros((len(chunk), 3, _REC_HEIGHT, 192), dtype=np.float32)
+            for k, i in enumerate(chunk):
+                width = min(192, max(1, round(_REC_HEIGHT * crops[i].shape[1] / crops[i].shape[0])))
+                batch[k, :, :, :width] = self._strip(crops[i], width)
+            probs = next(iter(self._cls.run({self._cls.input_names[0]: batch}).values()))
+            for k, i in enumerate(chunk):
+                if probs[k].argmax() == 1 and probs[k, 1] >= self._upright_threshold:
+                    out[i] = np.ascontiguousarray(crops[i][::-1, ::-1])
+        return out
+
     def _read(self, crops: list[npt.NDArray[np.uint8]]) -> tuple[list[str], list[float]]:
         """Recognition of every crop: sorted by width, in chunks padded to their widest."""
-        cv2 = self._cv2
         n = len(crops)
         texts, scores = [""] * n, [0.0] * n
         widths = [
@@ -212,8 +251,7 @@ class TextReader:
             width = max(320, max(widths[i] for i in chunk))
             batch = np.zeros((len(chunk), 3, _REC_HEIGHT, width), dtype=np.float32)
             for k, i in enumerate(chunk):
-                resized = cv2.resize(crops[i], (widths[i], _REC_HEIGHT)).astype(np.float32)
-                batch[k, :, :, : widths[i]] = (resized.transpose(2, 0, 1) / 255.0 - 0.5) / 0.5
+                batch[k, :, :, : widths[i]] = self._strip(crops[i], widths[i])
             probs = next(iter(self._rec.run({self._rec.input_names[0]: batch}).values()))
             for k, i in enumerate(chunk):
                 texts[i], scores[i] = self._ctc(probs[k])
@@ -237,7 +275,7 @@ class TextReader:
         h, w = self.size
         for rows in batch_sizes:
             self.run({"image": np.zeros((rows, 3 * h * w), dtype=np.float32)})
-        self._read([np.zeros((_REC_HEIGHT, 160, 3), dtype=np.uint8)])
+        self._read(self._upright([np.zeros((_REC_HEIGHT, 160, 3), dtype=np.uint8)]))
 
     def __repr__(self) -> str:
         return f"TextReader({self.size}, det={self._det!r}, rec={self._rec!r})"
