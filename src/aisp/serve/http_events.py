@@ -29,16 +29,23 @@ RAW_MAX_BYTES = 32 << 20
 log = logging.getLogger("aisp.serve")
 
 
-async def _body_whole(receive: Any) -> AsyncIterator[list[bytes]]:
-    """A raw pipeline's request: its whole body is one event (an image, an audio chunk)."""
-    body = bytearray()
+async def _pieces(receive: Any) -> AsyncIterator[tuple[bytes, bool]]:
+    """A request body's pieces as they arrive, each with whether more follow; a client that
+    goes away raises ``ConnectionResetError``."""
     more = True
     while more:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ConnectionResetError("client disconnected")
         more = message.get("more_body", False)
-        body += message.get("body", b"")
+        yield message.get("body", b""), more
+
+
+async def _body_whole(receive: Any) -> AsyncIterator[list[bytes]]:
+    """A raw pipeline's request: its whole body is one event (an image, an audio chunk)."""
+    body = bytearray()
+    async for data, _ in _pieces(receive):
+        body += data
         if len(body) > RAW_MAX_BYTES:
             raise PayloadTooLarge(f"an event is larger than {RAW_MAX_BYTES} bytes")
     yield [bytes(body)]
@@ -48,13 +55,7 @@ async def _body_lines(receive: Any, chunk_rows: int, max_line_bytes: int) -> Asy
     """Non-empty lines of a (possibly chunked, unbounded) request body, at most ``chunk_rows``
     at a time, as they arrive. A line longer than ``max_line_bytes`` raises ``PayloadTooLarge``."""
     tail = b""
-    more = True
-    while more:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ConnectionResetError("client disconnected")
-        more = message.get("more_body", False)
-        data = message.get("body", b"")
+    async for data, more in _pieces(receive):
         if not data and more:
             continue
         parts = (tail + data).split(b"\n") if tail else data.split(b"\n")
