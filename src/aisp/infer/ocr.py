@@ -214,6 +214,11 @@ class TextReader:
             crop = np.rot90(crop)
         return np.ascontiguousarray(crop)
 
+    @staticmethod
+    def _width(crop: npt.NDArray[np.uint8], most: int) -> int:
+        """``crop``'s width at 48 pixels high, keeping its aspect, at most ``most``."""
+        return min(most, max(1, round(_REC_HEIGHT * int(crop.shape[1]) / int(crop.shape[0]))))
+
     def _strip(self, crop: npt.NDArray[np.uint8], width: int) -> npt.NDArray[np.float32]:
         """``crop`` scaled to ``width`` x 48 pixels as the line models take it: CHW, in -1..1."""
         resized = self._cv2.resize(crop, (width, _REC_HEIGHT)).astype(np.float32)
@@ -230,7 +235,7 @@ class TextReader:
             chunk = range(start, min(start + self._rec_chunk, len(crops)))
             batch = np.zeros((len(chunk), 3, _REC_HEIGHT, 192), dtype=np.float32)
             for k, i in enumerate(chunk):
-                width = min(192, max(1, round(_REC_HEIGHT * crops[i].shape[1] / crops[i].shape[0])))
+                width = self._width(crops[i], 192)
                 batch[k, :, :, :width] = self._strip(crops[i], width)
             probs = next(iter(self._cls.run({self._cls.input_names[0]: batch}).values()))
             for k, i in enumerate(chunk):
@@ -242,9 +247,7 @@ class TextReader:
         """Recognition of every crop: sorted by width, in chunks padded to their widest."""
         n = len(crops)
         texts, scores = [""] * n, [0.0] * n
-        widths = [
-            min(self._max_rec_width, max(1, round(_REC_HEIGHT * c.shape[1] / c.shape[0]))) for c in crops
-        ]
+        widths = [self._width(c, self._max_rec_width) for c in crops]
         order = sorted(range(n), key=widths.__getitem__)
         for start in range(0, n, self._rec_chunk):
             chunk = order[start : start + self._rec_chunk]

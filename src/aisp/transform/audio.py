@@ -46,7 +46,7 @@ from aisp.batch import KEY, Batch
 from aisp.errors import ConfigError
 from aisp.graph import DEFAULT_PORT
 from aisp.transform.images import MediaError
-from aisp.transform.media import MediaCounters, cores, dead_letter_rows, run_sliced
+from aisp.transform.media import MediaCounters, cores, dead_letter_rows, run_sliced, samples_column
 from aisp.transform.operators import Emit, Operator, OperatorContext
 from aisp.transform.stateful import Stateful, StateView
 
@@ -180,10 +180,9 @@ class AudioDecodeOp:
 
         done = run_sliced(self._threads, len(payloads), work)
         bad = [(i, e) for i, e in enumerate(errors) if e is not None]
-        good = [s for s in out if s is not None]
-        lengths = np.fromiter((len(s) for s in good), dtype=np.int64, count=len(good))
+        samples, lengths = samples_column([s for s in out if s is not None])
         spec.counters.add(
-            items=len(good),
+            items=len(lengths),
             refused=len(bad),
             nbytes=sum(b for b, _ in done),
             decode_ns=sum(t for _, t in done),
@@ -192,13 +191,7 @@ class AudioDecodeOp:
         if bad:
             dead_letter_rows(self._ctx, batch, bad)
             batch = batch.take([i for i, e in enumerate(errors) if e is None])
-        offsets = np.zeros(len(good) + 1, dtype=np.int32)
-        np.cumsum(lengths, out=offsets[1:])
-        flat = np.concatenate(good) if good else np.zeros(0, dtype=np.float32)
-        cols = {
-            spec.output: pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat)),
-            "audio_seconds": lengths / spec.sample_rate,
-        }
+        cols = {spec.output: samples, "audio_seconds": lengths / spec.sample_rate}
         return [(DEFAULT_PORT, batch.with_columns(cols))]
 
     def flush(self) -> Emit:

@@ -14,10 +14,14 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+
 from aisp.batch import Batch
 from aisp.transform.operators import OperatorContext
 
-__all__ = ["MediaCounters", "cores", "dead_letter_rows", "run_sliced"]
+__all__ = ["MediaCounters", "cores", "dead_letter_rows", "run_sliced", "samples_column"]
 
 T = TypeVar("T")
 
@@ -60,6 +64,16 @@ def run_sliced(threads: int, rows: int, fn: Callable[[int, int], T], min_rows: i
     if failed:
         raise failed[0]
     return results
+
+
+def samples_column(parts: Sequence[npt.NDArray[Any]]) -> tuple[pa.ListArray, npt.NDArray[np.int64]]:
+    """Each row's samples as one ``list<float32>`` column over a single buffer, and each row's
+    count of samples."""
+    lengths = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+    offsets = np.zeros(len(parts) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate(parts).astype(np.float32, copy=False) if parts else np.zeros(0, np.float32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.float32())), lengths
 
 
 def dead_letter_rows(ctx: OperatorContext, batch: Batch, bad: Sequence[tuple[int, str]]) -> None:

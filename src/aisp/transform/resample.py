@@ -21,7 +21,6 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -29,7 +28,7 @@ import pyarrow as pa
 
 from aisp.batch import KEY, Batch
 from aisp.errors import ConfigError
-from aisp.transform.media import MediaCounters
+from aisp.transform.media import MediaCounters, samples_column
 from aisp.transform.operators import Operator, OperatorContext
 from aisp.transform.stateful import Stateful, StateView
 
@@ -86,10 +85,10 @@ class Resample:
     def build(self, ctx: OperatorContext) -> Operator:
         return Stateful(self._update, self.space, tuple(self.state_columns())).build(ctx)
 
-    def _first_input(self, m: npt.NDArray[np.int64] | int) -> Any:
+    def _first_input(self, m: int) -> int:
         """The first input index that output ``m`` reads (may be negative: zeros before the start)."""
         up, down, half, _ = self._plan
-        return -((half - np.asarray(m) * down) // up)
+        return -((half - m * down) // up)
 
     def _outputs(self, start: int, buf: npt.NDArray[np.float32], base: int) -> npt.NDArray[np.float64]:
         """Outputs ``start`` on that every input they need is in ``buf`` (whose first sample is
@@ -105,30 +104,19 @@ class Resample:
             return np.zeros(0)
         lead = (base * up - half) % down
         shift = (half - base * up + lead) // down
-        made: npt.NDArray[np.float64] = upfirdn(self._delayed(lead), buf.astype(np.float64), up, down)
+        made: npt.NDArray[np.float64] = upfirdn(np.pad(h, (lead, 0)), buf.astype(np.float64), up, down)
         return made[start + shift : start + shift + count]
-
-    def _delayed(self, lead: int) -> npt.NDArray[np.float64]:
-        """The filter after ``lead`` zeros (at most ``down`` of them: one per phase, kept)."""
-        cache = self._delays
-        if lead not in cache:
-            cache[lead] = np.concatenate([np.zeros(lead), self._plan[3]])
-        return cache[lead]
-
-    @cached_property
-    def _delays(self) -> dict[int, npt.NDArray[np.float64]]:
-        return {}
 
     def _update(self, batch: Batch, state: StateView) -> Batch:
         took = time.perf_counter_ns()
         col = batch.column(self.column)
         if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
             raise ConfigError(f"column {self.column!r} is {col.type}, not a list of samples")
-        offsets = col.offsets.to_numpy()
-        values = col.values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
         up, down, _, _ = self._plan
         if up == down:
             return batch
+        offsets = col.offsets.to_numpy()
+        values = col.values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
         codes = batch.numpy(KEY)
         width = self.held_width
         held_cols = [state.column(f"held_{j:04d}") for j in range(width)]
@@ -145,15 +133,12 @@ class Resample:
                 out[row] = self._outputs(int(made[key]), buf, base)
                 made[key] += len(out[row])
                 seen[key] = base + len(buf)
-                keep = buf[max(0, int(self._first_input(int(made[key]))) - base) :]
+                keep = buf[max(0, self._first_input(int(made[key])) - base) :]
                 new_held[j, : len(keep)] = keep
                 held_len[key] = len(keep)
             for i, c in enumerate(held_cols):
                 c[keys] = new_held[:, i]
-        lengths = np.fromiter((len(o) for o in out), dtype=np.int64, count=len(out))
-        new_offsets = np.zeros(len(out) + 1, dtype=np.int32)
-        np.cumsum(lengths, out=new_offsets[1:])
-        flat = np.concatenate(out).astype(np.float32) if out else np.zeros(0, np.float32)
+        samples, lengths = samples_column(out)
         self.counters.add(
             items=len(out),
             refused=0,
@@ -161,5 +146,4 @@ class Resample:
             decode_ns=time.perf_counter_ns() - took,
             units=int(lengths.sum()),
         )
-        samples = pa.ListArray.from_arrays(pa.array(new_offsets), pa.array(flat, pa.float32()))
         return batch.with_columns({self.column: samples})
