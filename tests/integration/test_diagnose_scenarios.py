@@ -56,7 +56,7 @@ def test_diagnose_names_the_planted_cause_first(cause: str, tmp_path: Path) -> N
         assert set(f) >= {"cause", "stage", "evidence", "suggestion"}
         assert f["suggestion"]
         assert isinstance(f["evidence"], dict)
-    summary = [(f["cause"], f["stage"], f["score"]) for f in findings]
+    summary = [(f["cause"], f["stage"], f["score"], f["evidence"]) for f in findings]
     assert findings[0]["cause"] == cause, summary
 
 

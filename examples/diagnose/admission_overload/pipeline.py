@@ -1,7 +1,9 @@
 """Planted: admission overload. Events arrive faster than the model can score them: an
-18 -> 1024 -> 1024 -> 1 network whose calls stay within the step's budget, behind a bounded
-queue that sheds what does not fit (``overload="shed"``). Every stage works as configured;
-the offered load is the problem, and a share of the events is turned away.
+18 -> 2048 -> 2048 -> 1 network (its rows cost many times what the rest of the pipeline spends
+on one, on any CPU, so the model and not the ingest is what cannot keep up) in calls of 64 rows
+that stay well within the step's budget, behind a bounded queue that sheds what does not fit
+(``overload="shed"``). Every stage works as configured; the offered load is the problem, and a
+share of the events is turned away.
 
     aisp run examples/diagnose/admission_overload/pipeline.py --rate 60000 --metrics-port 9464
 """
@@ -25,9 +27,7 @@ def build(events: int = 10_000_000) -> Pipeline:
         "admission_overload",
         events=int(events),
         sink=NullSink(),
-        model=mlp_model(1024),
-        model_budget_ms=20.0,
-        batcher=BatcherConfig(
-            max_batch_size=256, max_queue_delay_ms=1.0, capacity_rows=1024, overload="shed"
-        ),
+        model=mlp_model(2048),
+        model_budget_ms=50.0,
+        batcher=BatcherConfig(max_batch_size=64, max_queue_delay_ms=1.0, capacity_rows=1024, overload="shed"),
     )

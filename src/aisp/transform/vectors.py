@@ -58,6 +58,12 @@ class VectorIndex:
     exact_below: int = 2048
     connectivity: int = 16
     expansion_search: int = 64
+    add_threads: int = 1
+    """Threads that insert a batch into usearch's graph. 1: in row order, each document linked
+    to the ones before it in its batch, so the same stream makes the same graph on every machine
+    and every replay; more insert faster, but a batch's documents then miss each other, and
+    near-duplicates (one text in several documents) can fall out of reach of a search (0: one per
+    core). faiss inserts with its own OpenMP threads."""
     payload_column: str | None = None
     """A column kept with each document (its text, say): queries get the hits' values in
     ``payloads_column``, best first (what a RAG prompt quotes). Checkpointed with the vectors."""
@@ -68,6 +74,8 @@ class VectorIndex:
             raise ConfigError(f"dim and k must be >= 1, got dim={self.dim}, k={self.k}")
         if self.backend not in ("usearch", "faiss"):
             raise ConfigError(f"backend must be 'usearch' or 'faiss', got {self.backend!r}")
+        if self.add_threads < 0:
+            raise ConfigError(f"add_threads must be >= 0 (0: one per core), got {self.add_threads}")
 
     def build(self, ctx: OperatorContext) -> Operator:
         return VectorIndexOp(self, ctx)
@@ -82,9 +90,10 @@ class _Usearch:
             expansion_search=spec.expansion_search,
         )  # fmt: skip
         self.removes = True
+        self.threads = spec.add_threads
 
     def add(self, labels: npt.NDArray[np.int64], vectors: npt.NDArray[np.float32]) -> None:
-        self.index.add(labels.astype(np.uint64), vectors)
+        self.index.add(labels.astype(np.uint64), vectors, threads=self.threads)
 
     def remove(self, labels: npt.NDArray[np.int64]) -> None:
         self.index.remove(labels.astype(np.uint64))

@@ -94,6 +94,25 @@ def test_the_graph_finds_the_exact_top_10_almost_always(backend: str) -> None:
     assert sum(hits) / (10 * len(queries)) >= 0.95
 
 
+def test_near_duplicates_arriving_in_batches_each_find_themselves_and_the_graph_is_the_same() -> None:
+    """usearch inserts a batch's rows in order (``add_threads=1``): each document is linked to
+    the near-duplicates before it in its batch, so a document's own vector finds it first, and
+    the same stream gives the same answers however it was cut into batches. (Inserted by 16
+    threads, 8 to 10 of these documents were out of their own vector's reach.)"""
+    rng = np.random.default_rng(0)
+    docs = np.repeat(unit(rng, 60, 64), 25, axis=0) + 0.02 * rng.normal(size=(1500, 64)).astype(np.float32)
+    docs /= np.linalg.norm(docs, axis=1, keepdims=True)
+    order = rng.permutation(len(docs))
+    found = []
+    for size in (64, 100):
+        op = index(dim=64, exact_below=0)
+        for i in range(0, len(docs), size):
+            op.process(rows("upsert", order[i : i + size].tolist(), docs[order[i : i + size]]))
+        found.append(answers(op, docs))
+    assert [hits[0] for hits in found[0]] == [str(i) for i in range(len(docs))]
+    assert found[0] == found[1]
+
+
 @pytest.mark.parametrize("exact_below", [10**6, 50])
 def test_a_restored_index_answers_as_the_one_checkpointed(exact_below: int) -> None:
     rng = np.random.default_rng(5)
@@ -131,3 +150,5 @@ def test_settings_that_cannot_work_fail_where_declared() -> None:
         VectorIndex(dim=4, backend="annoy")
     with pytest.raises(ConfigError, match="dim and k"):
         VectorIndex(dim=0)
+    with pytest.raises(ConfigError, match="add_threads"):
+        VectorIndex(dim=4, add_threads=-1)
