@@ -27,7 +27,10 @@ T = TypeVar("T")
 
 
 def cores() -> int:
-    """Threads a decoding step uses when its ``threads`` is 0: one per core."""
+    """Threads a decoding step uses when its ``threads`` is 0: one per core this process may
+    run on (its CPU affinity, as ``taskset`` or a container's cpuset sets it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
     return os.cpu_count() or 1
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import base64
+import os
+import subprocess
+import sys
 from typing import Any
 
 import cv2
@@ -265,3 +268,15 @@ def test_buckets_read_base64_text_and_need_a_size() -> None:
     assert buckets.pick(None) == "square"
     with pytest.raises(ConfigError):
         ImageBuckets({})
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
+def test_one_thread_per_core_counts_the_cores_the_process_may_run_on() -> None:
+    """``threads=0`` decodes on one thread per core of the process's affinity (a container's
+    cpuset, ``taskset``), not per core of the machine."""
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+        "from aisp.transform.media import cores; print(cores())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"
