@@ -24,10 +24,12 @@ from aisp.sinks.base import Sink
 from aisp.sinks.deadletter import DeadLetterSink
 
 __all__ = [
+    "DEFAULT_SHAPE",
     "Connector",
     "LoadClient",
     "Pipeline",
     "PrivateBroker",
+    "ScenarioShape",
     "binary",
     "broker_process",
     "free_port",
@@ -56,6 +58,29 @@ class PrivateBroker:
     restart: Callable[[float], None]
     durable: bool = True
     """Whether it keeps its data across a restart."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScenarioShape:
+    """How a scenario lays out its input and output (``scenario_urls``, ``fill``)."""
+
+    partitions: int = 1
+    """Input partitions: each event goes to one by the hash of its ``key`` field (a scheme with
+    one ordered input per URL takes 1 only)."""
+    key: str = "user"
+    group: bool = True
+    """Name a consumer group (durable) of the scenario's own in the input URL; False: leave the
+    scheme's default."""
+    transactional: bool = True
+    """Write outputs in transactions where the scheme has them (Kafka); False: its plain
+    (idempotent) producer."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.partitions <= 64:
+            raise ConfigError(f"partitions must be an integer from 1 to 64, got {self.partitions}")
+
+
+DEFAULT_SHAPE = ScenarioShape()
 
 
 class LoadClient(abc.ABC):
@@ -108,14 +133,20 @@ class Connector(abc.ABC):
         return DeadLetterSink(stream=self.record_sink(url))
 
     # -- tests, chaos and bench ---------------------------------------------------------------
-    def scenario_urls(self, address: str, tag: str) -> tuple[str, str]:
+    def scenario_urls(self, address: str, tag: str, shape: ScenarioShape = DEFAULT_SHAPE) -> tuple[str, str]:
         """The input and output URLs of a scenario's run on the broker at ``address`` (a
-        directory for files), named by ``tag``; inputs end after 2 s without a new event."""
+        directory for files), named by ``tag`` and laid out as ``shape`` says; inputs end after
+        2 s without a new event."""
         raise self._cannot("in scenarios")
 
-    def fill(self, url: str, lines: Sequence[bytes]) -> None:
-        """Put ``lines`` (one event each) into the input ``url``, creating it."""
+    def fill(self, url: str, lines: Sequence[bytes], shape: ScenarioShape = DEFAULT_SHAPE) -> None:
+        """Put ``lines`` (one event each) into the input ``url``, creating it with
+        ``shape.partitions`` partitions."""
         raise self._cannot("in scenarios")
+
+    def _one_partition(self, shape: ScenarioShape) -> None:
+        if shape.partitions != 1:
+            raise ConfigError(f"{self.scheme}:// inputs have one partition, not {shape.partitions}")
 
     def read(self, url: str) -> list[bytes]:
         """Everything written to the output ``url``, in order."""

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from aisp.connectors import connector_for
-from aisp.connectors.base import free_port
+from aisp.connectors.base import DEFAULT_SHAPE, ScenarioShape, free_port
 from aisp.errors import ConfigError
 
 __all__ = ["ChaosReport", "kill_scenario", "model_scenario", "outage_scenario", "restart_scenario"]
@@ -77,18 +77,18 @@ class _Endpoints:
     pipeline uses (on the broker at ``address``: maybe a fault proxy) and the same ones the
     scenario fills, reads and drops (at ``direct``, the broker itself)."""
 
-    def __init__(self, via: str, work: Path, address: str, direct: str) -> None:
-        self.via, self.work = via, work
+    def __init__(self, via: str, work: Path, address: str, direct: str, shape: ScenarioShape) -> None:
+        self.via, self.work, self.shape = via, work, shape
         self.connector = connector_for(f"{via}://")
         tag = uuid.uuid4().hex[:8].upper()
-        self._urls = self.connector.scenario_urls(address, tag)
-        self._direct = self.connector.scenario_urls(direct, tag)
+        self._urls = self.connector.scenario_urls(address, tag, shape)
+        self._direct = self.connector.scenario_urls(direct, tag, shape)
 
     def urls(self) -> tuple[str, str]:
         return self._urls
 
     def fill(self, lines: Sequence[bytes]) -> None:
-        self.connector.fill(self._direct[0], lines)
+        self.connector.fill(self._direct[0], lines, self.shape)
 
     def read(self) -> list[bytes]:
         return self.connector.read(self._direct[1])
@@ -142,7 +142,13 @@ def _compare(reference: list[bytes], outputs: list[bytes], key: str) -> tuple[in
 
 @contextmanager
 def _scenario(
-    pipeline: str | Path, data: str | Path, via: str, work: Path, address: str, direct: str = ""
+    pipeline: str | Path,
+    data: str | Path,
+    via: str,
+    work: Path,
+    address: str,
+    direct: str = "",
+    shape: ScenarioShape = DEFAULT_SHAPE,
 ) -> Iterator[tuple[_Endpoints, list[bytes]]]:
     """Reference output, then the chaos run's endpoints (filled), dropped at the end."""
     shutil.rmtree(work / "checkpoints", ignore_errors=True)  # a reused work directory starts afresh
@@ -153,7 +159,7 @@ def _scenario(
     )
     if res.returncode != 0:
         raise ConfigError(f"the reference run failed: {res.stderr[-2000:]}")
-    ends = _Endpoints(via, work, address, direct or address)
+    ends = _Endpoints(via, work, address, direct or address, shape)
     ends.fill(Path(data).read_bytes().splitlines())
     try:
         yield ends, ref.read_bytes().splitlines()
@@ -174,28 +180,31 @@ def kill_scenario(
     work: str | Path,
     window_s: tuple[float, float] = (1.0, 3.0),
     bootstrap: str = "",
+    shape: ScenarioShape = DEFAULT_SHAPE,
+    extra: Sequence[str] = (),
 ) -> ChaosReport:
     """SIGKILL ``aisp run`` ``kills`` times at random moments (``window_s`` after each start),
-    restart it each time, and compare the final output with an uninterrupted run."""
+    restart it each time, and compare the final output with an uninterrupted run. ``shape``:
+    the input's partitions, its group, transactional outputs; ``extra``: more ``aisp run``
+    options (``--partition-state changelog``, ...)."""
     work = Path(work)
     rng = random.Random(seed)
     started = time.monotonic()
     with (
         _broker(via, work, bootstrap) as address,
-        _scenario(pipeline, data, via, work, address) as (
-            ends,
-            reference,
-        ),
+        _scenario(pipeline, data, via, work, address, shape=shape) as (ends, reference),
     ):
         source, output = ends.urls()
         chk = work / "checkpoints"
-        cmd = _aisp_run(str(pipeline), source, output, "--checkpoint-dir", str(chk))
+        cmd = _aisp_run(str(pipeline), source, output, "--checkpoint-dir", str(chk), *extra)
         cmd += ["--checkpoint-interval-s", str(checkpoint_interval_s), "--rate", str(rate)]
         done, recover = 0, []
         while True:
             before = _newest_checkpoint(chk)
             t0 = time.monotonic()
-            proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            log = work / f"run-{done}.log"  # each run's messages (a pipe nobody reads could fill up)
+            with log.open("wb") as err:
+                proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=err)
             if done:  # a restart: recovered at its first checkpoint (progress is saved again)
                 while (
                     proc.poll() is None and _newest_checkpoint(chk) == before and time.monotonic() - t0 < 60
@@ -206,12 +215,11 @@ def kill_scenario(
                 time.sleep(max(0.0, rng.uniform(*window_s) - (time.monotonic() - t0)))
                 if proc.poll() is None:
                     proc.kill()
-                    proc.communicate()
+                    proc.wait()
                     done += 1
                     continue
-            _, err = proc.communicate(timeout=600)
-            if proc.returncode != 0:
-                raise ConfigError(f"the chaos run failed: {err.decode()[-2000:]}")
+            if proc.wait(timeout=600) != 0:
+                raise ConfigError(f"the chaos run failed ({log}): {log.read_text(errors='replace')[-2000:]}")
             break
         outputs = ends.read()
     lost, dups, wrong = _compare(reference, outputs, key)

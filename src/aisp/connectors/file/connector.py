@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 
-from aisp.connectors.base import Connector
+from aisp.connectors.base import DEFAULT_SHAPE, Connector, ScenarioShape
 from aisp.connectors.file.sink import JsonlFileSink
 from aisp.connectors.file.source import JsonlFileSource
 from aisp.connectors.url import file_path, scheme_of
@@ -39,10 +39,12 @@ class FileConnector(Connector):
             return DeadLetterSink()
         return DeadLetterSink(path=file_path(url))
 
-    def scenario_urls(self, address: str, tag: str) -> tuple[str, str]:
+    def scenario_urls(self, address: str, tag: str, shape: ScenarioShape = DEFAULT_SHAPE) -> tuple[str, str]:
+        self._one_partition(shape)
         return str(Path(address) / f"in-{tag}.jsonl"), str(Path(address) / f"out-{tag}.jsonl")
 
-    def fill(self, url: str, lines: Sequence[bytes]) -> None:
+    def fill(self, url: str, lines: Sequence[bytes], shape: ScenarioShape = DEFAULT_SHAPE) -> None:
+        self._one_partition(shape)
         Path(file_path(url)).write_bytes(b"".join(x + b"\n" for x in lines))
 
     def read(self, url: str) -> list[bytes]:

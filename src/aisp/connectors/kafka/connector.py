@@ -17,7 +17,14 @@ from typing import Any
 
 import msgspec
 
-from aisp.connectors.base import Connector, PrivateBroker, free_port, wait_for_port
+from aisp.connectors.base import (
+    DEFAULT_SHAPE,
+    Connector,
+    PrivateBroker,
+    ScenarioShape,
+    free_port,
+    wait_for_port,
+)
 from aisp.connectors.kafka.sink import KafkaSink
 from aisp.connectors.kafka.source import KafkaSource
 from aisp.connectors.url import Address, options
@@ -50,16 +57,15 @@ class KafkaConnector(Connector):
         )
         return KafkaSink(topic=a.name, bootstrap=a.hostport, columns=columns, **opts)
 
-    def scenario_urls(self, address: str, tag: str) -> tuple[str, str]:
+    def scenario_urls(self, address: str, tag: str, shape: ScenarioShape = DEFAULT_SHAPE) -> tuple[str, str]:
         base = f"kafka://{address}"
-        return (  # outputs in transactions, committed with the input offsets
-            f"{base}/chaos-in-{tag}?group=chaos&idle_stop_s=2",
-            f"{base}/chaos-out-{tag}?transactional_id=chaos-{tag}",
-        )
+        group = f"group=chaos-{tag}&" if shape.group else ""  # else the default group, aisp
+        output = f"?transactional_id=chaos-{tag}" if shape.transactional else ""
+        return f"{base}/chaos-in-{tag}?{group}idle_stop_s=2", f"{base}/chaos-out-{tag}{output}"
 
-    def fill(self, url: str, lines: Sequence[bytes]) -> None:
+    def fill(self, url: str, lines: Sequence[bytes], shape: ScenarioShape = DEFAULT_SHAPE) -> None:
         a = _address(url)
-        fill_topic(a.hostport, a.name, lines)
+        fill_topic(a.hostport, a.name, lines, partitions=shape.partitions, key=shape.key)
 
     def read(self, url: str) -> list[bytes]:
         a = _address(url)
@@ -92,24 +98,40 @@ class KafkaConnector(Connector):
             yield PrivateBroker(bootstrap, restart, durable=False)
 
 
-def fill_topic(bootstrap: str, topic: str, lines: Sequence[bytes]) -> None:
-    """Create ``topic`` (one partition: the replay order is the input order) and fill it."""
+def fill_topic(
+    bootstrap: str, topic: str, lines: Sequence[bytes], *, partitions: int = 1, key: str = "user"
+) -> None:
+    """Create ``topic`` with ``partitions`` partitions and fill it: with one, in the input's order;
+    with more, each line to the partition of its ``key`` field's CRC-32 (a line without it, or
+    not JSON, to partition 0), in the input's order within a partition."""
+    import zlib
+
     from confluent_kafka import Producer
     from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
-    for f in admin.create_topics([NewTopic(topic, 1, 1)]).values():
+    for f in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
         f.result(10)
     producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 5})
     for line in lines:
+        p = zlib.crc32(_field(line, key)) % partitions if partitions > 1 else 0
         while True:
             try:
-                producer.produce(topic, value=line, partition=0)
+                producer.produce(topic, value=line, partition=p)
                 break
             except BufferError:
                 producer.poll(0.05)
     if producer.flush(60):
         raise ConfigError(f"could not fill kafka topic {topic!r} at {bootstrap}")
+
+
+def _field(line: bytes, key: str) -> bytes:
+    """The ``key`` field of a JSON line as bytes (b"" when absent or not JSON)."""
+    try:
+        value = msgspec.json.decode(line).get(key, "")
+    except (msgspec.DecodeError, AttributeError):
+        return b""
+    return str(value).encode()
 
 
 def read_topic(bootstrap: str, topic: str) -> list[bytes]:

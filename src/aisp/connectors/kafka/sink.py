@@ -1,5 +1,5 @@
 """Kafka sink (``confluent-kafka``): each output once in the topic, through an idempotent or a
-transactional producer whose replays after a restart are skipped by position.
+transactional producer whose replays after a restart are skipped by event id.
 
 Rows are produced as JSON (the same line as the file sink), keyed by the engine id, to partition
 ``engine id % partitions``. The sink's position is the next offset of each partition, learnt
@@ -22,22 +22,26 @@ With ``compact`` (several workers of a group writing one topic) the topic is com
 nothing is skipped: each event id's record may appear more than once, always with the same
 value, and a reader keeps one per key (as compaction eventually does).
 
-After a restart from a checkpoint, the sink counts the records a ``read_committed`` reader finds
-in each partition after the checkpointed offset and skips that many of the rows it is then
-given for the partition: the replay regenerates those rows first, in the same order, as long as
-the pipeline emits a partition's rows in a deterministic order (one chain, one model instance:
-the fraud example and most pipelines). With transactions on Apache Kafka there is nothing to
-count except when the process died between a transaction's commit and the checkpoint's
-manifest; the Tansu broker the tests use shows aborted and fenced transactions' records to
-``read_committed`` readers, and counting skips those too. The topic is assumed to be written by
-this pipeline only. Counting consumes the records after the checkpoint (at most one checkpoint
-interval of output), and on a first start the whole partition, once.
+After a restart from a checkpoint, the sink reads the records a ``read_committed`` reader finds
+in each partition after the checkpointed offset and notes their keys (engine ids); a row the
+replay makes again under a noted key is skipped, once for each time the key was written. The
+replay may interleave the input's partitions in another order than before the crash (several
+input partitions, several model instances): skipping by key does not depend on it, as long as
+a replayed row has the value it had (keyed state restored with the positions makes it so). With
+transactions on Apache Kafka there is nothing to skip except when the process died between a
+transaction's commit and the checkpoint's manifest; the Tansu broker the tests use shows aborted
+and fenced transactions' records to ``read_committed`` readers, and those are skipped too. The
+topic is assumed to be written by this pipeline only. This reads the records after the
+checkpoint (at most one checkpoint interval of output, their keys held until replayed; until
+then checkpoints keep the position they start at, so a restart before the replay notes them
+again), and on a first start counts the whole partition, once.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -89,10 +93,14 @@ class KafkaSink(Sink):
         return f"kafka://{self.bootstrap}/{self.topic}"
 
 
-def _count_records(bootstrap: str, topic: str, partition: int, start: int, idle_s: float = 2.0) -> int:
-    """Records in ``topic``/``partition`` from offset ``start`` to the end, by reading them until
-    nothing comes for ``idle_s`` (Tansu's high watermarks are per record batch, so they cannot
-    be used; a short idle time undercounts on a loaded machine)."""
+def _keys_after(
+    bootstrap: str, topic: str, partition: int, start: int, idle_s: float = 2.0
+) -> tuple[int, Counter[int]]:
+    """The records in ``topic``/``partition`` from offset ``start`` to the end, and how often
+    each key (an engine id) occurs among them when ``start`` > 0 (from the beginning only the
+    number: a first start skips nothing), by reading them until nothing comes for ``idle_s``
+    (Tansu's high watermarks are per record batch, so they cannot be used; a short idle time
+    undercounts on a loaded machine)."""
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
     c = Consumer(
@@ -105,14 +113,16 @@ def _count_records(bootstrap: str, topic: str, partition: int, start: int, idle_
     )
     try:
         c.assign([TopicPartition(topic, partition, start if start > 0 else OFFSET_BEGINNING)])
-        n, last = 0, time.monotonic()
+        n, keys, last = 0, Counter[int](), time.monotonic()
         while time.monotonic() - last < idle_s:
             msgs = c.consume(num_messages=10_000, timeout=0.1)
             good = [m for m in msgs if m.error() is None]
             if good:
                 n += len(good)
+                if start > 0:
+                    keys.update(int(m.key() or 0) for m in good)
                 last = time.monotonic()
-        return n
+        return n, keys
     finally:
         c.close()
 
@@ -175,16 +185,18 @@ class _KafkaWriter(SinkPartition):
         if cfg.transactional_id:  # fences an earlier producer (its open transaction is aborted)
             self._call("init_transactions", cfg.retry_s)
         self._next: dict[int, int] = {}
-        self._skip: dict[int, int] = {}
+        self._skip: dict[int, Counter[int]] = {}
+        self._skip_from: dict[int, int] = {}  # where the records to skip begin, per partition
         for p in range(cfg.partitions):
             start = (resume or {}).get(p, 0)
             if cfg.compact:  # replays are written again, under the same keys
                 self._next[p] = start
                 continue
-            found = _count_records(cfg.bootstrap, cfg.topic, p, start)
+            found, keys = _keys_after(cfg.bootstrap, cfg.topic, p, start)
             self._next[p] = start + found
-            if resume is not None:
-                self._skip[p] = found  # produced after the checkpoint: the replay makes them again
+            if resume is not None and keys:
+                self._skip[p] = keys  # produced after the checkpoint: the replay makes them again
+                self._skip_from[p] = start
         self._encoder = RowEncoder(cfg.columns)
         self.skipped = 0
 
@@ -275,9 +287,7 @@ class _KafkaWriter(SinkPartition):
         parts = (ids % self._cfg.partitions).astype(np.int64).tolist()
         traced = batch.traceparents or {}
         for i, (key, p) in enumerate(zip(ids.tolist(), parts, strict=True)):
-            if self._skip.get(p):
-                self._skip[p] -= 1
-                self.skipped += 1
+            if self._skip and self._replayed(p, key):
                 continue
             if self._txn_since is None:
                 self._begin()
@@ -301,6 +311,20 @@ class _KafkaWriter(SinkPartition):
             self.flush()
             self._commit(None)
 
+    def _replayed(self, partition: int, key: int) -> bool:
+        """Whether the row ``key`` was written after the checkpoint already (then it is skipped,
+        once for each time it was written)."""
+        written = self._skip.get(partition)
+        if not written or not written[key]:
+            return False
+        written[key] -= 1
+        if not written[key]:
+            del written[key]
+            if not written:
+                del self._skip[partition], self._skip_from[partition]
+        self.skipped += 1
+        return True
+
     def flush(self) -> None:
         left = self._producer.flush(self._cfg.flush_timeout_s)
         if left or self._errors:
@@ -316,7 +340,9 @@ class _KafkaWriter(SinkPartition):
             self._pending = self._offsets()
         elif self._txn_since is not None:
             self._commit(self._offsets())
-        return {"next": {str(p): o for p, o in sorted(self._next.items())}}
+        # a partition whose noted rows are not all replayed yet keeps the position they start at,
+        # so that a restart before they are notes them again (the state does not cover them yet)
+        return {"next": {str(p): self._skip_from.get(p, o) for p, o in sorted(self._next.items())}}
 
     def sync(self) -> None:
         if self._pending is None:

@@ -6,19 +6,26 @@ not parse is dead-lettered with its partition, offset and the reason (its offset
 with the rest). The engine id of an event is ``partition << 40 | offset``, so a replay gives the
 same ids.
 
-Delivery: the consumer joins ``group`` and is assigned partitions by the group (rebalances are
-followed: a revoked partition's position is dropped, an assigned one starts at the checkpointed
-offset if the checkpoint has it, else at the group's committed offset, else at the earliest).
-The position is the next offset per partition after the records handed to the pipeline;
-``commit(position)`` commits those offsets to the group once the checkpoint holding them is
-durable. Several processes of one group need keyed state that moves with the partitions (``aisp
-run --partition-state``): a newly assigned partition is then not read while the engine restores
-its state in the background (``SourceContext.on_assign``; its records fetched meanwhile are
-dropped), and starts where the restored state says once it is loaded
-(``restored``, asked between batches; the other partitions flow and the group is polled
-meanwhile); a revoked one has its state flushed (``on_revoke``). While every
-broker is unreachable the source waits (librdkafka reconnects) and does not count the time as
-idle input; after ``retry_s`` it fails with a clear error. Compatibility is tested against the
+Delivery: the consumer joins ``group`` and is assigned partitions by the group. The position is
+the next offset per partition after the records handed to the pipeline; ``commit(position)``
+commits those offsets to the group once the checkpoint holding them is durable (at the latest
+when the partition is revoked), for lag and for other readers. The group's offsets are not what
+a restart resumes from: they lag the checkpoint (a commit follows it) or, with a transactional
+output, may run ahead of it (the process died between the transaction's commit and the
+checkpoint's manifest). Without state that moves with partitions, the process's keyed state
+holds what it read of every partition, so the process's positions are the truth: an assigned
+partition starts where the process read up to, else at the restored checkpoint's offset, else
+at the group's committed offset, else at the earliest; a revoked partition keeps its position,
+in the checkpoints and for its return. Exactly-once so holds for one process per group, however
+the group rebalances (a killed process stays a member until its session times out, so its
+successor is first assigned part of the topic). Several processes of one group need keyed state
+that moves with the partitions (``aisp run --partition-state``): a newly assigned partition is
+then not read while the engine restores its state in the background (``SourceContext.on_assign``;
+its records fetched meanwhile are dropped), and starts where the restored state says once it is
+loaded (``restored``, asked between batches; the other partitions flow and the group is polled
+meanwhile); a revoked one has its state flushed (``on_revoke``) and its position dropped. While
+every broker is unreachable the source waits (librdkafka reconnects) and does not count the time
+as idle input; after ``retry_s`` it fails with a clear error. Compatibility is tested against the
 Tansu broker (Kafka protocol), see the README.
 """
 
@@ -65,7 +72,10 @@ class KafkaSource(Source):
     retry_s: float = 30.0
     stop_when_idle_s: float | None = None
     """End the input after this long without a record, once partitions are assigned (time the
-    engine spends on rows handed out, restores and rebalances does not count: ``IdleClock``)."""
+    engine spends on rows handed out, restores and rebalances does not count: ``IdleClock``).
+    While the consumer holds only part of the topic, it waits a session timeout longer: the rest
+    may be held by a member that died (a killed predecessor) until the group drops it and
+    rebalances."""
     options: Mapping[str, Any] = field(default_factory=dict)
     """Extra librdkafka settings."""
     decode_heavy: ClassVar[bool] = False
@@ -117,6 +127,7 @@ class KafkaSourcePartition(SourcePartition):
         self._commit_lock = threading.Lock()
         self._poll_thread: threading.Thread | None = None
         self._in_callback: threading.Thread | None = None  # the thread in a rebalance callback
+        self._session_s = float(settings["session.timeout.ms"]) / 1000
         self._consumer = Consumer(settings)
         self._consumer.subscribe([cfg.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
 
@@ -140,12 +151,17 @@ class KafkaSourcePartition(SourcePartition):
             self._restoring.update(tp.partition for tp in partitions)
             self._ctx.on_assign([tp.partition for tp in partitions])
             return
-        for tp in partitions:
-            if tp.partition in self._resume:
-                tp.offset = self._resume[tp.partition]
-                self._committed[tp.partition] = self._resume[tp.partition]
+        for tp in partitions:  # where this process's state says, else where the group says
+            start = self._position(tp.partition)
+            if start is not None:
+                tp.offset = start
             self._owned.add(tp.partition)
         consumer.assign(partitions)
+
+    def _position(self, partition: int) -> int | None:
+        """The next offset of ``partition`` that the process's state has not seen: after the
+        records handed out, else the restored checkpoint's (None: it has seen none)."""
+        return self._next.get(partition, self._resume.get(partition))
 
     def _resume_restored(self) -> None:
         """Start the partitions whose state the engine has restored, where it says (else where
@@ -168,21 +184,29 @@ class KafkaSourcePartition(SourcePartition):
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
         self._idle.reset()  # a rebalance is under way: partitions may come back (not idle input)
-        if self._ctx.on_revoke is not None:
+        revoked = {tp.partition for tp in partitions}
+        with self._commit_lock:  # commits a checkpoint asked for: the last chance to make them
+            due = {p: o for p, o in self._pending.items() if p in revoked}
+        if due:
+            self._commit_now(due)
+        on_revoke = self._ctx.on_revoke
+        moves = on_revoke is not None  # the partition's state leaves with it
+        if on_revoke is not None:
             self._in_callback = threading.current_thread()
             try:
-                self._ctx.on_revoke([tp.partition for tp in partitions])
+                on_revoke(sorted(revoked))
             finally:
                 self._in_callback = None
         with self._commit_lock:
-            for tp in partitions:  # no longer this consumer's to commit
-                self._restoring.discard(tp.partition)
-                self._skipped.pop(tp.partition, None)
-                self._next.pop(tp.partition, None)
-                self._resume.pop(tp.partition, None)
-                self._owned.discard(tp.partition)
-                self._committed.pop(tp.partition, None)
-                self._pending.pop(tp.partition, None)
+            for p in revoked:  # no longer this consumer's to commit
+                self._restoring.discard(p)
+                self._skipped.pop(p, None)
+                self._owned.discard(p)
+                self._committed.pop(p, None)
+                self._pending.pop(p, None)
+                if moves:  # else the process's state still holds what it read of p: its
+                    self._next.pop(p, None)  # position stays, for the checkpoints and for
+                    self._resume.pop(p, None)  # the partition's return
 
     def _answers(self) -> bool:
         """Whether a broker answers a metadata request now (then the outage is over)."""
@@ -222,7 +246,7 @@ class KafkaSourcePartition(SourcePartition):
                 raise SourceError(f"kafka {self._cfg.bootstrap} topic {self._cfg.topic!r}: {err}")
         if not records:
             idle = self._cfg.stop_when_idle_s
-            if idle is not None and self._assigned and self._idle.idle_s() >= idle:
+            if idle is not None and self._assigned and self._idle.idle_s() >= idle and self._may_stop(idle):
                 return None
             return self._empty
         self._idle.handed_out()
@@ -239,6 +263,17 @@ class KafkaSourcePartition(SourcePartition):
             lambda i: {"partition": parts[i], "offset": offsets[i]},
             [_traceparent(h) for h in headers] if any(headers) else None,
         )
+
+    def _may_stop(self, idle_s: float) -> bool:
+        """(Idle for ``idle_s``) whether the input may end: the consumer holds the whole topic, or
+        it has waited a session timeout more (a dead member's partitions come back by then)."""
+        if self._idle.idle_s() >= idle_s + self._session_s:
+            return True
+        try:
+            topic = self._consumer.list_topics(self._cfg.topic, timeout=1.0).topics[self._cfg.topic]
+        except Exception:  # noqa: BLE001 - KafkaException, KeyError: not known now, wait
+            return False
+        return len(self._owned | self._restoring) >= len(topic.partitions)
 
     def snapshot(self) -> Any:
         return {"offsets": {str(p): o for p, o in sorted({**self._resume, **self._next}.items())}}

@@ -18,7 +18,16 @@ from typing import Any, TypeVar, cast
 
 import msgspec
 
-from aisp.connectors.base import Connector, LoadClient, PrivateBroker, binary, broker_process, free_port
+from aisp.connectors.base import (
+    DEFAULT_SHAPE,
+    Connector,
+    LoadClient,
+    PrivateBroker,
+    ScenarioShape,
+    binary,
+    broker_process,
+    free_port,
+)
 from aisp.connectors.nats.sink import JetStreamSink, ensure_stream
 from aisp.connectors.nats.source import JetStreamSource
 from aisp.connectors.url import Address, options
@@ -77,11 +86,14 @@ class NatsConnector(Connector):
         subject = cast(str | None, options(url, {"subject": str}).get("subject"))
         return JetStreamSink(stream=a.name, servers=_servers(a), subject=subject)
 
-    def scenario_urls(self, address: str, tag: str) -> tuple[str, str]:
+    def scenario_urls(self, address: str, tag: str, shape: ScenarioShape = DEFAULT_SHAPE) -> tuple[str, str]:
+        self._one_partition(shape)
         base = f"nats://{address}"
-        return f"{base}/CHAOSIN{tag}?durable=chaos&idle_stop_s=2", f"{base}/CHAOSOUT{tag}"
+        durable = "durable=chaos&" if shape.group else ""
+        return f"{base}/CHAOSIN{tag}?{durable}idle_stop_s=2", f"{base}/CHAOSOUT{tag}"
 
-    def fill(self, url: str, lines: Sequence[bytes]) -> None:
+    def fill(self, url: str, lines: Sequence[bytes], shape: ScenarioShape = DEFAULT_SHAPE) -> None:
+        self._one_partition(shape)
         _run(self._fill(_address(url), lines))
 
     async def _fill(self, a: Address, lines: Sequence[bytes]) -> None:

@@ -16,7 +16,16 @@ from typing import Any, cast
 
 import msgspec
 
-from aisp.connectors.base import Connector, LoadClient, PrivateBroker, binary, broker_process, free_port
+from aisp.connectors.base import (
+    DEFAULT_SHAPE,
+    Connector,
+    LoadClient,
+    PrivateBroker,
+    ScenarioShape,
+    binary,
+    broker_process,
+    free_port,
+)
 from aisp.connectors.redis.sink import RedisStreamSink
 from aisp.connectors.redis.source import RedisStreamSource
 from aisp.connectors.url import Address, options
@@ -76,11 +85,14 @@ class RedisConnector(Connector):
         field = cast(str, options(url, {"field": str}).get("field", "data"))
         return RedisStreamSink(stream=a.name, host=a.host, port=a.port, field=field)
 
-    def scenario_urls(self, address: str, tag: str) -> tuple[str, str]:
+    def scenario_urls(self, address: str, tag: str, shape: ScenarioShape = DEFAULT_SHAPE) -> tuple[str, str]:
+        self._one_partition(shape)
         base = f"redis://{address}"
-        return f"{base}/aisp-chaos-in-{tag}?group=chaos&idle_stop_s=2", f"{base}/aisp-chaos-out-{tag}"
+        group = "group=chaos&" if shape.group else ""
+        return f"{base}/aisp-chaos-in-{tag}?{group}idle_stop_s=2", f"{base}/aisp-chaos-out-{tag}"
 
-    def fill(self, url: str, lines: Sequence[bytes]) -> None:
+    def fill(self, url: str, lines: Sequence[bytes], shape: ScenarioShape = DEFAULT_SHAPE) -> None:
+        self._one_partition(shape)
         pipe = _client(url).pipeline(transaction=False)
         stream = _address(url).name
         for line in lines:
