@@ -171,6 +171,7 @@ def _checkpoints(
     partition_state: str | None,
     standby_replicas: int = 0,
     from_savepoint: str | None = None,
+    allow_model_change: bool = False,
 ) -> Any:
     """The checkpoint options of ``aisp run`` (None: no checkpoints), refusing state options that
     need a checkpoint directory without one."""
@@ -184,6 +185,8 @@ def _checkpoints(
             raise ConfigError("state that follows partitions is checkpointed: it needs --checkpoint-dir too")
         if from_savepoint is not None:
             raise ConfigError("--from-savepoint starts a run that checkpoints: it needs --checkpoint-dir too")
+        if allow_model_change:
+            raise ConfigError("--allow-model-change applies to a restore: it needs --checkpoint-dir")
         return None
     if standby_replicas and partition_state != CHANGELOG:
         raise ConfigError("standby replicas tail changelog topics: they need --partition-state changelog")
@@ -197,4 +200,5 @@ def _checkpoints(
         partition_state_dir=partition_state,
         standby_replicas=standby_replicas,
         from_savepoint=from_savepoint,
+        allow_model_change=allow_model_change,
     )

@@ -63,6 +63,14 @@ def run(
             " taken by another version of the pipeline (the state of the steps it keeps is carried)."
         ),
     ] = None,
+    allow_model_change: Annotated[
+        bool,
+        typer.Option(
+            "--allow-model-change",
+            help="Restore from the checkpoint even when a model step's version or weights changed"
+            " since (the summary names them); without it such a restore is refused.",
+        ),
+    ] = False,
     state_store: Annotated[
         bool,
         typer.Option(help="Keep keyed state in an LMDB store in --checkpoint-dir, written incrementally."),
@@ -147,6 +155,7 @@ def run(
                     partition_state,
                     standby_replicas,
                     from_savepoint,
+                    allow_model_change,
                 ),
                 observe=ObserveOptions(
                     live=show_live,
@@ -174,6 +183,13 @@ def run(
         f"p99.9 {lat['p999']} ms, max {lat['max']} ms; peak RSS {summary.peak_rss_mb:.0f} MB"
         + (" (stopped early, drained)" if summary.stopped_early else "")
     )
+    for step, change in summary.model_changes.items():
+        then, now = change["checkpoint"], change["now"]
+        err.print(
+            f"[yellow]restored across a model change:[/yellow] step {step!r} was version {then['version']}"
+            f" (weights {then['weights_sha256'][:12] or '?'}), now {now['version']}"
+            f" (weights {now['weights_sha256'][:12] or '?'})"
+        )
 
 
 @app.command()
