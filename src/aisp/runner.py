@@ -12,22 +12,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from aisp.connectors import dead_letter_sink
 from aisp.errors import ConfigError
 from aisp.graph import Graph
-from aisp.infer.batcher import DynamicBatcher
 from aisp.infer.versions import VersionWatcher
-from aisp.observe.clock import wall_ms
 from aisp.observe.stats import peak_rss_mb
 from aisp.schedule.anomaly import control_run
 from aisp.schedule.checkpoints import open_partition_states
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
+from aisp.schedule.model_steps import verify_models
 from aisp.schedule.run_control import Checkpointer, RunUpdates, install_signals, tune_gc
 from aisp.schedule.savepoints import from_savepoint, restore_point
 from aisp.schedule.watermarks import check_event_time_options
 from aisp.state.checkpoint import Checkpoint, CheckpointStore
+from aisp.summary import RunSummary, summarize
 
 if TYPE_CHECKING:
     from aisp.observe.latency import LatencyHistogram
@@ -67,6 +65,9 @@ class CheckpointOptions:
     from_savepoint: str | None = None
     """When ``dir`` has no checkpoint yet: start from the newest one in this directory, taken by
     another version of the pipeline (``aisp.schedule.savepoints``)."""
+    allow_model_change: bool = False
+    """Restore even when a model step's version or weights differ from the checkpoint's (else
+    ``ModelChanged``); the summary's ``model_changes`` and the log say which."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,86 +118,6 @@ class RunOptions:
     handled) switches the run to the new version at a checkpoint (``schedule.run_control``)."""
 
 
-@dataclass
-class RunSummary:
-    pipeline: str
-    events_in: int
-    events_out: int
-    dead_letters: int
-    seconds: float
-    events_per_s: float
-    latency_ms: dict[str, float]
-    peak_rss_mb: float
-    stopped_early: bool
-    dead_letters_by_step: dict[str, int] = field(default_factory=dict)
-    stages: list[dict[str, Any]] = field(default_factory=list)
-    models: dict[str, dict[str, Any]] = field(default_factory=dict)
-    checkpoints: int = 0
-    restored_from: int | None = None
-    slo_ms: float = 0.0
-    """The latency target: ``ObserveOptions.slo_ms``, else the pipeline's latency bound."""
-    slo_attainment: float = 0.0
-    """The share of the events written within ``slo_ms``."""
-    active_seconds: float = 0.0
-    """From the first event read to the last row written (``seconds`` also holds the waits for
-    input to begin and to end: a consumer group forming, an idle timeout)."""
-    active_from_ms: int = 0
-    """Wall-clock time (Unix ms) of the first event read, to line up several processes' runs."""
-    state: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Per key space: keys in memory at the end, keys evicted and read back (``state_max_keys``)."""
-    rollouts: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Model rollouts (``Stream.infer_rollout``) by step: their state and decisions."""
-    partitions: dict[str, float] = field(default_factory=dict)
-    """State that follows input partitions: partitions taken over, and how (``stats()`` of the
-    ``PartitionStateStore``)."""
-
-    def to_json(self) -> bytes:
-        return msgspec.json.format(msgspec.json.encode(self), indent=2)
-
-
-def summarize(ex: LocalExecutor) -> RunSummary:
-    st = ex.stats
-    secs = st.seconds()
-    models = {sid: _model_summary(b) for sid, b in ex.batchers.items()}
-    return RunSummary(
-        pipeline=ex.graph.name,
-        events_in=st.events_in,
-        events_out=st.events_out,
-        dead_letters=ex.dead_letter.count,
-        seconds=round(secs, 3),
-        events_per_s=round(st.events_in / secs, 1) if secs > 0 else 0.0,
-        latency_ms=st.e2e.summary_ms(),
-        peak_rss_mb=round(peak_rss_mb(), 1),
-        stopped_early=ex.stopping,
-        dead_letters_by_step=dict(ex.dead_letter.by_step),
-        stages=[s.as_dict() for s in st.stages.values()],
-        models=models,
-        state=ex.keyed.stats(),
-        partitions=ex.partition_states.stats() if ex.partition_states is not None else {},
-        active_seconds=round(st.active_seconds(), 3),
-        active_from_ms=wall_ms(st.first_read_ns) if st.first_read_ns is not None else 0,
-    )
-
-
-def _model_summary(b: DynamicBatcher) -> dict[str, Any]:
-    st = b.stats
-    rt = b.runtime
-    return {
-        "model": rt.name,
-        "version": rt.version,
-        "provider": rt.provider,
-        "batches": st.batches,
-        "rows": st.rows,
-        "mean_batch_rows": round(st.rows / st.batches, 1) if st.batches else 0.0,
-        "timeouts": st.timeouts,
-        "errors": st.errors,
-        "shed": st.shed,
-        "batching": b.batching(),
-        "swaps": getattr(b.runtime, "swaps", 0),
-        "last_load_error": getattr(b.runtime, "last_error", None),
-    }
-
-
 def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
     """Build, start and drain ``pipeline``; SIGINT/SIGTERM (when handled) trigger a clean drain."""
     opts = options or RunOptions()
@@ -218,8 +139,11 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
             store.lock()  # one process per checkpoint directory
             resources.callback(store.unlock)
         latest = restore_point(graph, store)
-        if latest is None and ck is not None and ck.from_savepoint is not None:
-            latest, _ = from_savepoint(ck.from_savepoint, graph, pipeline.migrations)
+        savepoint = ck.from_savepoint if latest is None and ck is not None else None
+        if savepoint is not None:  # another version of the pipeline: its models may differ (reported)
+            latest, _ = from_savepoint(savepoint, graph, pipeline.migrations)
+        allowed = savepoint is not None or (ck is not None and ck.allow_model_change)
+        changes = verify_models(graph, latest, allow_change=allowed)
         ex = _executor(graph, opts, store, latest, resources)
         if pipeline.anomaly is not None:  # sources read no faster than the controlled rate
             control_run(ex, graph, pipeline.anomaly)
@@ -239,7 +163,9 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
     if updates is not None and updates.version > 1:
         pipeline, graph, latest = updates.pipeline, ex.graph, updates.restored
     rollouts = {sid: rollout.status() for sid, rollout in pipeline.rollouts.items()}
-    return _summary(ex, graph, opts, latest, stopped_early, rollouts)
+    summary = _summary(ex, graph, opts, latest, stopped_early, rollouts)
+    summary.model_changes = changes
+    return summary
 
 
 def _updates(
@@ -416,6 +342,7 @@ def _run_workers(graph: Graph, opts: RunOptions) -> RunSummary:
             store.lock()
             resources.callback(store.unlock)
         latest = restore_point(graph, store, n)
+        changes = verify_models(graph, latest, allow_change=ck is not None and ck.allow_model_change)
         writer = dead_letter_sink(opts.dead_letter).open(
             latest.meta.get("dead_letter_bytes") if latest is not None else None
         )
@@ -452,6 +379,7 @@ def _run_workers(graph: Graph, opts: RunOptions) -> RunSummary:
         stopped_early=stop.is_set(),
         dead_letters_by_step=dict(writer.by_step),
         restored_from=latest.id if latest is not None else None,
+        model_changes=changes,
         **fields,
     )
     _finish_summary(summary, e2e, graph, opts)

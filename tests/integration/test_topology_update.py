@@ -70,7 +70,8 @@ def test_a_new_topology_under_load_continues_the_keyed_state_and_answers_every_e
     v2.write_text(NEW_VERSION)
     broken = tmp_path / "fraud_broken.py"
     broken.write_text(BROKEN_VERSION)
-    with aisp_serve(PIPELINE, http=True, grpc=False, extra_args=("--allow-model-control",)) as (addresses, _):
+    allowed = ("--allow-model-control", "--pipeline-dir", str(tmp_path))  # new versions live there
+    with aisp_serve(PIPELINE, http=True, grpc=False, extra_args=allowed) as (addresses, _):
         wait_http(addresses["http"])
         base = f"http://{addresses['http']}"
         answers: list[dict[str, Any]] = []
@@ -103,7 +104,7 @@ def test_a_new_topology_under_load_continues_the_keyed_state_and_answers_every_e
     assert 'aisp_pipeline_graph_updates_total{outcome="failed",pipeline="fraud"} 1.0' in metrics
 
     failed, applied = reports
-    assert failed.status_code == 400 and "does not build" in failed.json()["error"]
+    assert failed.status_code == 400 and "RuntimeError: this version does not build" in failed.json()["error"]
     assert applied.status_code == 200, applied.text
     report = applied.json()
     assert report["version"] == 2 and report["carried"] == ["user_stats"] and report["dropped"] == []
@@ -126,7 +127,8 @@ def test_a_new_topology_under_load_continues_the_keyed_state_and_answers_every_e
 @pytest.mark.parametrize(
     ("body", "status", "message"),
     [
-        ({"path": "/nonexistent/pipeline.py"}, 400, "no pipeline file"),
+        ({"path": str(PIPELINE.parent / "nonexistent.py")}, 400, "no pipeline file"),
+        ({"path": "/nonexistent/pipeline.py"}, 403, "outside the directories updates may load from"),
         ({"colour": "blue"}, 400, "must be"),
     ],
 )

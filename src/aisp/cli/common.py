@@ -6,7 +6,7 @@ import importlib.util
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -14,7 +14,10 @@ from rich.console import Console
 from aisp.errors import ConfigError
 from aisp.pipeline import Pipeline
 
-__all__ = ["app", "err", "load_pipeline", "main"]
+if TYPE_CHECKING:
+    from aisp.serve.auth import Tokens
+
+__all__ = ["app", "check_model_control", "err", "load_pipeline", "main"]
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="AISP: AI-native stream processing.")
 err = Console(stderr=True)
@@ -46,12 +49,47 @@ def load_pipeline(path: str, **params: Any) -> Pipeline:
         raise typer.BadParameter(f"cannot import {path!r}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(spec.name, None)  # no half-run module left behind
+        raise
     build = getattr(module, "build", None)
     p = build(**params) if callable(build) else getattr(module, "pipeline", None)
     if not isinstance(p, Pipeline):
         raise typer.BadParameter(f"{path!r} defines neither build() -> Pipeline nor a `pipeline` object")
     return p
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) reaches this machine only: every address it
+    resolves to is a loopback one (``0.0.0.0`` and ``::`` bind every interface: they are not).
+
+    >>> is_loopback("127.0.0.1"), is_loopback("::1"), is_loopback("0.0.0.0"), is_loopback("10.1.2.3")
+    (True, True, False, False)
+    """
+    import ipaddress
+    import socket
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos)
+
+
+def check_model_control(host: str, allow_model_control: bool, tokens: Tokens) -> None:
+    """``--allow-model-control`` loads models and runs pipeline files at a client's request: on an
+    address other machines reach, only admin tokens may ask (``ConfigError`` otherwise)."""
+    if allow_model_control and not tokens.admin and not is_loopback(host):
+        raise ConfigError(
+            f"--allow-model-control on {host} (not a loopback address) needs admin tokens: set"
+            " AISP_ADMIN_TOKENS or [auth] admin_tokens in --config, or bind 127.0.0.1"
+        )
 
 
 TraceSample = Annotated[
@@ -133,6 +171,7 @@ def _checkpoints(
     partition_state: str | None,
     standby_replicas: int = 0,
     from_savepoint: str | None = None,
+    allow_model_change: bool = False,
 ) -> Any:
     """The checkpoint options of ``aisp run`` (None: no checkpoints), refusing state options that
     need a checkpoint directory without one."""
@@ -146,6 +185,8 @@ def _checkpoints(
             raise ConfigError("state that follows partitions is checkpointed: it needs --checkpoint-dir too")
         if from_savepoint is not None:
             raise ConfigError("--from-savepoint starts a run that checkpoints: it needs --checkpoint-dir too")
+        if allow_model_change:
+            raise ConfigError("--allow-model-change applies to a restore: it needs --checkpoint-dir")
         return None
     if standby_replicas and partition_state != CHANGELOG:
         raise ConfigError("standby replicas tail changelog topics: they need --partition-state changelog")
@@ -159,4 +200,5 @@ def _checkpoints(
         partition_state_dir=partition_state,
         standby_replicas=standby_replicas,
         from_savepoint=from_savepoint,
+        allow_model_change=allow_model_change,
     )

@@ -12,6 +12,7 @@ meanwhile.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from os import PathLike
@@ -118,6 +119,12 @@ def check_rows(name: str, inputs: Mapping[str, npt.NDArray[Any]], outputs: Mappi
             )
 
 
+def file_sha256(path: str | PathLike[str]) -> str:
+    """The SHA-256 (hex) of a model file: what a checkpoint records of a model step's weights."""
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
 def default_providers(available: Sequence[str]) -> list[str]:
     """GPU providers ``available`` offers (TensorRT, CUDA, in that order), then the CPU.
 
@@ -145,6 +152,9 @@ class OnnxRuntime:
         inter_op_threads: threads for running operators in parallel (sequential mode uses 1).
         name: the model name; the file's stem by default.
         version: the model version recorded in checkpoints and metrics.
+
+    ``weights_sha256`` is the SHA-256 of the model file, computed once here, at load: a checkpoint
+    records it beside the version, and a restore checks both (``aisp.schedule.model_steps``).
 
     Raises:
         ModelError: the file is missing or onnxruntime cannot load it.
@@ -182,6 +192,7 @@ class OnnxRuntime:
         self.input_specs: Mapping[str, TensorSpec] = {m.name: _spec(m) for m in metas}
         self.output_specs: Mapping[str, TensorSpec] = {m.name: _spec(m) for m in self._session.get_outputs()}
         self._outputs = list(self.output_names)
+        self.weights_sha256 = file_sha256(self.path)
 
     def run(self, inputs: Mapping[str, npt.NDArray[Any]]) -> Arrays:
         """Run one batch; ``ModelError`` if onnxruntime fails or the row counts differ."""
@@ -347,6 +358,10 @@ class Reshaped:
     @property
     def version(self) -> str:
         return self._runtime.version
+
+    @property
+    def weights_sha256(self) -> str:
+        return str(getattr(self._runtime, "weights_sha256", ""))
 
     @property
     def provider(self) -> str:

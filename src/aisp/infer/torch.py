@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from aisp.errors import ConfigError, ModelError
-from aisp.infer.runtime import TensorSpec, check_rows, warmup_with_zeros
+from aisp.infer.runtime import TensorSpec, check_rows, file_sha256, warmup_with_zeros
 
 __all__ = ["TorchRuntime"]
 
@@ -36,6 +36,9 @@ class TorchRuntime:
             warm-up.
         weights: with an ``nn.Module``: a ``state_dict`` file, loaded with ``weights_only=True``.
         device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``) when torch has it.
+
+    ``weights_sha256``: the SHA-256 of the model file (or of ``weights``), computed at load, which
+    checkpoints record and restores check; empty for a module given without a weights file.
     """
 
     def __init__(
@@ -81,6 +84,8 @@ class TorchRuntime:
             self.name = name or type(model).__name__
         self._module = module
         self.version = version
+        source = model if isinstance(model, str | Path) else weights
+        self.weights_sha256 = file_sha256(source) if source is not None else ""
         self.input_names = tuple(input_names)
         self.output_names = tuple(output_names)
         self.input_specs: Mapping[str, TensorSpec] = dict(input_specs or {})

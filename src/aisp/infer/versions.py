@@ -77,6 +77,10 @@ class ServedModel:
         return self._current.version
 
     @property
+    def weights_sha256(self) -> str:
+        return self._current.weights_sha256
+
+    @property
     def input_names(self) -> tuple[str, ...]:
         return self._current.input_names
 

@@ -7,7 +7,7 @@ it; ``CheckpointCoordinator`` uses it and owns what happens around it. A checkpo
 1. the barrier: the sources pause between batches and the rows in flight finish;
 2. capture, under the pause, only copies or views that stay valid: operator state and key spaces
    (or, with a state store, the keys and windows that changed), source, sink and dead-letter
-   positions, model versions;
+   positions, each model step's version and weights hash (``model_steps.model_record``);
 3. the sources resume;
 4. beside the running pipeline: the captured views become Arrow tables, sinks and dead letters
    sync to disk, the state store writes the changed keys, the checkpoint's files and then its
@@ -37,6 +37,7 @@ from aisp.infer.batcher import DynamicBatcher
 from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
 from aisp.observe.stats import RunStats
 from aisp.schedule.keyed_state import KeyedStateKeeper, PartitionCapture
+from aisp.schedule.model_steps import model_record
 from aisp.schedule.restores import Restores
 from aisp.schedule.watermarks import SourceClocks
 from aisp.sinks.base import SinkPartition
@@ -245,7 +246,7 @@ class CheckpointCoordinator:
             "pipeline": self.pipeline,
             "sources": sources,
             "sinks": {sid: part.snapshot() for sid, part in self._sink_parts.items()},
-            "models": {sid: str(getattr(b.runtime, "version", "")) for sid, b in self._batchers.items()},
+            "models": model_record({sid: b.runtime for sid, b in self._batchers.items()}),
             "dead_letter_bytes": self._dead_letter.snapshot(),
             "events_in": self._stats.events_in,
         }

@@ -355,9 +355,16 @@ class WorkerPool:
             "position": blocks.position,
             "sinks": sinks,
             "dead_letter_bytes": dead,
+            "models": self._models(checkpoint_id),
         }
         self.store.write(checkpoint_id, {}, meta)
         self.checkpoints += 1
+
+    def _models(self, checkpoint_id: int) -> dict[str, Any]:
+        """The models the workers' checkpoint ``checkpoint_id`` was taken with (the first
+        worker's record: each worker serves the same models)."""
+        assert self.store is not None
+        return dict(CheckpointStore(self.store.root / "worker-0").meta(checkpoint_id).get("models", {}))
 
     def merged(self) -> dict[str, Any] | None:
         """The workers' last snapshots as one (``observe.remote.merge``), with this process's

@@ -243,7 +243,8 @@ def _graph_endpoint(pipelines: Mapping[str, PipelineService], control: bool) -> 
     """``GET /v1/pipelines/{p}/graph``: the running graph's version, steps, latency bound and
     the updates so far; ``POST`` (admin, model control on) replaces it by the served file
     reloaded, or by ``{"path": FILE}`` (``aisp.serve.topology``): the update's report, or the
-    reason it failed (the running graph stays)."""
+    reason it failed (the running graph stays): 403 for a file outside the directories updates
+    may load from, 400 for one that fails to load in any way (``SystemExit`` included)."""
     from starlette.concurrency import run_in_threadpool
 
     @guarded

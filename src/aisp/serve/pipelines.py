@@ -29,7 +29,7 @@ import msgspec
 import numpy as np
 
 from aisp.batch import DEADLINE_NS, TIER, Batch
-from aisp.errors import ConfigError, Unavailable
+from aisp.errors import ConfigError, Forbidden, Unavailable
 from aisp.ingest.base import Source, SourceContext, SourcePartition
 from aisp.ingest.decode import ColumnarDecoder, Decoded, RawMessage
 from aisp.ingest.decoder_process import DecoderProcess
@@ -38,7 +38,7 @@ from aisp.pipeline import Pipeline
 from aisp.schedule.anomaly import AnomalyControl, AnomalyPolicy
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
 from aisp.serve.results import Chunk, ResultTracker
-from aisp.serve.topology import short_gil_slices, switch
+from aisp.serve.topology import allowed_file, load_guarded, short_gil_slices, switch
 from aisp.sinks.base import RowEncoder
 from aisp.sinks.deadletter import DeadLetterSink, DeadLetterWriter
 from aisp.sinks.memory import NullSink
@@ -229,6 +229,9 @@ class PipelineService:
         """Topology updates, applied or failed, with their reports (``aisp.serve.topology``)."""
         self.reload: Callable[[str | None], Pipeline] | None = None
         """Loads the pipeline file served again, or another file (set by ``aisp serve``)."""
+        self.pipeline_dirs: tuple[str, ...] = ()
+        """The directories another pipeline file may be loaded from (``allowed_file``): the
+        served file's own and those given with ``--pipeline-dir`` (set by ``aisp serve``)."""
         self._switching = threading.Lock()
         self._ids = 0
         self._ids_lock = threading.Lock()
@@ -256,7 +259,14 @@ class PipelineService:
         """Replace the running graph by ``pipeline``'s (default: the pipeline file at ``path``,
         else the served file, reloaded) at a barrier, carrying the state of the steps it keeps
         (``aisp.serve.topology.switch``); the update's report. A failed update leaves the
-        running graph as it was, reports why and raises."""
+        running graph as it was, reports why and raises. A ``path`` outside ``pipeline_dirs``
+        is ``Forbidden`` and loads nothing."""
+        if path is not None and pipeline is None:
+            try:
+                path = str(allowed_file(path, self.pipeline_dirs))
+            except Forbidden as exc:
+                log.warning("pipeline %r: topology update refused: %s", self.name, exc)
+                raise
         with self._switching, short_gil_slices():
             try:
                 t0 = time.monotonic()
@@ -278,7 +288,7 @@ class PipelineService:
     def _reloaded(self, path: str | None) -> Pipeline:
         if self.reload is None:
             raise ConfigError(f"pipeline {self.name!r} was not served from a file: give the new one")
-        return self.reload(path)
+        return load_guarded(self.reload, path)
 
     def adopt(self, pipeline: Pipeline, executor: LocalExecutor) -> None:
         """(``topology.switch``, at the barrier) make ``executor`` the running graph's."""

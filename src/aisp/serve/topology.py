@@ -23,6 +23,13 @@ the steps it keeps.
 Requests keep coming into the inbox meanwhile and wait: none is refused (unless the inbox fills
 up) and none is answered twice. A failure before step 5 leaves the old graph running (resumed)
 and raises the reason.
+
+A new version given as a file path (``POST /v1/pipelines/P/graph {"path": ...}``) runs that
+file's code in the server process, so ``allowed_file`` admits only files inside the served
+pipeline's own directory or a directory the server was started with (``--pipeline-dir``),
+after resolving symlinks and ``..``; anything else is ``Forbidden``. ``load_guarded`` turns
+whatever the file raises while it loads (``SystemExit`` and syntax errors included, signals
+such as ``KeyboardInterrupt`` excepted) into a ``ConfigError`` with the reason.
 """
 
 from __future__ import annotations
@@ -32,13 +39,13 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from aisp.errors import ConfigError, Unavailable
+from aisp.errors import AispError, ConfigError, Forbidden, Unavailable
 from aisp.graph import Graph
 from aisp.observe.clock import wall_ms
 from aisp.schedule.savepoints import carry_state
@@ -49,9 +56,46 @@ if TYPE_CHECKING:
 
 PipelineService = Any  # aisp.serve.pipelines.PipelineService (which imports this module)
 
-__all__ = ["short_gil_slices", "switch"]
+__all__ = ["allowed_file", "load_guarded", "short_gil_slices", "switch"]
 
 log = logging.getLogger("aisp.serve")
+
+
+def allowed_file(path: str, directories: Sequence[str | Path]) -> Path:
+    """``path`` resolved (symlinks followed, ``..`` removed), if it lies inside one of
+    ``directories`` (each resolved too); ``Forbidden`` names the directories otherwise.
+
+    >>> allowed_file("/srv/p/../p/v2.py", ["/srv/p"]).as_posix()
+    '/srv/p/v2.py'
+    >>> try:
+    ...     allowed_file("/srv/p/../secret.py", ["/srv/p"])
+    ... except Forbidden as exc:
+    ...     print(exc.http_status)
+    403
+    """
+    resolved = Path(path).resolve()
+    roots = [Path(d).resolve() for d in directories]
+    if any(resolved.is_relative_to(root) for root in roots):
+        return resolved
+    allowed = ", ".join(str(r) for r in roots) or "none"
+    raise Forbidden(
+        f"pipeline file {path!r} ({resolved}) is outside the directories updates may load from: {allowed};"
+        " start the server with --pipeline-dir DIR to allow another"
+    )
+
+
+def load_guarded(load: Callable[[str | None], Pipeline], path: str | None) -> Pipeline:
+    """``load(path)``; whatever the pipeline file raises while it loads (``SystemExit``, a syntax
+    error, any exception) becomes a ``ConfigError`` with the reason, so the running graph stays
+    and the client is told why. ``KeyboardInterrupt`` (a signal to this process) goes on."""
+    try:
+        return load(path)
+    except (AispError, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the user's file failed: any way is its error
+        raise ConfigError(
+            f"the pipeline file {path or '(served)'} failed to load: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _same_schema(a: type[msgspec.Struct] | None, b: type[msgspec.Struct] | None) -> bool:

@@ -165,6 +165,15 @@ class CheckpointStore:
                 tables[name] = pa.ipc.open_file(source).read_all()
         return Checkpoint(int(manifest["id"]), path, dict(manifest.get("meta", {})), tables)
 
+    def meta(self, checkpoint_id: int) -> dict[str, Any]:
+        """The metadata in checkpoint ``checkpoint_id``'s manifest (its files not read nor
+        verified: ``load`` does that); ``CorruptCheckpoint`` without a readable manifest."""
+        path = self.root / f"{_PREFIX}{checkpoint_id:010d}" / MANIFEST
+        try:
+            return dict(msgspec.json.decode(path.read_bytes()).get("meta", {}))
+        except (OSError, msgspec.DecodeError) as exc:
+            raise CorruptCheckpoint(f"{path.parent.name}: no readable manifest ({exc})") from exc
+
     def latest(self) -> Checkpoint | None:
         """The newest verified checkpoint (corrupt ones are skipped with a warning), or None."""
         for checkpoint_id in reversed(self.ids()):
