@@ -4,17 +4,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto
 
 from aisp.errors import ConfigError, ModelError
 from aisp.infer import ModelConfig, ModelRepository, ServedModel, UnsupportedConfigWarning, VersionPolicy
 from aisp.infer.repository import DTYPES, ModelContradictsConfig, _type_name
 from aisp.infer.runtime import TensorSpec
-from tests.support.models import FRAUD_CONFIG, expected_score, fraud_repository, linear_model
+from tests.support.models import FRAUD_CONFIG, expected_score, fraud_repository, linear_model, onnx_model
 
 # A config as Triton users write it: priorities, queue policies, several instances.
 TRITON_CONFIG = """
@@ -306,50 +305,6 @@ def test_every_contradiction_between_a_model_and_its_config_is_named(data: st.Da
         model = [-1 if d is None else d for d in shape]
         assert f"has shape {model} in the model, config.pbtxt gives {[-1, *dims]}" in message, message
         assert f"max_batch_size {max_batch_size}" in message
-
-
-def onnx_model(
-    path: Path,
-    *,
-    inputs: dict[str, tuple[int, list[Any]]] | None = None,
-    output: tuple[str, int, list[Any]] = ("score", TensorProto.FLOAT, ["N", 1]),
-    width: int = 18,
-    size: int = 1,
-    opaque: bool = False,
-) -> Path:
-    """An ONNX model: the float sum of its inputs (``name -> (type, shape)``, each ``[N, width]``)
-    times a ``[width, size]`` matrix, cast to the output's type; shapes are declared as given.
-    ``opaque``: the product is reshaped to ``[N, -1]`` by a shape computed in the graph, so
-    ONNX Runtime cannot tell the output's size before running it."""
-    inputs = inputs or {"features": (TensorProto.FLOAT, ["N", width])}
-    nodes, floats = [], []
-    for name in inputs:
-        floats.append(f"{name}_f")
-        nodes.append(helper.make_node("Cast", [name], [floats[-1]], to=TensorProto.FLOAT))
-    nodes.append(helper.make_node("Sum", floats, ["total"]))
-    nodes.append(helper.make_node("MatMul", ["total", "w"], ["z"]))
-    consts = {"w": np.full((width, size), 0.1, dtype=np.float32)}
-    if opaque:
-        consts |= {"zero": np.array([0]), "one": np.array([1]), "rest": np.array([-1])}
-        nodes += [
-            helper.make_node("Shape", ["z"], ["z_shape"]),
-            helper.make_node("Slice", ["z_shape", "zero", "one"], ["rows"]),
-            helper.make_node("Concat", ["rows", "rest"], ["shape"], axis=0),
-            helper.make_node("Reshape", ["z", "shape"], ["z_again"]),
-        ]
-    nodes.append(helper.make_node("Cast", ["z_again" if opaque else "z"], [output[0]], to=output[1]))
-    graph = helper.make_graph(
-        nodes,
-        "m",
-        [helper.make_tensor_value_info(n, t, s) for n, (t, s) in inputs.items()],
-        [helper.make_tensor_value_info(*output)],
-        initializer=[numpy_helper.from_array(v, k) for k, v in consts.items()],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
 
 
 F = TensorProto.FLOAT
