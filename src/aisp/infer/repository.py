@@ -25,6 +25,7 @@ Triton priorities run from 1 (highest) to ``priority_levels``; AISP tiers run th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import warnings
@@ -348,6 +349,17 @@ class ModelConfig:
             if len(got[t.name]) != len(t.dims) + 1
             or any(c not in (-1, g) for g, c in zip(got[t.name][1:], t.dims, strict=True))
         ]
+
+    def narrowed(self, inputs: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
+        """A checked model's ``inputs`` with the sizes this file fixes where the model leaves
+        them dynamic (so warm-up batches have the sizes requests will have)."""
+        dims = {t.name: t.dims for t in self.inputs}
+        out = dict(inputs)
+        for name, spec in inputs.items():
+            if name in dims and spec.shape is not None:
+                fixed = (m if c == -1 else c for m, c in zip(spec.shape[1:], dims[name], strict=True))
+                out[name] = dataclasses.replace(spec, shape=(spec.shape[0], *fixed))
+        return out
 
     def tier(self, priority: int) -> int:
         """The tier of a request with Triton ``priority``: 0, or a level the model does not

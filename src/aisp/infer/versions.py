@@ -181,6 +181,7 @@ class ServedModel:
             path, name=self.name, version=str(version), providers=providers, intra_op_threads=self._threads
         )
         self.config.check(runtime.version, runtime.input_specs, runtime.output_specs, runtime.run)
+        runtime.input_specs = self.config.narrowed(runtime.input_specs)
         return runtime
 
     def _check_compatible(self, new: OnnxRuntime) -> None:

@@ -374,6 +374,7 @@ def test_a_version_that_contradicts_its_config_is_refused_and_the_old_one_serves
     "shape",
     [
         {"output": ("score", F, ["N", "k"]), "opaque": True},  # dynamic, answers one value
+        {"inputs": {"features": (F, ["N", "w"])}},  # warmed up with the configured 18 features
         {"inputs": {"features": (F, [None, 18])}, "output": ("score", F, [None, None])},
     ],
 )
