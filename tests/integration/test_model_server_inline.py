@@ -8,37 +8,10 @@ import asyncio
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from aisp.serve.models import ModelServer, RequestFailed
-from tests.support.models import FRAUD_CONFIG, linear_model
-
-
-def picky_model(path: Path) -> Path:
-    """score = table[int(features[:, 0])] for a table of two entries: a row whose first feature
-    is 2 or more makes the call fail (ONNX Runtime refuses an index out of bounds)."""
-    table = numpy_helper.from_array(np.array([[0.25], [0.75]], dtype=np.float32), "table")
-    start, end = (numpy_helper.from_array(np.array([v], dtype=np.int64), n) for v, n in ((0, "s"), (1, "e")))
-    axis = numpy_helper.from_array(np.array([1], dtype=np.int64), "axis")
-    graph = helper.make_graph(
-        [
-            helper.make_node("Slice", ["features", "s", "e", "axis"], ["first"]),
-            helper.make_node("Cast", ["first"], ["index"], to=TensorProto.INT64),
-            helper.make_node("Squeeze", ["index", "axis"], ["flat"]),
-            helper.make_node("Gather", ["table", "flat"], ["score"], axis=0),
-        ],
-        "picky",
-        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", 18])],
-        [helper.make_tensor_value_info("score", TensorProto.FLOAT, ["batch", 1])],
-        initializer=[table, start, end, axis],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+from tests.support.models import FRAUD_CONFIG, linear_model, picky_model
 
 
 def repository(root: Path, write: object) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -64,6 +65,67 @@ def slow_linear_model(path: Path, scale: float, *, work: int = 1200, width: int 
         [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", width])],
         [helper.make_tensor_value_info("score", TensorProto.FLOAT, ["batch", 1])],
         initializer=[w, big, shape, zero],
+    )
+    return _save(graph, path)
+
+
+def picky_model(path: Path) -> Path:
+    """score = table[int(features[:, 0])] for a table of two entries: a row whose first feature
+    is 2 or more makes the call fail (ONNX Runtime refuses an index out of bounds)."""
+    table = numpy_helper.from_array(np.array([[0.25], [0.75]], dtype=np.float32), "table")
+    start, end = (numpy_helper.from_array(np.array([v], dtype=np.int64), n) for v, n in ((0, "s"), (1, "e")))
+    axis = numpy_helper.from_array(np.array([1], dtype=np.int64), "axis")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Slice", ["features", "s", "e", "axis"], ["first"]),
+            helper.make_node("Cast", ["first"], ["index"], to=TensorProto.INT64),
+            helper.make_node("Squeeze", ["index", "axis"], ["flat"]),
+            helper.make_node("Gather", ["table", "flat"], ["score"], axis=0),
+        ],
+        "picky",
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", 18])],
+        [helper.make_tensor_value_info("score", TensorProto.FLOAT, ["batch", 1])],
+        initializer=[table, start, end, axis],
+    )
+    return _save(graph, path)
+
+
+def onnx_model(
+    path: Path,
+    *,
+    inputs: dict[str, tuple[int, list[Any]]] | None = None,
+    output: tuple[str, int, list[Any]] = ("score", TensorProto.FLOAT, ["N", 1]),
+    width: int = 18,
+    size: int = 1,
+    opaque: bool = False,
+) -> Path:
+    """An ONNX model: the float sum of its inputs (``name -> (type, shape)``, each ``[N, width]``)
+    times a ``[width, size]`` matrix, cast to the output's type; shapes are declared as given.
+    ``opaque``: the product is reshaped to ``[N, -1]`` by a shape computed in the graph, so
+    ONNX Runtime cannot tell the output's size before running it."""
+    inputs = inputs or {"features": (TensorProto.FLOAT, ["N", width])}
+    nodes, floats = [], []
+    for name in inputs:
+        floats.append(f"{name}_f")
+        nodes.append(helper.make_node("Cast", [name], [floats[-1]], to=TensorProto.FLOAT))
+    nodes.append(helper.make_node("Sum", floats, ["total"]))
+    nodes.append(helper.make_node("MatMul", ["total", "w"], ["z"]))
+    consts = {"w": np.full((width, size), 0.1, dtype=np.float32)}
+    if opaque:
+        consts |= {k: np.array([v], dtype=np.int64) for k, v in (("zero", 0), ("one", 1), ("rest", -1))}
+        nodes += [
+            helper.make_node("Shape", ["z"], ["z_shape"]),
+            helper.make_node("Slice", ["z_shape", "zero", "one"], ["rows"]),
+            helper.make_node("Concat", ["rows", "rest"], ["shape"], axis=0),
+            helper.make_node("Reshape", ["z", "shape"], ["z_again"]),
+        ]
+    nodes.append(helper.make_node("Cast", ["z_again" if opaque else "z"], [output[0]], to=output[1]))
+    graph = helper.make_graph(
+        nodes,
+        "m",
+        [helper.make_tensor_value_info(n, t, s) for n, (t, s) in inputs.items()],
+        [helper.make_tensor_value_info(*output)],
+        initializer=[numpy_helper.from_array(v, k) for k, v in consts.items()],
     )
     return _save(graph, path)
 

@@ -11,30 +11,43 @@ means the same here. Honoured: ``name``, ``platform``/``backend`` (ONNX Runtime)
 Any other field set in the file is reported with an ``UnsupportedConfigWarning`` naming it;
 a malformed file is a ``ConfigError`` naming the file and line.
 
+Each version is checked against the file when it loads, as Triton does (``ModelConfig.check``):
+every input and output the file lists must exist in the model with the same datatype and shape
+(``max_batch_size`` > 0 puts a batch dimension first, which the model must leave dynamic; a
+dynamic model dimension matches any configured size, a fixed one must equal it), the model may
+have no input the file leaves out, and outputs the model leaves dynamic where the file fixes a
+size are run once on a zero row to see the size they really have. A version that contradicts its
+file is refused with a ``ModelContradictsConfig`` naming each tensor and both shapes or datatypes.
+
 Triton priorities run from 1 (highest) to ``priority_levels``; AISP tiers run the other way
 (higher is served first), so priority ``p`` is tier ``priority_levels - p``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from aisp.errors import BadRequest, ConfigError, ModelNotFound
+from aisp.errors import BadRequest, ConfigError, ModelError, ModelNotFound
 from aisp.infer.config import BatcherConfig
 
 if TYPE_CHECKING:
+    import numpy.typing as npt
     from google.protobuf.message import Message
+
+    from aisp.infer.runtime import TensorSpec
 
 __all__ = [
     "ModelConfig",
+    "ModelContradictsConfig",
     "ModelRepository",
     "TensorConfig",
     "UnsupportedConfigWarning",
@@ -258,12 +271,122 @@ class ModelConfig:
             message=msg,
         )
 
+    def check(
+        self,
+        version: str,
+        inputs: Mapping[str, TensorSpec],
+        outputs: Mapping[str, TensorSpec],
+        run: Callable[[dict[str, npt.NDArray[Any]]], Mapping[str, npt.NDArray[Any]]] | None = None,
+    ) -> None:
+        """Raise ``ModelContradictsConfig`` unless version ``version`` of the model, whose
+        inputs and outputs are ``inputs`` and ``outputs`` (batch dimension first), is what this
+        file says (see the module docstring); ``run`` calls it on one zero row when an output's
+        size is dynamic in the model but fixed here."""
+        listed = [t.name for t in self.inputs]
+        problems = [
+            f"the model's input {n!r} is not in config.pbtxt (it lists {listed})"
+            for n in inputs
+            if listed and n not in listed
+        ]
+        for kind, tensors, specs in (("input", self.inputs, inputs), ("output", self.outputs, outputs)):
+            problems += [p for t in tensors if (p := self._problem(kind, t, specs.get(t.name), list(specs)))]
+        if not problems and run is not None:
+            problems += self._probe(inputs, outputs, run)
+        if problems:
+            raise ModelContradictsConfig(
+                f"model {self.name!r} version {version} contradicts {self.source}: {'; '.join(problems)}",
+                problems=tuple(problems),
+            )
+
+    def _problem(self, kind: str, t: TensorConfig, spec: TensorSpec | None, names: list[str]) -> str:
+        """What ``spec`` (the model's tensor ``t.name``) contradicts of ``t``; "" if nothing."""
+        if spec is None:
+            return f"config.pbtxt lists {kind} {t.name!r}, the model has no such {kind} (it has {names})"
+        said = [f"{kind} {t.name!r}"]
+        if spec.dtype is not None and spec.dtype != np.dtype(t.dtype):
+            said.append(f"is {_type_name(spec.dtype)} in the model, {_type_name(t.dtype)} in config.pbtxt")
+        model, full = _dims(spec.shape), [-1, *t.dims]
+        batch = f"max_batch_size {self.max_batch_size} > 0: the batch dimension, then dims {list(t.dims)}"
+        if spec.shape is None:
+            pass
+        elif not model or model[0] != -1:
+            said.append(
+                f"has shape {model} in the model, config.pbtxt gives {full} ({batch}): the model must"
+                " leave its first dimension, the batch, dynamic"
+            )
+        elif len(model) != len(full) or any(m not in (-1, c) for m, c in zip(model, full, strict=True)):
+            said.append(f"has shape {model} in the model, config.pbtxt gives {full} ({batch})")
+        return f"{said[0]} {' and '.join(said[1:])}" if len(said) > 1 else ""
+
+    def _probe(
+        self,
+        inputs: Mapping[str, TensorSpec],
+        outputs: Mapping[str, TensorSpec],
+        run: Callable[[dict[str, npt.NDArray[Any]]], Mapping[str, npt.NDArray[Any]]],
+    ) -> list[str]:
+        """The outputs whose sizes the model leaves dynamic and this file fixes, checked on its
+        answer to one zero row (no call when none is, or an input's type is unknown)."""
+        unsure = [
+            t for t in self.outputs
+            if any(m == -1 != c for m, c in zip(_dims(outputs[t.name].shape)[1:], t.dims, strict=False))
+        ]  # fmt: skip
+        if not unsure:
+            return []
+        configured = {t.name: t for t in self.inputs}
+        row: dict[str, npt.NDArray[Any]] = {}
+        for name, spec in inputs.items():
+            t = configured.get(name)
+            dims = t.dims if t is not None else _dims(spec.shape)[1:]
+            dtype = spec.dtype if spec.dtype is not None or t is None else np.dtype(t.dtype)
+            if dtype is None:
+                return []
+            row[name] = np.full((1, *(max(d, 1) for d in dims)), "" if dtype.kind == "O" else 0, dtype)
+        got = {t.name: list(run(row)[t.name].shape) for t in unsure}
+        return [
+            f"output {t.name!r} answers one row with shape {got[t.name]} (the model declares"
+            f" {_dims(outputs[t.name].shape)}), config.pbtxt gives {[-1, *t.dims]}"
+            for t in unsure
+            if len(got[t.name]) != len(t.dims) + 1
+            or any(c not in (-1, g) for g, c in zip(got[t.name][1:], t.dims, strict=True))
+        ]
+
+    def narrowed(self, inputs: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
+        """A checked model's ``inputs`` with the sizes this file fixes where the model leaves
+        them dynamic (so warm-up batches have the sizes requests will have)."""
+        dims = {t.name: t.dims for t in self.inputs}
+        out = dict(inputs)
+        for name, spec in inputs.items():
+            if name in dims and spec.shape is not None:
+                fixed = (m if c == -1 else c for m, c in zip(spec.shape[1:], dims[name], strict=True))
+                out[name] = dataclasses.replace(spec, shape=(spec.shape[0], *fixed))
+        return out
+
     def tier(self, priority: int) -> int:
         """The tier of a request with Triton ``priority``: 0, or a level the model does not
         have, means the model's default (as Triton does)."""
         if not self.priority_levels or not 1 <= priority <= self.priority_levels:
             return self.batcher.default_tier
         return priority_to_tier(priority, self.priority_levels)
+
+
+class ModelContradictsConfig(ModelError):
+    """A model version whose inputs or outputs contradict its ``config.pbtxt`` (Triton refuses
+    it at load too); ``problems`` names each tensor and both shapes or datatypes. The version is
+    not served: fix the file or the model."""
+
+    def __init__(self, message: str, *, problems: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
+def _dims(shape: tuple[int | None, ...] | None) -> list[int]:
+    """A model's shape as ``config.pbtxt`` writes one: -1 for a dynamic dimension."""
+    return [-1 if d is None else d for d in shape or ()]
+
+
+def _type_name(dtype: Any) -> str:
+    """A numpy dtype as ``config.pbtxt`` names it (``TYPE_FP32``)."""
+    return next((name for name, t in DTYPES.items() if np.dtype(t) == dtype), str(dtype))
 
 
 def _pb() -> Any:

@@ -1,8 +1,10 @@
 """A repository model whose serving version can change while the pipeline runs (hot swap).
 
 ``ServedModel`` is a runtime: the batcher asks it to ``resolve()`` once per batch and runs that
-version, so a batch is computed by exactly one version and reports it. ``load(version)`` builds
-the new version's session, checks that its inputs and outputs match, and warms it up (one zero
+version, so a batch is computed by exactly one version and reports it. Every version is checked
+against the model's ``config.pbtxt`` when its session is built (``ModelConfig.check``: a version
+that contradicts it is never served). ``load(version)`` builds the new version's session, checks
+that its inputs and outputs match the serving version's, and warms it up (one zero
 batch at ``max_batch_size`` and at each preferred size) *before* switching; the switch is one
 reference assignment, so it happens between batches. Batches already running finish on the old
 version, whose session is released when the last of them drops its reference. A load that fails
@@ -179,9 +181,12 @@ class ServedModel:
         providers = self._providers
         if providers is None and self.config.device == "cpu":
             providers = ["CPUExecutionProvider"]
-        return OnnxRuntime(
+        runtime = OnnxRuntime(
             path, name=self.name, version=str(version), providers=providers, intra_op_threads=self._threads
         )
+        self.config.check(runtime.version, runtime.input_specs, runtime.output_specs, runtime.run)
+        runtime.input_specs = self.config.narrowed(runtime.input_specs)
+        return runtime
 
     def _check_compatible(self, new: OnnxRuntime) -> None:
         old = self._current

@@ -12,6 +12,12 @@ During a rollout (``aisp.infer.rollout``) a request that names no version goes w
 rollout routes it (the stable version, the candidate, or the stable one with a shadow copy to
 the candidate); a promotion retires the old stable version, a rollback the candidate (unless
 the policy keeps it for inspection).
+
+What a request reads to find its version (the live versions, the default, the rollout) is one
+immutable ``Routing``, replaced in one assignment once everything it names is built: a reader
+sees the routing before a change or after it, never a mix. So the first rollout of a model
+publishes its candidate and the rollout that confines it together, and no request reaches the
+candidate outside its share, not even while the rollout starts.
 """
 
 from __future__ import annotations
@@ -19,13 +25,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from aisp.errors import BadRequest, ModelError, NotFound
 from aisp.infer.rollout import Rollout, RolloutPolicy
 from aisp.serve.served import Served
 
-__all__ = ["ModelVersions", "wanted_versions"]
+__all__ = ["ModelVersions", "Routing", "wanted_versions"]
 
 log = logging.getLogger("aisp.serve")
 
@@ -44,6 +51,27 @@ def wanted_versions(selected: list[int], version: int | None) -> list[int]:
     return sorted({*selected, version})
 
 
+@dataclass(frozen=True)
+class Routing:
+    """Where the requests to one model go: its live versions by number, the newest of them, and
+    its rollout (the last one, finished or not). Never changed: a change is a new ``Routing``."""
+
+    by_version: dict[str, Served] = field(default_factory=dict)
+    latest: Served | None = None
+    rollout: Rollout | None = None
+
+    def default(self) -> Served | None:
+        """The version a request that names none goes to, outside a rollout's canary share: the
+        newest live one, or, once the model has had a rollout, its stable version until a
+        promotion and its candidate after."""
+        rollout, latest = self.rollout, self.latest
+        if rollout is None or latest is None:
+            return latest
+        return self.by_version.get(
+            rollout.candidate if rollout.state == "promoted" else rollout.stable, latest
+        )
+
+
 class ModelVersions:
     """The live versions of model ``name`` (see the module docstring); ``make(version)`` builds
     and starts one."""
@@ -52,68 +80,82 @@ class ModelVersions:
         self.name = name
         self._make = make
         self._grace_s = grace_s
-        self.by_version: dict[str, Served] = {}
-        self.latest: Served | None = None
-        self.rollout: Rollout | None = None
+        self.routing = Routing()
+        """What requests read (see the module docstring); replaced whole, under ``_lock``."""
         self._lock = threading.Lock()  # one reconcile at a time
+
+    @property
+    def by_version(self) -> dict[str, Served]:
+        """The live versions by number (a snapshot: never changed in place)."""
+        return self.routing.by_version
+
+    @property
+    def latest(self) -> Served | None:
+        return self.routing.latest
+
+    @property
+    def rollout(self) -> Rollout | None:
+        return self.routing.rollout
 
     @property
     def versions(self) -> list[str]:
         """The live versions, ascending."""
-        return sorted(self.by_version, key=int)
+        return sorted(self.routing.by_version, key=int)
 
-    def get(self, version: str | None) -> Served:
-        """The live ``version`` (the newest when None); ``NotFound`` otherwise."""
+    def get(self, version: str | None, routing: Routing | None = None) -> Served:
+        """The live ``version`` (the default one when None); ``NotFound`` otherwise."""
+        routing = self.routing if routing is None else routing  # one read: one routing per lookup
         if not version:
-            latest, rollout = self.latest, self.rollout
-            if latest is None:
+            served = routing.default()
+            if served is None:
                 raise NotFound(f"Request for unknown model: {self.name!r} has no version ready")
-            if rollout is not None:  # the stable version, until a promotion
-                return self.by_version.get(
-                    rollout.candidate if rollout.state == "promoted" else rollout.stable, latest
-                )
-            return latest
+            return served
         key = str(int(version)) if version.isdigit() else version
-        served = self.by_version.get(key)  # one dict read: atomic; reconcile replaces the dict
+        served = routing.by_version.get(key)
         if served is None:
             raise NotFound(
                 f"Request for unknown model: {self.name!r} version {version} is not found"
-                f" (serving: {', '.join(self.versions) or 'none'})"
+                f" (serving: {', '.join(sorted(routing.by_version, key=int)) or 'none'})"
             )
         return served
 
     def route(self, version: str | None, key: str | None) -> tuple[Served, Served | None]:
         """The version that answers a request, and the one that gets a shadow copy of it."""
-        rollout = self.rollout
+        routing = self.routing
+        rollout = routing.rollout
         if version or rollout is None:
-            return self.get(version), None
+            return self.get(version, routing), None
         target, shadow = rollout.route(key)
-        served = self.by_version.get(target) or self.get(None)
-        return served, self.by_version.get(rollout.candidate) if shadow else None
+        served = routing.by_version.get(target) or self.get(None, routing)
+        return served, routing.by_version.get(rollout.candidate) if shadow else None
 
     def observe(self, served: Served, ok: bool, latency_ns: int, outputs: Any) -> None:
-        rollout = self.rollout
+        rollout = self.routing.rollout
         if rollout is not None and rollout.active:
             rollout.observe(served.model.version, ok, latency_ns, outputs)
 
     def start_rollout(self, policy: RolloutPolicy) -> Rollout:
-        """Roll ``policy.version`` out over the version requests go to now (loaded first)."""
-        if self.rollout is not None and self.rollout.active:
-            raise BadRequest(
-                f"model {self.name!r}: a rollout of version {self.rollout.candidate} is under way"
-            )
+        """Roll ``policy.version`` out over the version requests go to now: the candidate is
+        loaded first, then it and the rollout are published together."""
+        rollout = self.routing.rollout
+        if rollout is not None and rollout.active:
+            raise BadRequest(f"model {self.name!r}: a rollout of version {rollout.candidate} is under way")
         stable = self.get(None).model.version
         candidate = str(policy.version)
         if candidate == stable:
             raise BadRequest(f"model {self.name!r}: version {candidate} is the one serving already")
-        self.reconcile(sorted({*map(int, self.by_version), policy.version}))
-        rollout = Rollout(self.name, stable, policy, self._finished)
-        self.rollout = rollout
-        return rollout
+        started: list[Rollout] = []
+
+        def start() -> Rollout:
+            started.append(Rollout(self.name, stable, policy, self._finished))
+            return started[0]
+
+        self.reconcile(sorted({*map(int, self.routing.by_version), policy.version}), rollout=start)
+        return started[0]
 
     def _finished(self, decision: str) -> None:
         """(A rollout's call, under its lock) retire the version that lost, in the background."""
-        rollout = self.rollout
+        rollout = self.routing.rollout
         assert rollout is not None
         if decision == "promote":
             gone = rollout.stable
@@ -121,16 +163,18 @@ class ModelVersions:
             gone = rollout.candidate
         else:
             return
-        wanted = [int(v) for v in self.by_version if v != gone]
+        wanted = [int(v) for v in self.routing.by_version if v != gone]
         threading.Thread(target=self.reconcile, args=(wanted,), name="aisp-rollout", daemon=True).start()
 
-    def reconcile(self, wanted: list[int]) -> str:
+    def reconcile(self, wanted: list[int], *, rollout: Callable[[], Rollout] | None = None) -> str:
         """Serve exactly the versions ``wanted``; the newest live version. A version that fails
-        to load raises ``ModelError`` and changes nothing."""
+        to load raises ``ModelError`` and changes nothing. ``rollout`` makes the rollout to
+        publish with the new versions (once they are built): a request finds both or neither."""
         if not wanted:
             raise ModelError(f"model {self.name!r}: no version to serve (check its version_policy)")
         with self._lock:
-            keep = {str(v): self.by_version[str(v)] for v in wanted if str(v) in self.by_version}
+            now = self.routing
+            keep = {str(v): now.by_version[str(v)] for v in wanted if str(v) in now.by_version}
             built: dict[str, Served] = {}
             try:
                 for v in wanted:
@@ -140,13 +184,13 @@ class ModelVersions:
                 for s in built.values():
                     s.batcher.close()
                 raise
-            live = {**keep, **built}
-            retired = [s for v, s in self.by_version.items() if v not in live]
-            self.by_version = dict(sorted(live.items(), key=lambda kv: int(kv[0])))
-            self.latest = self.by_version[max(live, key=int)]
-            rollout = self.rollout
-            if rollout is not None and rollout.active and rollout.candidate not in live:
-                rollout.abort(f"version {rollout.candidate} is no longer served")
+            live = dict(sorted({**keep, **built}.items(), key=lambda kv: int(kv[0])))
+            retired = [s for v, s in now.by_version.items() if v not in live]
+            running = rollout() if rollout is not None else now.rollout
+            newest = live[max(live, key=int)]
+            self.routing = Routing(live, newest, running)  # the one assignment readers see
+            if running is not None and running.active and running.candidate not in live:
+                running.abort(f"version {running.candidate} is no longer served")
         if built or retired:
             log.info(
                 "model %s: serving versions %s (loaded %s, retired %s)", self.name, self.versions,
@@ -154,7 +198,7 @@ class ModelVersions:
             )  # fmt: skip
         if retired:
             self._retire(retired)
-        return self.latest.model.version
+        return newest.model.version
 
     def _retire(self, retired: list[Served]) -> None:
         """Close ``retired`` versions after the grace period, in the background."""
@@ -173,6 +217,6 @@ class ModelVersions:
     def close(self) -> None:
         """Close every version now (their queues drain)."""
         with self._lock:
-            served, self.by_version, self.latest = list(self.by_version.values()), {}, None
+            served, self.routing = list(self.routing.by_version.values()), Routing()
         for s in served:
             s.batcher.close()

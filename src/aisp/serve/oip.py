@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from aisp.errors import BadRequest, ModelError
+from aisp.errors import BadRequest
 from aisp.infer.versions import ServedModel
 from aisp.serve.shm import ShmRef
 
@@ -458,22 +458,13 @@ def _check_input(sig: Signature, spec: TensorSignature, t: InferInput) -> None:
 
 
 def signature_of(model: ServedModel) -> Signature:
-    """The inputs and outputs requests are checked against: the model's ``config.pbtxt``, or,
-    where it lists none, what the ONNX model itself declares."""
+    """The inputs and outputs requests are checked against: the model's ``config.pbtxt`` (which
+    the model was checked against when it loaded: ``ModelConfig.check``), or, where it lists
+    none, what the ONNX model itself declares."""
     cfg = model.config
 
-    def listed(tensors: Sequence[Any], specs: Mapping[str, Any]) -> tuple[TensorSignature, ...]:
-        out = []
-        for t in tensors:
-            datatype = datatype_of(np.dtype(t.dtype))
-            spec = specs.get(t.name)
-            if spec is None or (spec.dtype is not None and datatype_of(np.dtype(spec.dtype)) != datatype):
-                found = "no such tensor" if spec is None else f"{datatype_of(np.dtype(spec.dtype))}"
-                raise ModelError(
-                    f"{cfg.source}: {t.name!r} is {datatype} in config.pbtxt, but the model has {found}"
-                )
-            out.append(TensorSignature(t.name, datatype, tuple(t.dims)))
-        return tuple(out)
+    def listed(tensors: Sequence[Any]) -> tuple[TensorSignature, ...]:
+        return tuple(TensorSignature(t.name, datatype_of(np.dtype(t.dtype)), tuple(t.dims)) for t in tensors)
 
     def declared(specs: Mapping[str, Any]) -> tuple[TensorSignature, ...]:
         out = []
@@ -486,6 +477,6 @@ def signature_of(model: ServedModel) -> Signature:
     return Signature(
         cfg.name,
         cfg.max_batch_size,
-        listed(cfg.inputs, model.input_specs) if cfg.inputs else declared(model.input_specs),
-        listed(cfg.outputs, model.output_specs) if cfg.outputs else declared(model.output_specs),
+        listed(cfg.inputs) if cfg.inputs else declared(model.input_specs),
+        listed(cfg.outputs) if cfg.outputs else declared(model.output_specs),
     )

@@ -1,13 +1,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto
 
 from aisp.errors import ConfigError, ModelError
 from aisp.infer import ModelConfig, ModelRepository, ServedModel, UnsupportedConfigWarning, VersionPolicy
-from tests.support.models import FRAUD_CONFIG, expected_score, fraud_repository, linear_model
+from aisp.infer.repository import DTYPES, ModelContradictsConfig, _type_name
+from aisp.infer.runtime import TensorSpec
+from tests.support.models import FRAUD_CONFIG, expected_score, fraud_repository, linear_model, onnx_model
 
 # A config as Triton users write it: priorities, queue policies, several instances.
 TRITON_CONFIG = """
@@ -150,7 +156,7 @@ def test_failed_load_keeps_the_old_version(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match="cannot load model"):
         model.load(2)
     linear_model(tmp_path / "fraud" / "4" / "model.onnx", 0.4, input_name="x")
-    with pytest.raises(ModelError, match="has inputs"):
+    with pytest.raises(ModelError, match="input .x. is not in config.pbtxt"):
         model.load(4)
     assert model.version == "1"
 
@@ -232,3 +238,150 @@ def test_hot_swap_under_load_loses_nothing(tmp_path: Path) -> None:
         rows = versions == v
         np.testing.assert_allclose(got.numpy("score")[rows], expected_score(xs[ids[rows]], scale), rtol=1e-5)
     assert set(got.pylist("model")) == {"fraud"}
+
+
+# -- every version is checked against its config.pbtxt at load -----------------------------------
+
+CONFIG_TYPES = ["TYPE_FP32", "TYPE_FP16", "TYPE_INT64", "TYPE_UINT8", "TYPE_BOOL", "TYPE_STRING"]
+
+
+def one_tensor_config(kind: str, name: str, data_type: str, dims: list[int], max_batch_size: int) -> str:
+    other = "output" if kind == "input" else "input"
+    return (
+        f'name: "m" max_batch_size: {max_batch_size}\n'
+        f'{kind} [ {{ name: "{name}" data_type: {data_type} dims: [ {", ".join(map(str, dims))} ] }} ]\n'
+        f'{other} [ {{ name: "keep" data_type: TYPE_FP32 dims: [ 4 ] }} ]\n'
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_every_contradiction_between_a_model_and_its_config_is_named(data: st.DataObject) -> None:
+    """A family: one tensor of the config (an input or an output, any datatype, 0-3 dims, fixed
+    or -1) against a model that agrees (dynamic where the config fixes a size is agreement) or
+    contradicts it in one way; the error names the tensor and both datatypes or shapes."""
+    kind = data.draw(st.sampled_from(["input", "output"]))
+    data_type = data.draw(st.sampled_from(CONFIG_TYPES))
+    dims = data.draw(st.lists(st.one_of(st.just(-1), st.integers(1, 64)), max_size=3))
+    max_batch_size = data.draw(st.integers(1, 512))
+    cfg = ModelConfig.parse(one_tensor_config(kind, "x", data_type, dims, max_batch_size))
+    name, dtype = "x", np.dtype(DTYPES[data_type])
+    shape: list[int | None] = [None, *(None if d == -1 or data.draw(st.booleans()) else d for d in dims)]
+    fault = data.draw(st.sampled_from([None, "name", "datatype", "size", "rank", "batch", "unlisted"]))
+    if fault == "size" and len(dims) == 0:
+        fault = "rank"
+    if fault == "name":
+        name = "y"
+    elif fault == "datatype":
+        dtype = np.dtype(DTYPES[data.draw(st.sampled_from([t for t in CONFIG_TYPES if t != data_type]))])
+    elif fault == "size":
+        i = data.draw(st.integers(1, len(dims)))
+        shape[i] = 7 if dims[i - 1] == -1 else dims[i - 1] + data.draw(st.sampled_from([-1, 1]))
+        shape[i] = shape[i] or 2  # never 0
+    elif fault == "rank":
+        shape = data.draw(st.sampled_from([shape[:-1], [*shape, None], [*shape, 3]])) if dims else [*shape, 3]
+    elif fault == "batch":
+        shape[0] = data.draw(st.sampled_from([1, max_batch_size]))
+    keep = TensorSpec(np.dtype(np.float32), (None, 4))
+    tensor = TensorSpec(dtype, tuple(shape))
+    specs = {name: tensor, **({"extra": keep} if fault == "unlisted" and kind == "input" else {})}
+    inputs, outputs = (specs, {"keep": keep}) if kind == "input" else ({"keep": keep}, specs)
+    if fault is None or (fault == "unlisted" and kind == "output"):  # a model may have more outputs
+        cfg.check("1", inputs, outputs)
+        return
+    with pytest.raises(ModelContradictsConfig) as caught:
+        cfg.check("1", inputs, outputs)
+    message = str(caught.value)
+    assert "model 'm' version 1 contradicts" in message and len(caught.value.problems) >= 1
+    if fault == "unlisted":
+        assert "the model's input 'extra' is not in config.pbtxt" in message
+        return
+    assert f"{kind} 'x'" in message, message
+    if fault == "name":
+        assert f"the model has no such {kind}" in message
+    elif fault == "datatype":
+        assert f"{_type_name(dtype)} in the model, {data_type} in config.pbtxt" in message
+    else:
+        model = [-1 if d is None else d for d in shape]
+        assert f"has shape {model} in the model, config.pbtxt gives {[-1, *dims]}" in message, message
+        assert f"max_batch_size {max_batch_size}" in message
+
+
+F = TensorProto.FLOAT
+CONTRADICTIONS = {
+    "an output of two values where the config says one": (
+        {"size": 2, "output": ("score", F, ["N", 2])},
+        "output 'score' has shape [-1, 2] in the model, config.pbtxt gives [-1, 1]",
+    ),
+    "an output left dynamic that answers two values": (
+        {"size": 2, "output": ("score", F, ["N", "k"]), "opaque": True},
+        "output 'score' answers one row with shape [1, 2] (the model declares [-1, -1]),"
+        " config.pbtxt gives [-1, 1]",
+    ),
+    "an output of another name": (
+        {"output": ("probability", F, ["N", 1])},
+        "config.pbtxt lists output 'score', the model has no such output (it has ['probability'])",
+    ),
+    "an input of another name": (
+        {"inputs": {"x": (F, ["N", 18])}},
+        "config.pbtxt lists input 'features', the model has no such input (it has ['x'])",
+    ),
+    "an input the config does not list": (
+        {"inputs": {"features": (F, ["N", 18]), "mask": (F, ["N", 18])}},
+        "the model's input 'mask' is not in config.pbtxt (it lists ['features'])",
+    ),
+    "an output of another datatype": (
+        {"output": ("score", TensorProto.DOUBLE, ["N", 1])},
+        "output 'score' is TYPE_FP64 in the model, TYPE_FP32 in config.pbtxt",
+    ),
+    "an input of another datatype": (
+        {"inputs": {"features": (TensorProto.FLOAT16, ["N", 18])}},
+        "input 'features' is TYPE_FP16 in the model, TYPE_FP32 in config.pbtxt",
+    ),
+    "an input of other dimensions": (
+        {"inputs": {"features": (F, ["N", 17])}, "width": 17},
+        "input 'features' has shape [-1, 17] in the model, config.pbtxt gives [-1, 18]",
+    ),
+    "an input of another rank": (
+        {"inputs": {"features": (F, ["N", 1, 18])}},
+        "input 'features' has shape [-1, 1, 18] in the model, config.pbtxt gives [-1, 18]",
+    ),
+    "a fixed batch dimension": (
+        {"inputs": {"features": (F, [1, 18])}},
+        "input 'features' has shape [1, 18] in the model, config.pbtxt gives [-1, 18] (max_batch_size 256",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONTRADICTIONS))
+def test_a_version_that_contradicts_its_config_is_refused_and_the_old_one_serves(
+    tmp_path: Path, case: str
+) -> None:
+    shape, message = CONTRADICTIONS[case]
+    fraud_repository(tmp_path, {1: 0.1})
+    onnx_model(tmp_path / "fraud" / "2" / "model.onnx", **shape)  # type: ignore[arg-type]
+    model = ServedModel(tmp_path, "fraud", version=1)
+    with pytest.raises(ModelContradictsConfig) as caught:
+        model.load(2)
+    assert message in str(caught.value), str(caught.value)
+    assert "model 'fraud' version 2 contradicts" in str(caught.value)
+    assert model.version == "1" and model.refresh() is False and model.version == "1"
+    with pytest.raises(ModelContradictsConfig):
+        ServedModel(tmp_path, "fraud", version=2)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"output": ("score", F, ["N", "k"]), "opaque": True},  # dynamic, answers one value
+        {"inputs": {"features": (F, ["N", "w"])}},  # warmed up with the configured 18 features
+        {"inputs": {"features": (F, [None, 18])}, "output": ("score", F, [None, None])},
+    ],
+)
+def test_a_version_that_leaves_configured_sizes_dynamic_loads(tmp_path: Path, shape: dict[str, Any]) -> None:
+    fraud_repository(tmp_path, {1: 0.1})
+    onnx_model(tmp_path / "fraud" / "2" / "model.onnx", **shape)
+    model = ServedModel(tmp_path, "fraud", version=1)
+    assert model.load(2) == "2"
+    x = np.ones((3, 18), dtype=np.float32)
+    np.testing.assert_allclose(model.run({"features": x})["score"], np.full((3, 1), 1.8), rtol=1e-5)
