@@ -228,7 +228,7 @@ def image_info(data: bytes, *, max_scans: int = MAX_SCANS) -> ImageInfo:
                 raise MediaError(f"unsupported image format: {name}")
         raise MediaError("not an image: no JPEG, PNG or WebP signature")
     if info.width < 1 or info.height < 1:
-        raise MediaError(f"corrupt {info.format.upper()}: {info.width}x{info.height} pixels")
+        raise MediaError(f"corrupt {info.format.upper()}: {info.width} x {info.height} pixels")
     return info
 
 

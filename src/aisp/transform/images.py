@@ -119,7 +119,7 @@ def decode_image(
     if info is None:
         info = image_info(data, max_scans=max_scans)
     if info.width * info.height > max_pixels:
-        raise MediaError(f"image too large: {info.width}x{info.height} pixels (limit {max_pixels})")
+        raise MediaError(f"image too large: {info.width} x {info.height} pixels (limit {max_pixels})")
     turn = info.orientation if exif_orientation else 1
     need = at_least[::-1] if turn >= 5 else at_least
     img = _decode_jpeg(data, info, color, need) if info.format == "jpeg" else _decode_cv(data, info, color)
@@ -158,7 +158,7 @@ def _decode_cv(data: bytes, info: ImageInfo, color: str) -> npt.NDArray[np.uint8
         raise MediaError(f"{fmt} not decodable: OpenCV's decoder refused it")
     if img.shape[0] != info.height or img.shape[1] != info.width:
         raise MediaError(
-            f"corrupt {fmt}: header says {info.width}x{info.height}, decoded {img.shape[1]}x{img.shape[0]}"
+            f"corrupt {fmt}: header says {info.width} x {info.height}, decoded {img.shape[1]} x {img.shape[0]}"
         )
     if color == "RGB":
         img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
