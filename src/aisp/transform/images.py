@@ -157,9 +157,8 @@ def _decode_cv(data: bytes, info: ImageInfo, color: str) -> npt.NDArray[np.uint8
     if img is None:
         raise MediaError(f"{fmt} not decodable: OpenCV's decoder refused it")
     if img.shape[0] != info.height or img.shape[1] != info.width:
-        raise MediaError(
-            f"corrupt {fmt}: header says {info.width} x {info.height}, decoded {img.shape[1]} x {img.shape[0]}"
-        )
+        said, got = f"{info.width} x {info.height}", f"{img.shape[1]} x {img.shape[0]}"
+        raise MediaError(f"corrupt {fmt}: header says {said}, decoded {got}")
     if color == "RGB":
         img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
     return np.asarray(img, dtype=np.uint8)
