@@ -1,7 +1,8 @@
 """Held-out hostile images and audio through `aisp run` in a process of its own: each becomes a
 dead letter with its reason, every valid item comes out exactly once, the process ends well and
 its peak memory stays bounded (a 144-megapixel PNG bomb of a few hundred kilobytes is refused from
-its header, before any pixel is made)."""
+its header, before any pixel is made; a FLAC of 8 channels at 384 kHz, from its header, before
+any sample is)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from typing import Any
 import numpy as np
 
 from tests.unit.transform.test_audio import signal, wav
+from tests.unit.transform.test_audio_limits import with_rate
 from tests.unit.transform.test_images import encode, hostile, picture
+from tests.unit.transform.test_images_real import asymmetric, pillow, progressive
+from tests.unit.transform.test_media_reasons import ADDRESS
 
 PIPELINE = """
 import msgspec
@@ -57,6 +61,21 @@ def png_bomb(side: int = 12000) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
 
 
+def flac_bomb(seconds: float, channels: int, rate: int) -> bytes:
+    """A real FLAC of silence: under a second's worth of kilobytes per second, whatever it
+    decodes to (29 s of 8 channels at 384 kHz: 89 million samples, 356 MB as float32)."""
+    import io
+
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    block = np.zeros((rate, channels), dtype=np.int16)
+    with sf.SoundFile(buf, "w", samplerate=rate, channels=channels, format="FLAC", subtype="PCM_16") as f:
+        for _ in range(int(seconds)):
+            f.write(block)
+    return buf.getvalue()
+
+
 def run(
     tmp: Path, kind: str, rows: list[tuple[str, bytes]]
 ) -> tuple[list[str], list[dict[str, Any]], dict[str, Any]]:
@@ -78,8 +97,16 @@ def test_hostile_images_are_dead_letters_valid_ones_come_out_once_memory_bounded
     assert len(bomb) < 1 << 20
     cases = {name: data for name, (data, _) in hostile().items() if data is not None}
     cases["real bomb"] = bomb
+    cases["4000 scans"] = progressive(4000, size=256)
     rng = np.random.default_rng(0)
-    rows: list[tuple[str, bytes]] = []
+    rows: list[tuple[str, bytes]] = [
+        (
+            "ok-motion-photo",
+            encode(picture(300, 400), ".jpg") + b"\x00\x00\x00\x18ftypmp42" + rng.bytes(1 << 21),
+        ),
+        ("ok-png-then-bytes", encode(picture(30, 40), ".png") + b"trailing bytes"),
+        ("ok-sideways", pillow(asymmetric(), orientation=6)),
+    ]
     for k in range(240):  # valid images of every codec among the hostile ones, 12 rounds
         ext = (".jpg", ".png", ".webp")[k % 3]
         rows.append(
@@ -92,6 +119,8 @@ def test_hostile_images_are_dead_letters_valid_ones_come_out_once_memory_bounded
     assert sorted(d["row"]["id"] for d in dead) == sorted(i for i, _ in rows if i.startswith("bad-"))
     assert all(d["reason"] and d["step"] == "decode" for d in dead)
     assert any("too large" in d["reason"] for d in dead if d["row"]["id"].endswith("real bomb"))
+    assert all("too many scans" in d["reason"] for d in dead if d["row"]["id"].endswith("4000 scans"))
+    assert not [d["reason"] for d in dead if ADDRESS.search(d["reason"])]
     assert summary["peak_rss_mb"] < 600, summary["peak_rss_mb"]
 
 
@@ -108,6 +137,9 @@ def test_hostile_audio_is_dead_letters_valid_audio_comes_out_once(tmp_path: Path
         "image": encode(picture(8, 8), ".png"),
         "too long": wav(np.zeros(16000 * 40, dtype=np.float32)),
         "corrupt flac": good["flac"][:60] + bytes(400) + good["flac"][460:],
+        "rate 1e9": with_rate(good["wav"], 1_000_000_000),
+        "nan": wav(np.where(np.arange(len(y)) == 99, np.nan, y).astype(np.float32), subtype="FLOAT"),
+        "bomb": flac_bomb(29.0, 8, 384_000),
     }
     rows = [(f"ok-{k}-{n}", d) for k in range(20) for n, d in good.items()]
     rows += [(f"bad-{n}", d) for n, d in bad.items()]
@@ -116,4 +148,7 @@ def test_hostile_audio_is_dead_letters_valid_audio_comes_out_once(tmp_path: Path
     reasons = {d["row"]["id"]: d["reason"] for d in dead}
     assert sorted(reasons) == sorted(i for i, _ in rows if i.startswith("bad-"))
     assert "truncated" in reasons["bad-claims 2 GB"] and "too long" in reasons["bad-too long"]
+    assert "impossible sample rate" in reasons["bad-rate 1e9"] and "not finite" in reasons["bad-nan"]
+    assert "too large" in reasons["bad-bomb"], reasons["bad-bomb"]
+    assert not [r for r in reasons.values() if ADDRESS.search(r)]
     assert summary["peak_rss_mb"] < 600, summary["peak_rss_mb"]

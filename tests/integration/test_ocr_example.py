@@ -86,14 +86,34 @@ def test_served_pipeline_reads_base64_images_over_http() -> None:
     with aisp_serve(PIPELINE, http=True, grpc=False, extra_args=("--param", "pages=0")) as (addresses, _):
         wait_http(addresses["http"], timeout_s=120)
         _, data, lines = PAGES.page(3)
-        events = [{"id": "p3", "image": base64.b64encode(data).decode()}, {"id": "bad", "image": "AAAA"}]
+        events = [
+            {"id": "p3", "image": base64.b64encode(data).decode()},
+            {"id": "photo", "image": base64.b64encode(photo_of(data)).decode()},
+            {"id": "bad", "image": "AAAA"},
+        ]
+        assert len(events[1]["image"]) > 1 << 20  # a line longer than a pipeline without bytes takes
         body = "\n".join(json.dumps(e) for e in events)
         r = httpx.post(f"http://{addresses['http']}/v1/pipelines/ocr/events", content=body, timeout=120)
         assert r.status_code == 200, r.text
         answers = [json.loads(x) for x in r.content.splitlines()]
-        good = next(a for a in answers if a.get("id") == "p3")
-        assert similarity(good["texts"], lines) >= 0.8
+        for name in ("p3", "photo"):
+            read = next(a for a in answers if a.get("id") == name)
+            assert similarity(read["texts"], lines) >= 0.8, (name, read["texts"])
         assert any("image" in json.dumps(a) and "not an image" in json.dumps(a) for a in answers), answers
+
+
+def photo_of(page: bytes) -> bytes:
+    """The page as a phone would send it: three times the pixels, sensor noise, a JPEG of more
+    than 1.2 MB."""
+    import cv2
+    import numpy as np
+
+    img = cv2.imdecode(np.frombuffer(page, np.uint8), cv2.IMREAD_COLOR)
+    big = cv2.resize(img, None, fx=3, fy=3, interpolation=cv2.INTER_CUBIC).astype(np.int16)
+    noisy = np.clip(big + np.random.default_rng(0).integers(-12, 13, big.shape), 0, 255).astype(np.uint8)
+    data: bytes = cv2.imencode(".jpg", noisy, [cv2.IMWRITE_JPEG_QUALITY, 95])[1].tobytes()
+    assert len(data) > 1_200_000, len(data)
+    return data
 
 
 def line_match(found: list[str], lines: list[str]) -> float:

@@ -1,8 +1,15 @@
-"""``POST /v1/pipelines/{pipeline}/events``: a served pipeline's NDJSON ingest over HTTP."""
+"""``POST /v1/pipelines/{pipeline}/events``: a served pipeline's NDJSON ingest over HTTP.
+
+An NDJSON line may be up to ``max_line_bytes`` long (1 MiB), or ``MEDIA_LINE_BYTES`` for a
+pipeline whose input schema has a ``bytes`` field (an image or audio as base64 in JSON: an event
+of ``RAW_MAX_BYTES``, its base64 a third longer, and 64 KiB for its other fields). A longer line
+is answered 413 with the limit in its JSON reason.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -21,11 +28,14 @@ from aisp.serve.headers import Headers
 from aisp.serve.http_errors import error_response, parse_deadline_s, parse_tier_header
 from aisp.serve.pipelines import Chunk, PipelineService
 
-__all__ = ["NDJSON", "Events", "EventsSocket", "close_code"]
+__all__ = ["MEDIA_LINE_BYTES", "NDJSON", "Events", "EventsSocket", "carries_bytes", "close_code"]
 
 NDJSON = "application/x-ndjson"
 RAW_MAX_BYTES = 32 << 20
 """The largest event of a pipeline whose schema is ``RawMessage`` (a whole body or message)."""
+MEDIA_LINE_BYTES = (RAW_MAX_BYTES + 2) // 3 * 4 + (64 << 10)
+"""The longest NDJSON line of a pipeline whose schema has a ``bytes`` field: ``RAW_MAX_BYTES``
+as base64, and 64 KiB for the event's other fields."""
 log = logging.getLogger("aisp.serve")
 
 
@@ -53,18 +63,60 @@ async def _body_whole(receive: Any) -> AsyncIterator[list[bytes]]:
 
 async def _body_lines(receive: Any, chunk_rows: int, max_line_bytes: int) -> AsyncIterator[list[bytes]]:
     """Non-empty lines of a (possibly chunked, unbounded) request body, at most ``chunk_rows``
-    at a time, as they arrive. A line longer than ``max_line_bytes`` raises ``PayloadTooLarge``."""
-    tail = b""
+    at a time, as they arrive. A line longer than ``max_line_bytes`` raises ``PayloadTooLarge``.
+    The pieces of a line that spans many are held apart and joined once, when it ends."""
+    held: list[bytes] = []  # the pieces of the line not ended yet
+    held_bytes = 0
     async for data, more in _pieces(receive):
-        if not data and more:
+        if more and b"\n" not in data:
+            held.append(data)
+            held_bytes += len(data)
+            _check_line(held_bytes, max_line_bytes)
             continue
-        parts = (tail + data).split(b"\n") if tail else data.split(b"\n")
-        tail = parts.pop() if more else b""
-        if len(tail) > max_line_bytes:
-            raise PayloadTooLarge(f"a line is longer than {max_line_bytes} bytes")
+        parts = data.split(b"\n")
+        if held:
+            parts[0] = b"".join([*held, parts[0]])
+            held, held_bytes = [], 0
+        if more:
+            held.append(parts.pop())
+            held_bytes = len(held[0])
+        _check_line(max(held_bytes, *map(len, parts)), max_line_bytes)
         lines = [p for p in parts if p]  # blank lines are skipped; whitespace-only ones fail to parse
         for i in range(0, len(lines), chunk_rows):
             yield lines[i : i + chunk_rows]
+
+
+def _check_line(length: int, max_line_bytes: int) -> None:
+    if length > max_line_bytes:
+        raise PayloadTooLarge(f"a line is longer than {max_line_bytes} bytes")
+
+
+@functools.lru_cache(maxsize=256)
+def carries_bytes(schema: type) -> bool:
+    """Whether an input schema has a ``bytes`` field anywhere (nested, in a list, optional)."""
+
+    def walk(t: Any, depth: int) -> bool:
+        mi = msgspec.inspect
+        if isinstance(t, mi.BytesType | mi.ByteArrayType | mi.MemoryViewType):
+            return True
+        if depth > 16:
+            return False
+        if isinstance(t, mi.StructType | mi.DataclassType | mi.TypedDictType | mi.NamedTupleType):
+            return any(walk(f.type, depth + 1) for f in t.fields)
+        if isinstance(t, mi.ListType | mi.VarTupleType | mi.SetType | mi.FrozenSetType):
+            return walk(t.item_type, depth + 1)
+        if isinstance(t, mi.UnionType):
+            return any(walk(x, depth + 1) for x in t.types)
+        if isinstance(t, mi.TupleType):
+            return any(walk(x, depth + 1) for x in t.item_types)
+        if isinstance(t, mi.DictType):
+            return walk(t.value_type, depth + 1)
+        return False
+
+    try:
+        return walk(msgspec.inspect.type_info(schema), 0)
+    except (TypeError, ValueError):  # not a type msgspec knows: no bytes it would decode
+        return False
 
 
 class Events:
@@ -100,6 +152,14 @@ class Events:
         }
         self.window_events = window_events
         self.max_line_bytes = max_line_bytes
+
+    def line_limit(self, service: PipelineService) -> int:
+        """The longest NDJSON line ``service`` takes: ``max_line_bytes``, or at least
+        ``MEDIA_LINE_BYTES`` when its input schema has a ``bytes`` field."""
+        schema = service.pipeline.input_schema
+        if schema is not None and carries_bytes(schema):
+            return max(self.max_line_bytes, MEDIA_LINE_BYTES)
+        return self.max_line_bytes
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         started = False
@@ -137,7 +197,7 @@ class Events:
         if service.raw:
             stream = _body_whole(receive)
         else:
-            stream = _body_lines(receive, service.chunk_rows, self.max_line_bytes)
+            stream = _body_lines(receive, service.chunk_rows, self.line_limit(service))
         parent = service.trace_parent(request.headers.get("traceparent"), request.headers.get("tracestate"))
         opts = {"deadline_ns": deadline_ns, "tier": tier, "trace_parent": parent}
         if mode == "fire":
@@ -365,7 +425,7 @@ class EventsSocket:
         key = api_key(headers.get("authorization"), peer) if events.limiter is not None else ""
         parent = service.trace_parent(headers.get("traceparent"), headers.get("tracestate"))
         opts = {"deadline_ns": deadline_ns, "tier": tier, "trace_parent": parent}
-        limit = RAW_MAX_BYTES if service.raw else events.max_line_bytes
+        limit = RAW_MAX_BYTES if service.raw else events.line_limit(service)
         stream = _socket_lines(receive, service.chunk_rows, limit, raw=service.raw)
         await events._results(service, stream, key, opts, _SocketOut(send))
 

@@ -7,8 +7,12 @@ PCM (``format="pcm_s16le"`` or ``"pcm_f32le"`` at ``input_rate``), as a micropho
 over a WebSocket; other rates are resampled with soxr, input by input (a stream of chunks is
 resampled by the keyed ``Resample`` step, ``aisp.transform.resample``, which carries each
 stream's filter from chunk to chunk). libsndfile and soxr release the GIL, so
-the rows decode on one thread per core. An empty, truncated, corrupt or unknown input,
-or one longer than ``max_seconds``, is a dead letter with the reason; the other rows go on.
+the rows decode on one thread per core. An empty, truncated, corrupt or unknown input, one of
+a sample rate outside ``RATES_HZ``, one longer than ``max_seconds`` or of more samples (frames x
+channels, from its header, before decoding) than ``max_samples``, or one with samples that are
+not finite (NaN, infinity; in any format) is a dead letter with the reason; the other rows go
+on. A file is decoded ``BLOCK_FRAMES`` at a time, each block mixed to mono, so its channels are
+never held all at once.
 
 ``AudioFeatures`` (keyed by stream id: ``stream.key_by("by_stream", "stream").apply("mfcc",
 AudioFeatures())``) frames each stream's samples (``n_fft`` samples every ``hop`` samples,
@@ -45,12 +49,19 @@ import pyarrow as pa
 from aisp.batch import KEY, Batch
 from aisp.errors import ConfigError
 from aisp.graph import DEFAULT_PORT
-from aisp.transform.images import MediaError
-from aisp.transform.media import MediaCounters, cores, dead_letter_rows, run_sliced, samples_column
+from aisp.transform.media import (
+    MediaCounters,
+    MediaError,
+    cores,
+    dead_letter_rows,
+    plain,
+    run_sliced,
+    samples_column,
+)
 from aisp.transform.operators import Emit, Operator, OperatorContext
 from aisp.transform.stateful import Stateful, StateView
 
-__all__ = ["AudioDecode", "AudioFeatures", "mel_filters"]
+__all__ = ["BLOCK_FRAMES", "RATES_HZ", "AudioDecode", "AudioFeatures", "mel_filters"]
 
 _FORMATS = ("auto", "pcm_s16le", "pcm_f32le")
 
@@ -74,6 +85,27 @@ def _wav_truncated(data: bytes) -> bool:
     return True  # no data chunk
 
 
+RATES_HZ = (1_000, 768_000)
+"""The sample rates an input may have, lowest and highest (Hz): 1 kHz (an eighth of telephony's
+8 kHz) to the 768 kHz of the fastest audio converters. A header outside them is impossible
+audio (a rate field of 1e9 would resample a file to nothing)."""
+BLOCK_FRAMES = 1 << 14
+"""Frames decoded at a time: a file is decoded block by block, each block mixed to mono, so
+decoding holds one block of all channels besides the mono result."""
+
+
+def _sndfile_reason(exc: Any) -> str:
+    """A dead letter's reason for libsndfile's error (its own words, no Python objects):
+    unsupported, not audio, or corrupt as libsndfile says."""
+    text = plain(str(getattr(exc, "error_string", "") or exc)).removeprefix("Error : ")
+    low = text.lower()
+    if "not recognised" in low:
+        return f"not audio: {text}"
+    if "unimplemented" in low or "unsupported" in low or "not supported" in low:
+        return f"unsupported audio: {text}"
+    return f"corrupt audio: {text}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class AudioDecode:
     """The audio decoding step's settings (see the module docstring)."""
@@ -85,14 +117,25 @@ class AudioDecode:
     input_rate: int = 16000
     """The rate of raw PCM input (``format="pcm_..."``)."""
     max_seconds: float = 600.0
+    max_samples: int = 600 * 48_000 * 2
+    """The most samples (frames x channels) an input may hold, from its header, before it is
+    decoded: ten minutes of 48 kHz stereo. With ``max_seconds`` it bounds the work of decoding
+    and its memory (at most 4 bytes a sample), which the duration alone does not: a FLAC of
+    599 s of silence in 8 channels at 96 kHz is under 500 KB and holds 460 million samples."""
     threads: int = 0
     counters: MediaCounters = field(default_factory=lambda: MediaCounters("samples"), compare=False)
 
     def __post_init__(self) -> None:
         if self.format not in _FORMATS:
             raise ConfigError(f"format must be one of {list(_FORMATS)}, got {self.format!r}")
-        if self.sample_rate < 1 or self.input_rate < 1 or self.max_seconds <= 0:
-            raise ConfigError("sample_rate, input_rate and max_seconds must be > 0")
+        low, high = RATES_HZ
+        for name, rate in (("sample_rate", self.sample_rate), ("input_rate", self.input_rate)):
+            if not low <= rate <= high:
+                raise ConfigError(f"{name} must be {low}..{high} Hz, got {rate}")
+        if self.max_seconds <= 0 or self.max_samples < 1:
+            raise ConfigError(
+                f"max_seconds must be > 0 and max_samples >= 1, got {self.max_seconds}, {self.max_samples}"
+            )
 
     def build(self, ctx: OperatorContext) -> Operator:
         return AudioDecodeOp(self, ctx)
@@ -103,28 +146,46 @@ class AudioDecode:
             raise MediaError("no audio (null)")
         if not data:
             raise MediaError("empty audio (zero bytes)")
-        if self.format == "auto":
-            samples, rate = self._decode_file(data)
-        else:
-            width = 2 if self.format == "pcm_s16le" else 4
-            if len(data) % width:
-                raise MediaError(f"truncated PCM: {len(data)} bytes is not a whole number of samples")
-            if len(data) / width / self.input_rate > self.max_seconds:
-                raise MediaError(f"audio too long: over {self.max_seconds} s")
-            if width == 2:
-                samples = np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
-            else:
-                samples = np.frombuffer(data, dtype="<f4").astype(np.float32)
-                if not np.isfinite(samples).all():
-                    raise MediaError("corrupt PCM: samples that are not finite")
-            rate = self.input_rate
+        samples, rate = self._decode_file(data) if self.format == "auto" else self._decode_pcm(data)
+        if not np.isfinite(samples).all():  # one check for every format (float WAV, raw f32le)
+            raise MediaError("invalid audio: samples that are not finite (NaN or infinity)")
         if rate != self.sample_rate:
             import soxr
 
             samples = soxr.resample(samples, rate, self.sample_rate, quality="HQ").astype(np.float32)
+        if not len(samples):
+            raise MediaError(f"empty audio: shorter than one sample at {self.sample_rate} Hz")
         return samples
 
+    def check(self, frames: int, channels: int, rate: int) -> None:
+        """Refuse, from its header and before decoding, an input of ``frames`` frames of
+        ``channels`` channels at ``rate`` Hz that is empty, of an impossible rate, longer than
+        ``max_seconds`` or larger than ``max_samples``."""
+        low, high = RATES_HZ
+        if not low <= rate <= high:
+            raise MediaError(f"impossible sample rate: {rate} Hz (accepted: {low}..{high} Hz)")
+        if frames <= 0:
+            raise MediaError("empty audio (no samples)")
+        if frames / rate > self.max_seconds:
+            raise MediaError(f"audio too long: {frames / rate:.1f} s (limit {self.max_seconds})")
+        if frames * channels > self.max_samples:
+            raise MediaError(
+                f"audio too large: {frames} frames x {channels} channels = {frames * channels} samples "
+                f"(limit {self.max_samples})"
+            )
+
+    def _decode_pcm(self, data: bytes) -> tuple[npt.NDArray[np.float32], int]:
+        width = 2 if self.format == "pcm_s16le" else 4
+        if len(data) % width:
+            raise MediaError(f"truncated PCM: {len(data)} bytes is not a whole number of samples")
+        self.check(len(data) // width, 1, self.input_rate)
+        if width == 2:
+            return np.frombuffer(data, dtype="<i2").astype(np.float32) / np.float32(32768.0), self.input_rate
+        return np.frombuffer(data, dtype="<f4").astype(np.float32), self.input_rate
+
     def _decode_file(self, data: bytes) -> tuple[npt.NDArray[np.float32], int]:
+        """A file's mono samples and rate, checked from its header, then decoded block by block
+        into the mono result (at most ``max_samples`` from the header, whatever follows it)."""
         sf = _soundfile()
         if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
             if _wav_truncated(data):
@@ -133,20 +194,26 @@ class AudioDecode:
             raise MediaError("not audio: no WAV, FLAC or Ogg signature")
         try:
             with sf.SoundFile(io.BytesIO(data)) as f:
-                if f.frames <= 0:
-                    raise MediaError("empty audio (no samples)")
-                if f.frames / f.samplerate > self.max_seconds:
-                    raise MediaError(
-                        f"audio too long: {f.frames / f.samplerate:.1f} s (limit {self.max_seconds})"
-                    )
-                samples = f.read(dtype="float32", always_2d=True)
-                rate = int(f.samplerate)
-                declared = f.frames
-        except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
-            raise MediaError(f"corrupt audio: {exc}") from None
-        if samples.shape[0] < declared:
-            raise MediaError(f"truncated audio: {samples.shape[0]} of {declared} frames")
-        return np.ascontiguousarray(samples.mean(axis=1, dtype=np.float32)), rate
+                frames, channels, rate = int(f.frames), int(f.channels), int(f.samplerate)
+                self.check(frames, channels, rate)
+                mono = np.empty(frames, dtype=np.float32)
+                block = np.empty((min(frames, BLOCK_FRAMES), channels), dtype=np.float32)
+                got = 0
+                while got < frames:
+                    part = f.read(dtype="float32", always_2d=True, out=block[: min(len(block), frames - got)])
+                    if not len(part):
+                        break
+                    np.mean(part, axis=1, dtype=np.float32, out=mono[got : got + len(part)])
+                    got += len(part)
+        except MediaError:
+            raise
+        except sf.LibsndfileError as exc:
+            raise MediaError(_sndfile_reason(exc)) from None
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise MediaError(f"unreadable audio: {plain(str(exc))}") from None
+        if got < frames:
+            raise MediaError(f"truncated audio: {got} of {frames} frames")
+        return mono, rate
 
 
 class AudioDecodeOp:

@@ -4,10 +4,13 @@
 row's bytes (JPEG, PNG or WebP) from a binary column, as files, HTTP bodies and broker messages
 bring them, or from a text column of base64, as JSON carries them, and makes one tensor per row:
 
-- the header is read first, without decoding: an empty, truncated or corrupt file, a format
-  other than those, or an image of more than ``max_pixels`` pixels (a decompression bomb: a
-  few kilobytes that would decode to gigabytes) is refused before any pixel is made, and the
-  row goes to the dead-letter sink with the reason; the other rows go on;
+- the header is read first, without decoding (``aisp.transform.image_formats``): an empty,
+  truncated or corrupt file, a format other than those, an image of more than ``max_pixels``
+  pixels (a decompression bomb: a few kilobytes that would decode to gigabytes) or a JPEG of
+  more than ``max_scans`` scans (seconds of decoding for a few hundred kilobytes) is refused
+  before any pixel is made, and the row goes to the dead-letter sink with the reason; the other
+  rows go on. Bytes after the image's end (a motion photo's video) are ignored;
+- each image is turned upright by its EXIF orientation (``exif_orientation=False``: as stored);
 - libjpeg-turbo (JPEG, through simplejpeg) and OpenCV (PNG, WebP; resizing) work without the
   GIL, on one thread per core (``aisp.transform.media.run_sliced``): each thread takes a
   contiguous slice of the batch and writes its rows straight into the batch's tensor;
@@ -18,7 +21,7 @@ bring them, or from a text column of base64, as JSON carries them, and makes one
 
 The tensor is a fixed-size-list column (``output``), the form an infer step reads as a model
 input; with it each row gets where its pixels came from, so a model's boxes map back to the
-original image: ``image_height`` and ``image_width`` (the original size) and ``image_scale_x``,
+original image: ``image_height`` and ``image_width`` (the original size, upright) and ``image_scale_x``,
 ``image_scale_y``, ``image_offset_x``, ``image_offset_y`` (tensor x = x * scale_x + offset_x).
 The step's ``counters`` count images, bytes, decode seconds and pixels (``/metrics``).
 
@@ -41,17 +44,21 @@ import pyarrow as pa
 from aisp.batch import Batch
 from aisp.errors import ConfigError
 from aisp.graph import DEFAULT_PORT
-from aisp.transform.media import MediaCounters, cores, dead_letter_rows, run_sliced
+from aisp.transform.image_formats import MAX_SCANS, ImageInfo, image_info, orient
+from aisp.transform.media import MediaCounters, MediaError, cores, dead_letter_rows, plain, run_sliced
 from aisp.transform.operators import Emit, Operator, OperatorContext
 
-__all__ = ["ImageBuckets", "ImagePreprocess", "MediaError", "decode_image", "image_header"]
+__all__ = [
+    "ImageBuckets",
+    "ImageInfo",
+    "ImagePreprocess",
+    "MediaError",
+    "decode_image",
+    "image_header",
+    "image_info",
+]
 
 _FITS = ("letterbox", "crop", "stretch")
-_JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-
-
-class MediaError(ValueError):
-    """An input that cannot be decoded; the message is the dead letter's reason."""
 
 
 def _cv2() -> Any:
@@ -62,95 +69,18 @@ def _cv2() -> Any:
     return cv2
 
 
-def _be(data: bytes, at: int, n: int) -> int:
-    return int.from_bytes(data[at : at + n], "big")
-
-
-def _le(data: bytes, at: int, n: int) -> int:
-    return int.from_bytes(data[at : at + n], "little")
-
-
-def _jpeg_size(data: bytes) -> tuple[int, int]:
-    i, n = 2, len(data)
-    while i + 4 <= n:
-        if data[i] != 0xFF:
-            raise MediaError("corrupt JPEG: no marker where one should be")
-        marker = data[i + 1]
-        if marker == 0xFF:  # fill byte
-            i += 1
-            continue
-        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
-            i += 2
-            continue
-        length = _be(data, i + 2, 2)
-        if length < 2:
-            raise MediaError("corrupt JPEG: a segment shorter than its header")
-        if marker in _JPEG_SOF:
-            if i + 9 > n:
-                break
-            return _be(data, i + 7, 2), _be(data, i + 5, 2)
-        if marker in (0xDA, 0xD9):
-            raise MediaError("corrupt JPEG: image data before its frame header")
-        i += 2 + length
-    raise MediaError("truncated JPEG: ends before its frame header")
-
-
-def _webp_size(data: bytes) -> tuple[int, int]:
-    if len(data) < 30:
-        raise MediaError("truncated WebP: shorter than its headers")
-    if _le(data, 4, 4) + 8 > len(data):
-        raise MediaError("truncated WebP: shorter than its RIFF header says")
-    chunk = data[12:16]
-    if chunk == b"VP8 ":
-        if data[23:26] != b"\x9d\x01\x2a":
-            raise MediaError("corrupt WebP: bad VP8 frame tag")
-        return _le(data, 26, 2) & 0x3FFF, _le(data, 28, 2) & 0x3FFF
-    if chunk == b"VP8L":
-        if data[20] != 0x2F:
-            raise MediaError("corrupt WebP: bad VP8L signature")
-        bits = _le(data, 21, 4)
-        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
-    if chunk == b"VP8X":
-        return _le(data, 24, 3) + 1, _le(data, 27, 3) + 1
-    raise MediaError(f"corrupt WebP: unknown chunk {chunk!r}")
-
-
 def image_header(data: bytes) -> tuple[str, int, int]:
-    """``(format, width, height)`` read from an encoded image's header, without decoding it; a
-    truncated JPEG (no end marker), PNG (no end chunk) or WebP (shorter than its RIFF size) is
-    refused here too.
+    """``(format, width, height)`` (as stored) read from an encoded image's header, without
+    decoding it; a truncated JPEG (no end marker), PNG (no end chunk) or WebP (shorter than its
+    RIFF size) is refused here too (``image_info`` says more: the end, scans, orientation).
 
     >>> image_header(b"GIF89a...")
     Traceback (most recent call last):
     ...
-    aisp.transform.images.MediaError: unsupported image format: GIF
+    aisp.transform.media.MediaError: unsupported image format: GIF
     """
-    n = len(data)
-    if n == 0:
-        raise MediaError("empty image (zero bytes)")
-    if data[:3] == b"\xff\xd8\xff":
-        width, height = _jpeg_size(data)
-        if data.rfind(b"\xff\xd9", max(0, n - 1024)) < 0:
-            raise MediaError("truncated JPEG: no end-of-image marker")
-        fmt = "jpeg"
-    elif data[:8] == b"\x89PNG\r\n\x1a\n":
-        if n < 24 or data[12:16] != b"IHDR":
-            raise MediaError("truncated PNG: no image header")
-        width, height = _be(data, 16, 4), _be(data, 20, 4)
-        if data.find(b"IEND", max(0, n - 12)) < 0:
-            raise MediaError("truncated PNG: no end chunk")
-        fmt = "png"
-    elif data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        width, height = _webp_size(data)
-        fmt = "webp"
-    else:
-        for magic, name in ((b"GIF8", "GIF"), (b"BM", "BMP"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF")):
-            if data.startswith(magic):
-                raise MediaError(f"unsupported image format: {name}")
-        raise MediaError("not an image: no JPEG, PNG or WebP signature")
-    if width < 1 or height < 1:
-        raise MediaError(f"corrupt {fmt.upper()}: {width}x{height} pixels")
-    return fmt, width, height
+    info = image_info(data)
+    return info.format, info.width, info.height
 
 
 def _payload(data: bytes | str | None, max_bytes: int) -> bytes:
@@ -161,44 +91,74 @@ def _payload(data: bytes | str | None, max_bytes: int) -> bytes:
         try:
             data = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError) as exc:
-            raise MediaError(f"not base64: {exc}") from None
+            raise MediaError(f"not base64: {plain(str(exc))}") from None
     if len(data) > max_bytes:
         raise MediaError(f"image too large: {len(data)} bytes (limit {max_bytes})")
     return data
 
 
 def decode_image(
-    data: bytes, *, max_pixels: int = 40_000_000, color: str = "RGB", at_least: tuple[int, int] = (0, 0)
+    data: bytes,
+    *,
+    max_pixels: int = 40_000_000,
+    color: str = "RGB",
+    at_least: tuple[int, int] = (0, 0),
+    max_scans: int = MAX_SCANS,
+    exif_orientation: bool = True,
+    info: ImageInfo | None = None,
 ) -> npt.NDArray[np.uint8]:
     """One image as ``uint8`` ``[height, width, channels]`` (``GRAY``: ``[height, width]``),
     checked as ``ImagePreprocess`` checks it; raises ``MediaError`` with the reason.
 
     A JPEG is decoded by libjpeg-turbo (``simplejpeg``) in strict mode, so corrupt data is an
     error rather than a grey band, and at the smallest of its DCT scales (1/2, 1/4, 1/8) that
-    is still ``at_least`` (height, width): a large photo for a small tensor decodes a fraction
-    of its pixels. PNG and WebP are decoded by OpenCV."""
-    fmt, width, height = image_header(data)
-    if width * height > max_pixels:
-        raise MediaError(f"image too large: {width}x{height} pixels (limit {max_pixels})")
-    if fmt == "jpeg":
-        import simplejpeg
+    is still ``at_least`` (height, width, upright): a large photo for a small tensor decodes a
+    fraction of its pixels. PNG and WebP are decoded by OpenCV. Bytes after the image's end
+    are ignored. With ``exif_orientation`` the pixels are turned upright by the image's EXIF
+    orientation (``ImageInfo.size()`` is then their size). ``info``: the header, if read already."""
+    if info is None:
+        info = image_info(data, max_scans=max_scans)
+    if info.width * info.height > max_pixels:
+        raise MediaError(f"image too large: {info.width} x {info.height} pixels (limit {max_pixels})")
+    turn = info.orientation if exif_orientation else 1
+    need = at_least[::-1] if turn >= 5 else at_least
+    img = _decode_jpeg(data, info, color, need) if info.format == "jpeg" else _decode_cv(data, info, color)
+    if turn == 1:
+        return img
+    return np.ascontiguousarray(orient(img, turn))
 
-        try:
-            img = simplejpeg.decode_jpeg(
-                data, colorspace=color, min_height=at_least[0], min_width=at_least[1], strict=True
-            )
-        except ValueError as exc:
-            raise MediaError(f"corrupt JPEG: {exc}") from None
-        return np.asarray(img[:, :, 0] if color == "GRAY" else img, dtype=np.uint8)
+
+def _decode_jpeg(
+    data: bytes, info: ImageInfo, color: str, at_least: tuple[int, ...]
+) -> npt.NDArray[np.uint8]:
+    import simplejpeg
+
+    try:
+        img = simplejpeg.decode_jpeg(
+            memoryview(data)[: info.end],
+            colorspace=color,
+            min_height=at_least[0],
+            min_width=at_least[1],
+            strict=True,
+        )
+    except ValueError as exc:
+        message = plain(str(exc))
+        kind = "unsupported" if "unsupported" in message.lower() else "corrupt"
+        raise MediaError(f"{kind} JPEG: {message}") from None
+    return np.asarray(img[:, :, 0] if color == "GRAY" else img, dtype=np.uint8)
+
+
+def _decode_cv(data: bytes, info: ImageInfo, color: str) -> npt.NDArray[np.uint8]:
+    """A PNG or WebP through OpenCV, as stored (its own EXIF handling off: ``orient`` does it)."""
     cv2 = _cv2()
     flag = cv2.IMREAD_GRAYSCALE if color == "GRAY" else cv2.IMREAD_COLOR
-    img = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), flag)
+    img = cv2.imdecode(np.frombuffer(data, np.uint8, count=info.end), flag | cv2.IMREAD_IGNORE_ORIENTATION)
+    fmt = info.format.upper()
     if img is None:
-        raise MediaError(f"corrupt {fmt.upper()}: the decoder refused it")
-    if img.shape[0] != height or img.shape[1] != width:
-        raise MediaError(
-            f"corrupt image: header says {width}x{height}, decoded {img.shape[1]}x{img.shape[0]}"
-        )
+        raise MediaError(f"{fmt} not decodable: OpenCV's decoder refused it")
+    if img.shape[0] != info.height or img.shape[1] != info.width:
+        said, got = f"{info.width} x {info.height}", f"{img.shape[1]} x {img.shape[0]}"
+        raise MediaError(f"corrupt {fmt}: header says {said}, decoded {got}")
     if color == "RGB":
         img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
     return np.asarray(img, dtype=np.uint8)
@@ -223,6 +183,10 @@ class ImagePreprocess:
     max_pixels: int = 40_000_000
     """Images with more pixels are refused from their header (decompression bombs)."""
     max_bytes: int = 32 << 20
+    max_scans: int = MAX_SCANS
+    """JPEGs of more scans are refused from their header (each scan is a pass over the image)."""
+    exif_orientation: bool = True
+    """Turn each image upright by its EXIF orientation (False: the pixels as stored)."""
     threads: int = 0
     """Decoding threads (0: one per core)."""
     counters: MediaCounters = field(default_factory=lambda: MediaCounters("pixels"), compare=False)
@@ -240,8 +204,11 @@ class ImagePreprocess:
             raise ConfigError(f"dtype must be float32 or uint8, got {self.dtype!r}")
         if len(self.mean) != self.channels or len(self.std) != self.channels or min(self.std) <= 0:
             raise ConfigError(f"mean and std need {self.channels} values (std > 0)")
-        if self.max_pixels < 1 or self.max_bytes < 1:
-            raise ConfigError("max_pixels and max_bytes must be >= 1")
+        if self.max_pixels < 1 or self.max_bytes < 1 or self.max_scans < 1:
+            raise ConfigError(
+                f"max_pixels, max_bytes and max_scans must be >= 1, got "
+                f"{self.max_pixels}, {self.max_bytes}, {self.max_scans}"
+            )
 
     @property
     def channels(self) -> int:
@@ -281,7 +248,7 @@ class ImageBuckets:
 
     def pick(self, data: bytes | str | None) -> str:
         try:
-            _, width, height = image_header(_payload(data, 1 << 62))
+            width, height = image_info(_payload(data, 1 << 62)).size()
         except MediaError:
             return self.names[0]
         return self.names[int(np.abs(self._log_aspects - math.log(width / height)).argmin())]
@@ -324,12 +291,15 @@ class ImagePreprocessOp:
                 try:
                     data = _payload(payloads[i], spec.max_bytes)
                     nbytes += len(data)
-                    _, width, height = image_header(data)
+                    head = image_info(data, max_scans=spec.max_scans)
+                    width, height = head.size(spec.exif_orientation)
                     img = decode_image(
                         data,
+                        info=head,
                         max_pixels=spec.max_pixels,
                         color=spec.color,
                         at_least=self._needed(height, width),
+                        exif_orientation=spec.exif_orientation,
                     )
                     info[i] = self._fit(img, pixels[i], height, width)
                 except MediaError as exc:

@@ -1,4 +1,8 @@
-"""What the image and audio operators share: the counters of their work and the threads they decode on.
+"""What the image and audio operators share: their error, their counters and the threads they decode on.
+
+``MediaError`` is an input that cannot be decoded; its message is the dead letter's reason, in
+plain words (``plain`` takes out what a library's message says about Python objects, such as
+``<_io.BytesIO object at 0x...>``).
 
 ``MediaCounters`` is kept by an image or audio step's spec and read off the graph as metrics
 (``aisp.observe.operator_counters``): items decoded and refused, bytes in, seconds spent
@@ -10,6 +14,7 @@ libsndfile and soxr release the GIL while they work, so one step's rows decode o
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -21,9 +26,35 @@ import pyarrow as pa
 from aisp.batch import Batch
 from aisp.transform.operators import OperatorContext
 
-__all__ = ["MediaCounters", "cores", "dead_letter_rows", "run_sliced", "samples_column"]
+__all__ = [
+    "MediaCounters",
+    "MediaError",
+    "cores",
+    "dead_letter_rows",
+    "plain",
+    "run_sliced",
+    "samples_column",
+]
 
 T = TypeVar("T")
+
+_OBJECT = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>|\b0x[0-9a-fA-F]{6,}\b")
+
+
+class MediaError(ValueError):
+    """An input that cannot be decoded; the message is the dead letter's reason."""
+
+
+def plain(message: str) -> str:
+    """A library's error message fit for a reason: without the reprs and addresses of Python
+    objects (``Error opening <_io.BytesIO object at 0x7f...>: ...`` -> ``Error opening the
+    input: ...``), spaces collapsed and the trailing full stop dropped.
+
+    >>> plain("Error opening <_io.BytesIO object at 0x7f85a071a660>: Format not recognised.")
+    'Error opening the input: Format not recognised'
+    """
+    text = " ".join(_OBJECT.sub("the input", message).split())
+    return text.rstrip(".") or "unknown error"
 
 
 def cores() -> int:
