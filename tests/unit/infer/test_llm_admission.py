@@ -22,6 +22,7 @@ from aisp.errors import ConfigError
 from aisp.infer.llm import Generation, OpenAIClient
 from aisp.infer.llm_admission import LlmSlo, Load, RecentTimes, TtftPredictor
 from aisp.infer.llm_stage import LlmSpec, LlmStage
+from aisp.observe.llm_metrics import llm_families
 
 MS = 1_000_000
 
@@ -223,6 +224,8 @@ def test_after_one_slow_first_answer_a_request_sent_after_the_retry_after_is_adm
             break
     assert s.refusal(1) is None and s.refusal(1) is None  # the slow answer forgotten: two at once
     assert answered >= 2 and not step.dead
+    probes = {f.name: f for f in llm_families({"llm": s})}["aisp_llm_probes"]
+    assert [x.value for x in probes.samples] == [s.stats.probes] and s.stats.probes >= 1
 
 
 @settings(max_examples=40, deadline=None)
