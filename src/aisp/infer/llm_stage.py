@@ -238,7 +238,8 @@ class LlmStage:
         target; None admits it, and it counts as one request on its way (a served pipeline's
         admission, before its rows start through the pipeline; a request counts as one, whatever
         its rows) until ``release(first_id)``, until one of its events (ids ``first_id`` to
-        ``first_id + rows``) comes, or for a second."""
+        ``first_id + rows``) comes, or for a second (twice what events take to reach the step,
+        if longer)."""
         now = self._clock()
         load = self._load(now, on_the_way=True)
         over = self.predictor.over(load, None, now)
@@ -246,13 +247,14 @@ class LlmStage:
             over = None
             self.stats.probes += 1
         if over is None:
+            before = self.predictor.upstream.quantile(self.spec.slo.quantile, now) or 0
             with self._lock:
                 if first_id is None:
                     self._unkeyed -= 1
                     key, lo, hi = self._unkeyed, -1, -1
                 else:
                     key, lo, hi = first_id, first_id, first_id + rows
-                self._reserved[key] = (lo, hi, now + _RESERVE_NS)
+                self._reserved[key] = (lo, hi, now + max(_RESERVE_NS, 2 * before))
             return None
         self.stats.refused += rows
         retry = self.predictor.retry_after_ns(load, None, now)
