@@ -38,6 +38,18 @@ def texts(values: list[str], answers: list[float] | None = None) -> Batch:
     return Batch.from_columns(cols)
 
 
+def test_an_answer_larger_than_the_bound_is_not_stored_and_evicts_nothing(namespace: str) -> None:
+    cache = ResponseCache(["text"], ["score"], redis=URL, namespace=namespace, max_bytes=1000)
+    cache.store(texts([f"q{i}" for i in range(20)], [float(i) for i in range(20)]))
+    store = RedisStore(URL, namespace, 1000, 60.0, cache.bloom)
+    assert len(store) == 20
+    huge = [b"z" * 5000]
+    assert store.put([123], huge) == 0  # the store itself refuses it: nothing evicted
+    assert len(store) == 20 and store.get([123]) == [None] and store.bytes <= 1000
+    cache.store(Batch.from_columns({"text": pa.array(["big"]), "score": pa.array(["w" * 5000])}))
+    assert cache.stats()["too_large"] == 1 and cache.stats()["entries"] == 20
+
+
 def mget_calls(r: Any) -> int:
     return int(r.info("commandstats").get("cmdstat_mget", {}).get("calls", 0))
 

@@ -13,7 +13,8 @@ puts either around model steps of a pipeline:
                                              -> miss -> model steps -> {step}.store -^
 
 Each row out has ``cached`` (true when its answer came from the cache). ``stats()`` gives hits,
-misses, Bloom negatives, lookups, evictions, entries and bytes.
+misses, Bloom negatives, lookups, evictions, answers not stored for being larger than the whole
+bound (``too_large``), entries and bytes.
 """
 
 from __future__ import annotations
@@ -116,9 +117,12 @@ class LocalStore:
         return out
 
     def put(self, keys: list[int], blobs: list[bytes]) -> int:
-        """Store; the number of answers evicted to stay under the bound."""
+        """Store (an answer larger than ``max_bytes`` is not: it would evict every other one and
+        then itself); the number of answers evicted to stay under the bound."""
         expires = self._clock() + self.ttl_s
         for key, blob in zip(keys, blobs, strict=True):
+            if len(blob) > self.max_bytes:
+                continue
             old = self._entries.pop(key, None)
             if old is not None:
                 self.bytes -= len(old[1])
@@ -181,6 +185,8 @@ class ResponseCache:
         self._lock = threading.Lock()
         self._enc, self._dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
         self.hits = self.misses = self.bloom_negatives = self.lookups = self.evictions = 0
+        self.too_large = 0
+        """Answers not stored: each larger than ``max_bytes`` on its own."""
 
     def keys(self, batch: Batch) -> npt.NDArray[np.uint64]:
         """Each row's key: a 64-bit hash of its input values."""
@@ -206,9 +212,14 @@ class ResponseCache:
         return found
 
     def put(self, keys: npt.NDArray[np.uint64], blobs: list[bytes]) -> None:
-        """Store ``blobs`` under ``keys``."""
+        """Store ``blobs`` under ``keys``; one larger than ``max_bytes`` is not stored (counted in
+        ``too_large``): it would evict every other answer."""
+        fits = [len(b) <= self.max_bytes for b in blobs]
+        kept = [int(k) for k, ok in zip(keys.tolist(), fits, strict=True) if ok]
         with self._lock:
-            self.evictions += self._store.put([int(k) for k in keys.tolist()], blobs)
+            self.too_large += len(blobs) - len(kept)
+            if kept:
+                self.evictions += self._store.put(kept, [b for b, ok in zip(blobs, fits, strict=True) if ok])
 
     def lookup(self, batch: Batch) -> Batch:
         """``batch`` with the stored answers of the rows that have one and ``HIT`` marking them."""
@@ -232,8 +243,8 @@ class ResponseCache:
         with self._lock:
             return {
                 "hits": self.hits, "misses": self.misses, "bloom_negatives": self.bloom_negatives,
-                "lookups": self.lookups, "evictions": self.evictions, "entries": len(self._store),
-                "bytes": int(self._store.bytes),
+                "lookups": self.lookups, "evictions": self.evictions, "too_large": self.too_large,
+                "entries": len(self._store), "bytes": int(self._store.bytes),
             }  # fmt: skip
 
     def close(self) -> None:

@@ -2,9 +2,10 @@
 
 Under ``NS``: ``NS:a:KEY`` holds an answer (with a TTL, ``PX``), the sorted set ``NS:lru`` each
 key's last use (Redis ``TIME``), the hash ``NS:size`` its size and ``NS:bytes`` their sum; a store
-runs one Lua script that writes the answers and evicts the least recently used keys while the
-sum is over the bound, so several writers keep one bound. Answers that expired stay counted
-until they are evicted (the bound is then kept with room to spare, never exceeded).
+runs one Lua script that writes the answers (not one larger than the bound on its own) and evicts
+the least recently used keys while the sum is over the bound, so several writers keep one bound.
+Answers that expired stay counted until they are evicted (the bound is then kept with room to
+spare, never exceeded).
 
 The Bloom filter is shared too: a store sets its keys' bits in the bitmap ``NS:bloom`` (the
 filter's words, little-endian, so ``GET`` gives them back as they are laid out in memory), and
@@ -36,12 +37,14 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local added = 0
 for i = 4, #ARGV, 2 do
   local k, blob = ARGV[i], ARGV[i + 1]
-  local old = redis.call('HGET', KEYS[2], k)
-  if old then added = added - tonumber(old) end
-  redis.call('SET', prefix .. k, blob, 'PX', ttl)
-  redis.call('ZADD', KEYS[1], now, k)
-  redis.call('HSET', KEYS[2], k, #blob)
-  added = added + #blob
+  if #blob <= maxb then
+    local old = redis.call('HGET', KEYS[2], k)
+    if old then added = added - tonumber(old) end
+    redis.call('SET', prefix .. k, blob, 'PX', ttl)
+    redis.call('ZADD', KEYS[1], now, k)
+    redis.call('HSET', KEYS[2], k, #blob)
+    added = added + #blob
+  end
 end
 local total = redis.call('INCRBY', KEYS[3], added)
 local evicted = 0

@@ -10,20 +10,24 @@ included),
 ``endpoint``. A row whose generation fails goes to the dead letters with the cause.
 
 Admission keeps the time to first token (TTFT, from the event's ingest) under
-``LlmSlo.ttft_ms``: from the time the event has spent (or recently took) reaching the step, the
-requests running (their expected ends), those queued ahead, and the recent generation times and
-times to a first token (p90), it predicts each event's TTFT; one that would miss the target is
-not queued. A higher-tier arrival takes the place of the lowest-tier request queued (which is shed),
-a served pipeline refuses the request before it starts (``refusal``: 429 with ``Retry-After``),
-and a request that waited past the target anyway is shed before it starts. ``LlmSlo.jitter``
-bounds the gaps' jitter: while recent requests' jitter is over it, the step runs fewer
-generations at a time (down to one), and more again once it is well under.
+``LlmSlo.ttft_ms`` at p99 (``aisp.infer.llm_admission``): from the time the event has spent (or
+recently took) reaching the step, the requests running (their expected ends), those queued or on
+their way ahead, and the recent generation times and times to a first token (their p99, each
+counting for ``LlmSlo.memory_s``), it predicts each event's TTFT; one that would miss the target is
+not queued, unless the step has been idle for ``LlmSlo.probe_ms`` (one is then admitted as a
+probe, so the estimate learns again). A higher-tier arrival takes the place of the lowest-tier
+request queued (which is shed), a served pipeline refuses the request before it starts
+(``refusal``: 429 with a ``Retry-After`` after which the same request would be admitted), and a
+queued request whose wait reaches the target is shed then (a timer, not the next free slot).
+``LlmSlo.jitter`` bounds the gaps' jitter: while recent requests' jitter is over it, the step runs
+fewer generations at a time (down to one), and more again once it is well under.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -37,6 +41,7 @@ import pyarrow as pa
 from aisp.batch import ID, INGEST_NS, PARTIAL, TIER, Batch
 from aisp.errors import ConfigError
 from aisp.infer.llm import Generation, LlmClient, LlmError
+from aisp.infer.llm_admission import LlmSlo, Load, TtftPredictor
 from aisp.observe.latency import LatencyHistogram
 
 __all__ = ["LlmSlo", "LlmSpec", "LlmStage", "LlmStats"]
@@ -44,22 +49,8 @@ __all__ = ["LlmSlo", "LlmSpec", "LlmStage", "LlmStats"]
 log = logging.getLogger("aisp.llm")
 
 _MS = 1_000_000
+_RESERVE_NS = 1_000_000_000  # how long an admitted request counts as on its way at most
 _PIECE_COLUMNS = [ID, INGEST_NS, "token", PARTIAL]
-
-
-@dataclass(frozen=True, kw_only=True)
-class LlmSlo:
-    """Targets admission enforces (None: not enforced)."""
-
-    ttft_ms: float | None = None
-    """Time to first token at p99, from the event's ingest: what its client waits, the steps
-    before this one and the queueing here included."""
-    jitter: float | None = None
-    """Jitter of the gaps between pieces (stdev / mean), averaged over recent requests."""
-    margin: float = 0.9
-    """Admit only when the predicted TTFT is within this share of the target."""
-    window: int = 32
-    """Recent requests the estimates and the jitter control look at."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,11 +89,9 @@ class LlmStats:
         self.shed: dict[str, int] = {}
         self.refused = 0
         """Rows a served pipeline refused before they reached the step (``refusal``)."""
+        self.probes = 0
+        """Requests admitted as probes (the step idle, whatever the prediction)."""
         self.recent_jitter: deque[float] = deque(maxlen=window)
-        self.recent_generation_ns: deque[int] = deque(maxlen=window)
-        self.recent_first_ns: deque[int] = deque(maxlen=window)
-        self.recent_upstream_ns: deque[int] = deque(maxlen=window)
-        """Ingest -> arrival at the step: the time the steps before it take."""
         self.recent_rates: deque[float] = deque(maxlen=window)
 
     @property
@@ -163,7 +152,12 @@ class LlmStage:
         self._running: dict[int, int] = {}  # seq -> sent_ns
         self._seq = 0
         self._feeding = 0  # rows fed, not yet on the loop
-        self._reserved: deque[int] = deque()  # when each request ``refusal`` admitted stops counting
+        self.predictor = TtftPredictor(spec.slo)
+        self._reserved: dict[int, tuple[int, int, int]] = {}  # key -> (first id, end id, until ns)
+        self._unkeyed = 0  # keys of admissions without event ids (-1, -2, ...)
+        self._last_end_ns: int | None = None  # when the last generation ended
+        self._sweep: asyncio.TimerHandle | None = None
+        self._sweep_at = 0
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -212,62 +206,79 @@ class LlmStage:
         while self._queued or self._running or self._feeding:
             self._idle = asyncio.Event()
             await self._idle.wait()
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         await self.client.aclose()
         await asyncio.get_running_loop().shutdown_asyncgens()
 
     # -- admission --------------------------------------------------------------------------------
-    def predict_ttft_ns(self, ahead: int, elapsed_ns: int | None = None) -> int | None:
-        """The TTFT of an event with ``ahead`` requests before it (queued or on their way) and
-        ``elapsed_ns`` since its ingest (None: one not yet through the steps before this one,
-        which recently took their p90); None while nothing has been measured."""
-        gen, first = self.stats.recent_generation_ns, self.stats.recent_first_ns
-        if not gen or not first:
-            return None
-        service = int(np.percentile(list(gen), 90))
-        first_ns = int(np.percentile(list(first), 90))
-        if elapsed_ns is None:
-            upstream = list(self.stats.recent_upstream_ns)
-            elapsed_ns = int(np.percentile(upstream, 90)) if upstream else 0
-        now = self._clock()
-        limit = max(1, self.limit)
-        ends = sorted(max(0, service - (now - sent)) for sent in list(self._running.values()))
-        ends = ([0] * max(0, limit - len(ends)) + ends)[:limit]
-        wait = ends[ahead % limit] + (ahead // limit) * service
-        return elapsed_ns + wait + first_ns
-
-    def _ahead(self) -> int:
-        """Requests a new arrival would wait behind (beyond the free slots)."""
-        now = self._clock()
-        with self._lock:
-            while self._reserved and self._reserved[0] < now:
-                self._reserved.popleft()
-            reserved = len(self._reserved)
-        return max(0, self._queued + self._feeding + reserved + len(self._running) - self.limit)
-
-    def _over(self, ahead: int, elapsed_ns: int | None = None) -> tuple[int, int] | None:
-        """(predicted, target) in ns when an event ``ahead`` would miss its TTFT target."""
-        target = self.spec.slo.ttft_ms
-        if target is None:
-            return None
-        predicted = self.predict_ttft_ns(ahead, elapsed_ns)
-        if predicted is None:  # nothing measured yet: only as many as run at once may wait
-            return (int(target * _MS) + 1, int(target * _MS)) if ahead >= self.limit else None
-        allowed = int(target * self.spec.slo.margin * _MS)
-        return (predicted, int(target * _MS)) if predicted > allowed else None
-
-    def refusal(self, rows: int) -> tuple[float, str] | None:
-        """(retry after seconds, why) when a request of ``rows`` events would miss the TTFT
-        target; None admits it, and it counts as one request on its way for a second (a served
-        pipeline's admission, before the rows start through the pipeline, where some may not
-        reach this step: a request counts as one, whatever its rows)."""
-        over = self._over(self._ahead())
-        if over is None:
+    def _load(self, now: int, *, on_the_way: bool) -> Load:
+        """What the step is doing at ``now``: with ``on_the_way``, the rows fed and the requests
+        admitted (``refusal``) that have not come yet count as waiting."""
+        waiting, until = self._queued, tuple[int, ...]()
+        if on_the_way:
             with self._lock:
-                self._reserved.append(self._clock() + 1_000_000_000)
+                for key in [k for k, (_, _, u) in self._reserved.items() if u <= now]:
+                    del self._reserved[key]
+                until = tuple(u for _, _, u in self._reserved.values())
+                waiting += self._feeding + len(until)
+        running = tuple(self._running.values())
+        return Load(running, waiting, self.limit, until, None if running else self._last_end_ns)
+
+    def predict_ttft_ns(self, elapsed_ns: int | None = None) -> int | None:
+        """The TTFT of an event arriving now, behind the requests queued and on their way, and
+        ``elapsed_ns`` since its ingest (None: one not yet through the steps before this one,
+        which recently took their p99); None while nothing measured counts."""
+        now = self._clock()
+        return self.predictor.predict_ns(self._load(now, on_the_way=True), elapsed_ns, now)
+
+    def refusal(self, rows: int, *, first_id: int | None = None) -> tuple[float, str] | None:
+        """(retry after seconds, why) when a request of ``rows`` events would miss the TTFT
+        target; None admits it, and it counts as one request on its way (a served pipeline's
+        admission, before its rows start through the pipeline; a request counts as one, whatever
+        its rows) until ``release(first_id)``, until one of its events (ids ``first_id`` to
+        ``first_id + rows``) comes, or for a second (twice what events take to reach the step,
+        if longer)."""
+        now = self._clock()
+        load = self._load(now, on_the_way=True)
+        over = self.predictor.over(load, None, now)
+        if over is not None and self.predictor.may_probe(load, now):
+            over = None
+            self.stats.probes += 1
+        if over is None:
+            before = self.predictor.upstream.quantile(self.spec.slo.quantile, now) or 0
+            with self._lock:
+                if first_id is None:
+                    self._unkeyed -= 1
+                    key, lo, hi = self._unkeyed, -1, -1
+                else:
+                    key, lo, hi = first_id, first_id, first_id + rows
+                self._reserved[key] = (lo, hi, now + max(_RESERVE_NS, 2 * before))
             return None
         self.stats.refused += rows
-        predicted, target = over
-        return max(0.05, (predicted - target) / 1e9), _over_target(predicted, target)
+        retry = self.predictor.retry_after_ns(load, None, now)
+        retry_s = 0.05 if retry is None else max(0.001, math.ceil(retry / 1e6) / 1e3)
+        return retry_s, _over_target(*over)
+
+    def release(self, first_id: int) -> None:
+        """The request admitted with ``first_id`` is no longer on its way to this step (its
+        events came to their end elsewhere, or it was not taken after all)."""
+        with self._lock:
+            self._reserved.pop(first_id, None)
+
+    def _came(self, ids: np.ndarray[Any, Any]) -> None:
+        """Events ``ids`` came: the admissions they belong to no longer count as on their way."""
+        ordered = np.sort(ids)
+        with self._lock:
+            for key, (lo, hi, _) in list(self._reserved.items()):
+                if lo >= 0:
+                    i = int(np.searchsorted(ordered, lo))
+                    if i < ordered.size and ordered[i] < hi:
+                        del self._reserved[key]
+            unkeyed = sorted((k for k, (lo, _, _) in self._reserved.items() if lo < 0), reverse=True)
+            for key in unkeyed[: ids.size]:  # admitted without ids: the oldest ones first
+                del self._reserved[key]
 
     # -- the loop's side --------------------------------------------------------------------------
     def _arrive(self, batch: Batch) -> None:
@@ -275,23 +286,27 @@ class LlmStage:
         now = self._clock()
         with self._lock:
             self._feeding -= n
-            for _ in range(min(n, len(self._reserved))):  # admitted rows no longer on their way
-                self._reserved.popleft()
+        ids = batch.ids
+        self._came(ids)
         prompts = batch.pylist(self.spec.prompt)
         tiers = batch.meta(TIER).tolist()
-        born, ids = batch.numpy(INGEST_NS).tolist(), batch.ids.tolist()
+        born, id_list = batch.numpy(INGEST_NS).tolist(), ids.tolist()
         self.stats.requests += n
         for i, (prompt, tier) in enumerate(zip(prompts, tiers, strict=True)):
             self._seq += 1
             text = "" if prompt is None else str(prompt)
-            req = _Request(batch.slice(i, 1), text, tier, now, born[i], ids[i], self._seq)
-            self.stats.recent_upstream_ns.append(max(0, now - born[i]))
+            req = _Request(batch.slice(i, 1), text, tier, now, born[i], id_list[i], self._seq)
+            self.predictor.upstream.add(now, max(0, now - born[i]))
             self._admit(req)
         self._pump()
 
     def _admit(self, req: _Request) -> None:
-        ahead = max(0, self._queued + len(self._running) - self.limit)
-        over = self._over(ahead, self._clock() - req.born_ns)
+        now = self._clock()
+        load = self._load(now, on_the_way=False)
+        over = self.predictor.over(load, now - req.born_ns, now)
+        if over is not None and self.predictor.may_probe(load, now):
+            over = None
+            self.stats.probes += 1
         full = self._queued >= self.spec.max_queue
         if over is None and not full:
             self._enqueue(req)
@@ -311,6 +326,47 @@ class LlmStage:
     def _enqueue(self, req: _Request) -> None:
         self._queues.setdefault(req.tier, deque()).append(req)
         self._queued += 1
+        self._arm(req.born_ns)
+
+    def _arm(self, born_ns: int) -> None:
+        """Sweep the queue when a row born at ``born_ns`` reaches the TTFT target (if sooner
+        than the sweep set already)."""
+        target = self.spec.slo.ttft_ms
+        if target is None:
+            return
+        due = born_ns + int(target * _MS) + 1
+        if self._sweep is not None and self._sweep_at <= due:
+            return
+        if self._sweep is not None:
+            self._sweep.cancel()
+        delay_s = max(0.0, (due - self._clock()) / 1e9)
+        self._sweep_at = due
+        self._sweep = asyncio.get_running_loop().call_later(delay_s, self.sweep)
+
+    def sweep(self) -> None:
+        """Shed the queued rows whose wait reached the TTFT target (on the step's loop; a timer
+        calls it at the earliest such time)."""
+        self._sweep = None
+        target = self.spec.slo.ttft_ms
+        if target is None or not self._queued:
+            return
+        now, limit_ns = self._clock(), int(target * _MS)
+        earliest = None
+        for queue in self._queues.values():
+            for req in [r for r in queue if now - r.born_ns > limit_ns]:
+                queue.remove(req)
+                self._queued -= 1
+                self._shed_waited(req, now)
+            born = min((r.born_ns for r in queue), default=None)
+            if born is not None and (earliest is None or born < earliest):
+                earliest = born
+        if earliest is not None:
+            self._arm(earliest)
+        self._check_idle()
+
+    def _shed_waited(self, req: _Request, now: int) -> None:
+        waited, target = (now - req.born_ns) / _MS, self.spec.slo.ttft_ms or 0.0
+        self._shed(req, f"waited {waited:.0f} ms, past the TTFT target {target:.0f} ms", "waited")
 
     def _shed(self, req: _Request, reason: str, kind: str) -> None:
         self.stats.shed_one(kind)
@@ -325,8 +381,7 @@ class LlmStage:
             self._queued -= 1
             now = self._clock()
             if target is not None and now - req.born_ns > target * _MS:
-                waited = (now - req.born_ns) / _MS
-                self._shed(req, f"waited {waited:.0f} ms, past the TTFT target {target:.0f} ms", "waited")
+                self._shed_waited(req, now)
                 continue
             self.stats.queue.record_one(now - req.arrived_ns)
             self._running[req.seq] = self._clock()
@@ -359,6 +414,7 @@ class LlmStage:
             self._finished(req, gen)
         finally:
             self._running.pop(req.seq, None)
+            self._last_end_ns = self._clock()
             self._pump()
 
     def _piece(self, req: _Request, text: str) -> None:
@@ -396,8 +452,7 @@ class LlmStage:
         st.retries += gen.attempts - 1
         st.first_token.record_one(gen.first_ns - gen.sent_ns)
         st.generation.record_one(gen.done_ns - gen.sent_ns)
-        st.recent_first_ns.append(gen.first_ns - gen.sent_ns)
-        st.recent_generation_ns.append(gen.done_ns - gen.sent_ns)
+        self.predictor.record(self._clock(), gen.first_ns - gen.sent_ns, gen.done_ns - gen.sent_ns)
         gaps = np.asarray(req.gaps, dtype=np.float64)
         jitter = float(gaps.std() / gaps.mean()) if gaps.size >= 2 and gaps.mean() > 0 else 0.0
         rate = gaps.size / (gaps.sum() / 1e9) if gaps.size and gaps.sum() > 0 else 0.0

@@ -5,7 +5,8 @@ enough to its own, not only of one with equal inputs (a question asked in other 
 ``TextEncoder`` makes) and compares each looked-up row with all of them in one matrix product
 per batch: the best match at or above ``threshold`` (cosine similarity) is a hit, and its score
 goes on the row (``cache_score``). Answers expire after ``ttl_s``; the vectors and answers stay
-under ``max_bytes`` together, the least recently used first out. It has the lookup and store of
+under ``max_bytes`` together, the least recently used first out (an answer larger than that on
+its own is not stored: ``too_large``). It has the lookup and store of
 ``ResponseCache``, so ``cached`` puts it around model steps the same way; there is no Bloom
 filter (a similarity has no key to test), so every row of a non-empty cache is compared
 (``lookups``).
@@ -63,6 +64,8 @@ class SemanticCache:
         self._lock = threading.Lock()
         self._enc, self._dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
         self.hits = self.misses = self.lookups = self.evictions = 0
+        self.too_large = 0
+        """Answers not stored: each (with its vector) larger than ``max_bytes`` on its own."""
 
     def _embeddings(self, batch: Batch) -> npt.NDArray[np.float32]:
         out: npt.NDArray[np.float32] = np.array(batch.numpy(self.column), dtype=np.float32).reshape(
@@ -99,8 +102,11 @@ class SemanticCache:
         if batch.num_rows:
             vectors = self._embeddings(batch)
             blobs = encode_answers(self._enc, batch, self.outputs)
+            fits = np.array([len(b) + vectors.shape[1] * 4 <= self.max_bytes for b in blobs], dtype=bool)
             with self._lock:
-                self._add(vectors, blobs)
+                self.too_large += int((~fits).sum())  # one alone would evict every other answer
+                if fits.any():
+                    self._add(vectors[fits], [b for b, ok in zip(blobs, fits.tolist(), strict=True) if ok])
         return batch.drop([KEY]).with_columns({"cached": np.zeros(batch.num_rows, dtype=bool)})
 
     def _add(self, vectors: npt.NDArray[np.float32], blobs: list[bytes]) -> None:
@@ -153,5 +159,6 @@ class SemanticCache:
         with self._lock:
             return {
                 "hits": self.hits, "misses": self.misses, "bloom_negatives": 0, "lookups": self.lookups,
-                "evictions": self.evictions, "entries": len(self._answers), "bytes": self._bytes,
+                "evictions": self.evictions, "too_large": self.too_large, "entries": len(self._answers),
+                "bytes": self._bytes,
             }  # fmt: skip

@@ -10,6 +10,8 @@
   ``aisp_llm_tokens_total{stage}``.
 * ``aisp_llm_requests_total{stage, outcome}``: completed, failed, refused (by a served
   pipeline's admission) and shed_<why> (``ttft_slo``, ``tier``, ``queue_full``, ``waited``).
+* ``aisp_llm_probes_total{stage}``: requests admitted as probes (the step idle for
+  ``LlmSlo.probe_ms``, whatever the prediction).
 * ``aisp_llm_running{stage}``, ``aisp_llm_queued{stage}``, ``aisp_llm_limit{stage}``
   (generations at a time) and ``aisp_llm_slo{stage, target}`` (``ttft_seconds``, ``jitter``).
 """
@@ -61,6 +63,8 @@ def llm_families(stages: Mapping[str, Any]) -> Iterator[Any]:
     slo = GaugeMetricFamily("aisp_llm_slo", "An LLM step's targets", labels=["stage", "target"])
     tokens = CounterMetricFamily("aisp_llm_tokens", "Pieces of text streamed", labels=["stage"])
     requests = CounterMetricFamily("aisp_llm_requests", "Requests by outcome", labels=["stage", "outcome"])
+    probes = CounterMetricFamily("aisp_llm_probes", "Requests admitted as probes of an idle step",
+                                 labels=["stage"])  # fmt: skip
     for sid, stage in stages.items():
         st = stage.stats
         for key, value in (("jitter", st.jitter), ("rate", st.tokens_per_s), ("running", stage.running),
@@ -71,8 +75,9 @@ def llm_families(stages: Mapping[str, Any]) -> Iterator[Any]:
         if stage.spec.slo.jitter is not None:
             slo.add_metric([sid, "jitter"], stage.spec.slo.jitter)
         tokens.add_metric([sid], st.tokens)
+        probes.add_metric([sid], st.probes)
         for outcome, n in (("completed", st.completed), ("failed", st.failed), ("refused", st.refused)):
             requests.add_metric([sid, outcome], n)
         for why, n in sorted(st.shed.items()):
             requests.add_metric([sid, f"shed_{why}"], n)
-    yield from (*gauges.values(), slo, tokens, requests)
+    yield from (*gauges.values(), slo, tokens, requests, probes)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import msgspec
@@ -20,6 +20,7 @@ import numpy.typing as npt
 
 from aisp.batch import Batch
 from aisp.errors import Overloaded
+from aisp.infer.llm_stage import LlmStage
 from aisp.schedule.ratelimit import Limiter
 from aisp.serve.models import ModelServer
 from aisp.serve.oip import InferRequest, Signature, check_request
@@ -87,6 +88,20 @@ def _pauses() -> Iterator[float]:
         pause = min(pause * 2, 0.005)
 
 
+def _release_when_done(chunk: Chunk, release: Callable[[], None]) -> None:
+    """Call ``release`` (as well as the chunk's own ``notify``) once every event of ``chunk``
+    is done."""
+    notify = chunk.notify
+
+    def done() -> None:
+        if chunk.prefix == chunk.n:
+            release()
+        if notify is not None:
+            notify()
+
+    chunk.notify = done
+
+
 class PipelineAdmission:
     """Admission of a served pipeline's events, the same for every transport.
 
@@ -129,23 +144,42 @@ class PipelineAdmission:
             )
         return wait
 
-    def _llm_check(self, rows: int, first: bool) -> None:
+    def _llm_check(self, batch: Batch | None, chunk: Chunk | None, first: bool) -> Callable[[], None] | None:
         """A first chunk that an LLM step predicts would miss its time-to-first-token target
-        is refused before it starts (``LlmStage.refusal``)."""
-        if not first or not rows:
-            return
-        for step, stage in self.service.executor.llm_stages.items():
-            refused = stage.refusal(rows)
+        is refused before it starts (``LlmStage.refusal``). One let in counts as on its way to
+        each LLM step until its events come there or come to their end elsewhere (its chunk is
+        done: it holds no place for the LLM); the function returned takes it off (the chunk was
+        not taken after all)."""
+        stages = self.service.executor.llm_stages
+        if not first or batch is None or not batch.num_rows or not stages:
+            return None
+        rows, first_id = batch.num_rows, int(batch.ids[0])
+        admitted: list[LlmStage] = []
+        for step, stage in stages.items():
+            refused = stage.refusal(rows, first_id=first_id)
             if refused is not None:
+                for taken in admitted:
+                    taken.release(first_id)
                 self.service.refused(rows)
                 retry, why = refused
                 raise Overloaded(
                     f"pipeline {self.service.name!r}: LLM step {step!r}: {why}; retry in {retry:.2f} s",
                     retry_after_s=retry,
                 )
+            admitted.append(stage)
 
-    def _give_up(self, rows: int, first: bool, deadline: float) -> None:
+        def release() -> None:
+            for stage in admitted:
+                stage.release(first_id)
+
+        if chunk is not None:
+            _release_when_done(chunk, release)
+        return release
+
+    def _give_up(self, rows: int, first: bool, deadline: float, release: Callable[[], None] | None) -> None:
         if first and time.monotonic() >= deadline:
+            if release is not None:
+                release()
             self.service.refused(rows)
             raise Overloaded(
                 f"pipeline {self.service.name!r} is overloaded: its admission queue is full; retry later"
@@ -162,12 +196,12 @@ class PipelineAdmission:
         while wait:  # a later chunk of a stream waits for the controlled rate
             await asyncio.sleep(wait)
             wait = self._control_wait(rows, first, again=True)
-        self._llm_check(rows, first)
+        release = self._llm_check(batch, chunk, first)
         deadline = time.monotonic() + self.wait_s
         for pause in _pauses():
             if self.service.offer(batch, chunk):
                 return
-            self._give_up(rows, first, deadline)
+            self._give_up(rows, first, deadline, release)
             await asyncio.sleep(pause)
 
     def admit(
@@ -191,12 +225,14 @@ class PipelineAdmission:
             if stop.wait(wait):
                 return False
             wait = self._control_wait(rows, first, again=True)
-        self._llm_check(rows, first)
+        release = self._llm_check(batch, chunk, first)
         deadline = time.monotonic() + self.wait_s
         for pause in _pauses():
             if self.service.offer(batch, chunk):
                 return True
-            self._give_up(rows, first, deadline)
+            self._give_up(rows, first, deadline, release)
             if stop.wait(pause):
+                if release is not None:
+                    release()
                 return False
         raise AssertionError("unreachable")  # _pauses never ends

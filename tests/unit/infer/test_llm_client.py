@@ -1,19 +1,16 @@
-"""The OpenAI-compatible client's request bodies and stream parsing, and the LLM step's TTFT
-prediction and admission (no server: the parts that are pure functions of their inputs)."""
+"""The OpenAI-compatible client's request bodies and stream parsing (no server: the parts that are
+pure functions of their inputs). The LLM step's admission: ``test_llm_admission``."""
 
 from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aisp.batch import Batch
 from aisp.errors import ConfigError
 from aisp.infer.llm import LlmError, OpenAIClient, _Stream
-from aisp.infer.llm_stage import LlmSlo, LlmSpec, LlmStage
 
 MS = 1_000_000
 
@@ -89,51 +86,3 @@ def test_any_json_value_in_the_stream_is_taken_or_refused(value: object) -> None
         state.take(b"data: " + json.dumps(value).encode(), "chat", lambda _: None)
     except LlmError:
         pass
-
-
-def stage(slo: LlmSlo, now: list[int]) -> LlmStage:
-    spec = LlmSpec(client=OpenAIClient("http://127.0.0.1:9"), slo=slo)
-    return LlmStage(spec, emit=lambda b: None, emit_made=lambda b: None, dead_letter=lambda b, r: None,
-                    clock=lambda: now[0])  # fmt: skip
-
-
-def test_ttft_prediction_from_running_requests_and_recent_times() -> None:
-    now = [10_000 * MS]
-    s = stage(LlmSlo(ttft_ms=1000.0), now)
-    assert s.predict_ttft_ns(0) is None  # nothing measured yet
-    s.stats.recent_generation_ns.extend([400 * MS] * 8)
-    s.stats.recent_first_ns.extend([50 * MS] * 8)
-    assert s.predict_ttft_ns(0) == 50 * MS  # a free slot: the server's first token
-    s._running[1] = now[0] - 100 * MS  # one slot, busy for 100 ms of its 400
-    assert s.predict_ttft_ns(0) == 300 * MS + 50 * MS
-    assert s.predict_ttft_ns(2) == 300 * MS + 2 * 400 * MS + 50 * MS
-
-
-def test_refusal_when_the_predicted_ttft_is_over_the_target_and_admitted_requests_count() -> None:
-    now = [10_000 * MS]
-    s = stage(LlmSlo(ttft_ms=1000.0, margin=0.9), now)
-    s.stats.recent_generation_ns.extend([400 * MS] * 8)
-    s.stats.recent_first_ns.extend([50 * MS] * 8)
-    s._running[1] = now[0]
-    assert s.refusal(1) is None  # waits 400 + 50 ms
-    assert s.refusal(1) is None  # behind one on its way: 850 ms
-    refused = s.refusal(1)  # 1250 ms > 900 ms
-    assert refused is not None and refused[0] > 0 and "over the target" in refused[1]
-    assert s.stats.refused == 1
-    now[0] += 1_100 * MS  # the admitted ones did not come within a second: no longer counted
-    s._running[1] = now[0]
-    assert s.refusal(1) is None
-
-
-def test_jitter_and_rate_of_recent_requests() -> None:
-    s = stage(LlmSlo(), [0])
-    assert s.stats.jitter == 0.0 and s.stats.tokens_per_s == 0.0
-    s.stats.recent_jitter.extend([0.1, 0.3])
-    assert s.stats.jitter == pytest.approx(0.2)
-
-
-def test_an_empty_batch_starts_nothing() -> None:
-    s = stage(LlmSlo(), [0])
-    s.feed(Batch.from_columns({"prompt": np.array([], dtype=object)}))
-    assert s._loop is None
-    s.close()

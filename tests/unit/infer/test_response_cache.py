@@ -3,6 +3,7 @@ no store lookup; answers expire after their TTL; the stored bytes stay under the
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -74,3 +75,38 @@ def test_a_cache_that_cannot_work_fails_where_declared() -> None:
         ResponseCache([], ["score"])
     with pytest.raises(ConfigError):
         ResponseCache(["text"], ["score"], max_bytes=0)
+
+
+def words(values: list[str], answers: list[str]) -> Batch:
+    return Batch.from_columns({"text": pa.array(values), "answer": pa.array(answers)})
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(64, 2000),
+    st.lists(st.integers(0, 3000), min_size=1, max_size=40),
+)
+def test_an_answer_larger_than_the_bound_is_not_stored_and_evicts_nothing(
+    max_bytes: int, sizes: list[int]
+) -> None:
+    cache = ResponseCache(["text"], ["answer"], max_bytes=max_bytes)
+    for i, size in enumerate(sizes):
+        before = cache.stats()
+        cache.store(words([f"q{i}"], ["x" * size]))
+        after = cache.stats()
+        assert cache.bytes <= max_bytes
+        if len(msgspec.msgpack.encode({"answer": "x" * size})) > max_bytes:  # too large on its own
+            assert after["entries"] == before["entries"] and after["evictions"] == before["evictions"]
+            assert after["too_large"] == before["too_large"] + 1
+            assert not cache.lookup(words([f"q{i}"], [""])).numpy(HIT).any()
+            continue
+        assert cache.lookup(words([f"q{i}"], [""])).numpy(HIT).all()  # what fits is stored
+
+
+def test_one_huge_answer_leaves_the_stored_ones_in_place() -> None:
+    cache = ResponseCache(["text"], ["answer"], max_bytes=10_000)
+    cache.store(words([f"q{i}" for i in range(100)], ["an answer"] * 100))
+    stored = cache.stats()["entries"]
+    cache.store(words(["huge"], ["y" * 20_000]))
+    assert cache.stats()["entries"] == stored == 100 and cache.stats()["too_large"] == 1
+    assert cache.stats()["evictions"] == 0

@@ -4,6 +4,7 @@ with the least recently used out first."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -98,3 +99,22 @@ def test_a_semantic_cache_that_cannot_work_fails_where_declared() -> None:
     cache.store(rows(np.ones((1, 4), dtype=np.float32), ["x"]))
     with pytest.raises(ConfigError):
         cache.store(rows(np.ones((1, 3), dtype=np.float32), ["y"]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 16), st.lists(st.integers(0, 4000), min_size=1, max_size=30))
+def test_an_answer_larger_than_the_bound_is_not_stored_and_evicts_nothing(dim: int, sizes: list[int]) -> None:
+    rng = np.random.default_rng(dim * 7 + len(sizes))
+    bound = 2000
+    cache = SemanticCache(["answer"], max_bytes=bound, threshold=0.999)
+    for size in sizes:
+        before = cache.stats()
+        vector = rng.normal(size=(1, dim)).astype(np.float32)
+        cache.store(rows(vector, ["x" * size]))
+        after = cache.stats()
+        assert cache.bytes <= bound
+        if len(msgspec.msgpack.encode({"answer": "x" * size})) + dim * 4 > bound:  # too large alone
+            assert after["too_large"] == before["too_large"] + 1
+            assert (after["entries"], after["evictions"]) == (before["entries"], before["evictions"])
+        else:
+            assert cache.lookup(rows(vector)).numpy(HIT).tolist() == [True]
