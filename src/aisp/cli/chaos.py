@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -144,3 +145,73 @@ def chaos_model(
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
     _report(report, json_out)
+
+
+def _workload(spec: str) -> Any:
+    """``NAME=PIPELINE,DATA[,KEY[,windows]]`` as a campaign workload."""
+    from aisp.faults.campaign import Workload
+
+    name, _, rest = spec.partition("=")
+    parts = rest.split(",") if rest else []
+    if not name or len(parts) < 2:
+        raise typer.BadParameter(f"a workload is NAME=PIPELINE,DATA[,KEY[,windows]], got {spec!r}")
+    key = ",".join(p for p in parts[2:] if p != "windows") or "id"
+    return Workload(
+        name=name, pipeline=parts[0], data=parts[1], key=key, partitioned="windows" not in parts[2:]
+    )
+
+
+@chaos_app.command("campaign")
+def chaos_campaign(
+    workload: Annotated[
+        list[str],
+        typer.Option(
+            help="NAME=PIPELINE,DATA[,KEY...][,windows]: a pipeline file, its JSON-lines events and the"
+            " output fields naming a row (default id); 'windows': its output depends on how"
+            " partitions interleave (one input partition). Repeat for several."
+        ),
+    ],
+    cases: Annotated[int, typer.Option(help="Cases to draw.")] = 50,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed of the draw (default: a random one, printed).")
+    ] = None,
+    replay: Annotated[
+        list[int] | None, typer.Option(help="Run only the case of this seed (from a report); repeatable.")
+    ] = None,
+    via: Annotated[
+        list[str] | None, typer.Option(help="Connectors to draw from (default: all four).")
+    ] = None,
+    rate: Annotated[float, typer.Option(help="Pace the input (events/s) so kills land mid-run.")] = 4000,
+    out: Annotated[
+        str, typer.Option(help="Where the report (campaign.json, campaign.md) goes.")
+    ] = "out/chaos-campaign",
+) -> None:
+    """Kill scenarios drawn at random (connectors, partitions, groups, transactional outputs, state
+    in changelog topics, 1-8 kills at random moments), each checked against an uninterrupted run;
+    writes a report of every case, its seed and its recovery times. Exit 1 when a case failed."""
+    from aisp.faults.campaign import VIAS, draw_case, draw_cases, run_campaign
+
+    loads = [_workload(w) for w in workload]
+    vias = via or list(VIAS)
+    if replay:
+        drawn = [draw_case(s, loads, vias) for s in replay]
+    else:
+        seed = seed if seed is not None else random.randrange(2**31)
+        print(f"campaign seed {seed}: {cases} cases (replay one with --replay CASE_SEED)")
+        drawn = draw_cases(seed, cases, loads, vias)
+
+    def show(result: Any) -> None:
+        verdict = "pass" if result.passed else "FAIL"
+        detail = result.report.to_dict() if result.report else result.error
+        print(f"{verdict} {result.case.describe()} in {result.seconds:.0f} s: {detail}", flush=True)
+
+    try:
+        results = run_campaign(drawn, loads, out, rate=rate, on_case=show)
+    except AispError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    failed = [r.case.seed for r in results if not r.passed]
+    print(f"{len(results) - len(failed)} of {len(results)} cases passed; report in {out}/campaign.md")
+    if failed:
+        print("failed case seeds: " + " ".join(map(str, failed)))
+        raise typer.Exit(1)

@@ -23,6 +23,7 @@ recover (from the restart to its first new checkpoint).
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -130,14 +131,31 @@ def _newest_checkpoint(directory: Path) -> str:
 
 
 def _compare(reference: list[bytes], outputs: list[bytes], key: str) -> tuple[int, int, int]:
-    """(lost, duplicates, wrong values) of ``outputs`` against ``reference``, rows keyed by ``key``."""
-    expected = {json.loads(x)[key]: json.loads(x) for x in reference}
+    """(lost, duplicates, wrong values) of ``outputs`` against ``reference``, rows named by the
+    field ``key`` (or the fields, comma-separated)."""
+    fields = key.split(",")
+
+    def name(row: dict[str, Any]) -> Any:
+        return row[key] if len(fields) == 1 else tuple(row[f] for f in fields)
+
+    expected = {name(r): r for r in map(json.loads, reference)}
     rows = [json.loads(x) for x in outputs]
-    counts = Counter(r[key] for r in rows)
+    counts = Counter(name(r) for r in rows)
     lost = sum(1 for k in expected if k not in counts)
     duplicates = sum(n - 1 for n in counts.values() if n > 1)
-    wrong = sum(1 for r in rows if r[key] not in expected or r != expected[r[key]])
+    wrong = sum(1 for r in rows if not _same(expected.get(name(r)), r))
     return lost, duplicates, wrong
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal rows, floats to 1e-9 relative (a sum over batches cut elsewhere rounds otherwise)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(map(_same, a, b))
+    return bool(a == b)
 
 
 @contextmanager
