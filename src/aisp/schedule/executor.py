@@ -393,6 +393,11 @@ class LocalExecutor:
         return [op.drift for op in self._ops.values() if isinstance(op, InferOp) and op.drift is not None]
 
     @property
+    def restored(self) -> bool:
+        """Whether the run started from a checkpoint."""
+        return self._restore is not None
+
+    @property
     def windows(self) -> dict[str, WindowsBase]:
         """The window steps (open windows, late events, watermark)."""
         return {sid: op for sid, op in self._ops.items() if isinstance(op, WindowsBase)}

@@ -49,14 +49,17 @@ BuildExecutor = Callable[[Graph, Checkpoint, Any], LocalExecutor]
 class Checkpointer:
     """Takes a checkpoint every ``interval_s`` (when the run has a checkpoint store), and sooner
     when the keyed state's hot layer outgrew its bound (a checkpoint is where keys are evicted),
-    but not within ``min_gap_s`` of the previous one."""
+    but not within ``min_gap_s`` of the previous one. A run that did not start from a checkpoint
+    takes its first at once: a restart after a crash before it would otherwise start afresh,
+    with no sink position to tell what the crashed run wrote already (a Kafka output counts on
+    one)."""
 
     def __init__(
         self, ex: LocalExecutor, store: CheckpointStore | None, interval_s: float, min_gap_s: float = 0.1
     ) -> None:
         self._ex, self._store, self._interval = ex, store, interval_s
         self._min_gap = min(min_gap_s, interval_s)
-        self._last = time.monotonic()
+        self._last = time.monotonic() - (0.0 if ex.restored else interval_s)
 
     def poll(self) -> None:
         if self._store is None or self._ex.stopping:

@@ -134,14 +134,14 @@ def _field(line: bytes, key: str) -> bytes:
     return str(value).encode()
 
 
-def read_topic(bootstrap: str, topic: str) -> list[bytes]:
-    """Every record of partition 0 of ``topic`` that a read_committed reader sees, in order."""
+def read_topic(bootstrap: str, topic: str, partition: int = 0) -> list[bytes]:
+    """Every record of ``partition`` of ``topic`` that a read_committed reader sees, in order."""
     import uuid
 
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"aisp-read-{uuid.uuid4().hex}"})
-    consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+    consumer.assign([TopicPartition(topic, partition, OFFSET_BEGINNING)])
     out: list[bytes] = []
     idle = 0
     while idle < 10:  # Tansu's watermarks are per record batch: read until nothing comes

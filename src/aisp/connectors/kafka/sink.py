@@ -94,11 +94,11 @@ class KafkaSink(Sink):
 
 
 def _keys_after(
-    bootstrap: str, topic: str, partition: int, start: int, idle_s: float = 2.0
+    bootstrap: str, topic: str, partition: int, start: int, *, keys: bool, idle_s: float = 2.0
 ) -> tuple[int, Counter[int]]:
-    """The records in ``topic``/``partition`` from offset ``start`` to the end, and how often
-    each key (an engine id) occurs among them when ``start`` > 0 (from the beginning only the
-    number: a first start skips nothing), by reading them until nothing comes for ``idle_s``
+    """The records in ``topic``/``partition`` from offset ``start`` to the end, and (``keys``:
+    after a restart; a first start skips nothing) how often each key, an engine id, occurs
+    among them, by reading them until nothing comes for ``idle_s``
     (Tansu's high watermarks are per record batch, so they cannot be used; a short idle time
     undercounts on a loaded machine)."""
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
@@ -113,16 +113,16 @@ def _keys_after(
     )
     try:
         c.assign([TopicPartition(topic, partition, start if start > 0 else OFFSET_BEGINNING)])
-        n, keys, last = 0, Counter[int](), time.monotonic()
+        n, found, last = 0, Counter[int](), time.monotonic()
         while time.monotonic() - last < idle_s:
             msgs = c.consume(num_messages=10_000, timeout=0.1)
             good = [m for m in msgs if m.error() is None]
             if good:
                 n += len(good)
-                if start > 0:
-                    keys.update(int(m.key() or 0) for m in good)
+                if keys:
+                    found.update(int(m.key() or 0) for m in good)
                 last = time.monotonic()
-        return n, keys
+        return n, found
     finally:
         c.close()
 
@@ -192,7 +192,7 @@ class _KafkaWriter(SinkPartition):
             if cfg.compact:  # replays are written again, under the same keys
                 self._next[p] = start
                 continue
-            found, keys = _keys_after(cfg.bootstrap, cfg.topic, p, start)
+            found, keys = _keys_after(cfg.bootstrap, cfg.topic, p, start, keys=resume is not None)
             self._next[p] = start + found
             if resume is not None and keys:
                 self._skip[p] = keys  # produced after the checkpoint: the replay makes them again

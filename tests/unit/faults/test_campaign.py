@@ -1,0 +1,79 @@
+"""The fault campaign's draw (deterministic, every case in range, every shape reachable) and its
+report; the scenarios themselves run in tests/integration/test_chaos_campaign.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aisp.faults.campaign import CaseResult, Workload, _Campaign, draw_case, draw_cases
+from aisp.faults.chaos import ChaosReport, _compare
+
+LOADS = [
+    Workload(name="fraud", pipeline="p.py", data="d.jsonl"),
+    Workload(name="windows", pipeline="w.py", data="w.jsonl", key="user,window_start", partitioned=False),
+]
+
+
+@given(st.integers(0, 2**31 - 1))
+def test_a_seed_always_draws_the_same_case_and_every_case_is_in_range(seed: int) -> None:
+    case = draw_case(seed, LOADS)
+    assert case == draw_case(seed, LOADS)
+    assert 1 <= case.kills <= 8 and 1 <= case.partitions <= 8
+    assert case.via in ("file", "redis", "nats", "kafka")
+    if case.via != "kafka":  # one ordered input, no transactions, no changelog topics
+        assert (case.partitions, case.partition_state, case.standbys) == (1, "", 0)
+    if case.workload == "windows":  # event time over several partitions depends on interleaving
+        assert case.partitions == 1
+    assert case.standbys == 0 or case.partition_state == "changelog"
+    assert str(case.seed) in case.describe()
+
+
+def test_a_campaign_reaches_every_shape() -> None:
+    cases = draw_cases(3, 400, LOADS)
+    assert {c.via for c in cases} == {"file", "redis", "nats", "kafka"}
+    kafka = [c for c in cases if c.via == "kafka"]
+    assert {c.partitions for c in kafka} == set(range(1, 9))
+    assert {c.kills for c in cases} == set(range(1, 9))
+    assert {(c.group, c.transactional, c.partition_state, c.standbys) for c in kafka} >= {
+        (True, True, "", 0),
+        (False, False, "", 0),
+        (True, False, "changelog", 1),
+        (False, True, "changelog", 0),
+    }
+    assert len({c.seed for c in cases}) == len(cases)
+    assert draw_cases(3, 400, LOADS) == cases and draw_cases(4, 400, LOADS) != cases
+
+
+def test_the_report_names_each_case_its_seed_and_what_failed(tmp_path: Path) -> None:
+    ok, bad = draw_cases(11, 2, LOADS)
+    campaign = _Campaign(
+        [
+            CaseResult(ok, ChaosReport("kill", ok.via, 10, 10, 0, 0, 0, 2, [1.5, 2.5]), seconds=3.0),
+            CaseResult(bad, ChaosReport("kill", bad.via, 10, 12, 0, 2, 1, 3, [1.0]), seconds=4.0),
+        ]
+    )
+    campaign.write(tmp_path)
+    body = json.loads((tmp_path / "campaign.json").read_text())
+    assert (body["cases"], body["failed"], body["failed_seeds"]) == (2, 1, [bad.seed])
+    md = (tmp_path / "campaign.md").read_text()
+    assert ok.describe() in md and "FAIL" in md and "median 2.50, max 2.50" in md
+
+
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=30, unique=True), st.randoms(use_true_random=False))
+def test_outputs_are_compared_by_composite_keys_and_floats_within_rounding(
+    ids: list[int], rnd: object
+) -> None:
+    ref = [json.dumps({"user": f"u{i % 3}", "w": i, "sum": i * 0.1 + 0.2}).encode() for i in ids]
+    out = list(ref)
+    rnd.shuffle(out)  # type: ignore[attr-defined]
+    assert _compare(ref, out, "user,w") == (0, 0, 0)
+    row = json.loads(out[0])
+    row["sum"] += row["sum"] * 1e-13  # rounding of a sum cut into other batches: the same
+    assert _compare(ref, [json.dumps(row).encode(), *out[1:]], "user,w") == (0, 0, 0)
+    row["sum"] += 0.01  # a state feature that differs
+    assert _compare(ref, [json.dumps(row).encode(), *out], "user,w") == (0, 1, 1)
+    assert _compare(ref, out[1:], "user,w") == (1, 0, 0)
