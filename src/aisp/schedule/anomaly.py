@@ -108,6 +108,11 @@ class AnomalyPolicy:
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ConfigError(f"anomaly policy: {name} must be a number >= 0, got {value}")
+        if self.min_rate_events_per_s > self.rate_events_per_s:
+            raise ConfigError(
+                f"anomaly policy: min_rate_events_per_s ({self.min_rate_events_per_s:g}) must be <="
+                f" rate_events_per_s ({self.rate_events_per_s:g})"
+            )
         if self.max_score_share > 1:
             raise ConfigError(f"anomaly policy: max_score_share is a share, 0..1, got {self.max_score_share}")
         if self.max_score_share and not self.score_column:
