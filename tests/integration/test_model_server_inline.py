@@ -58,9 +58,9 @@ def test_a_failing_call_fails_its_requests_and_the_server_goes_on(tmp_path: Path
         good = np.zeros((1, 18), np.float32)
         bad = np.full((1, 18), 5.0, np.float32)
         asyncio.run(burst(models, [good] * 4))
-        inline_before = models._get("fraud").batcher.stats.inline_batches
-        results = asyncio.run(burst(models, [good, bad, good]))  # one turn, one call: all fail
-        assert models._get("fraud").batcher.stats.inline_batches == inline_before + 1
+        # one turn, one call (inline when the model is idle, else one batch on a busy machine):
+        # the good requests fail with the bad one
+        results = asyncio.run(burst(models, [good, bad, good]))
         for r in results:
             assert isinstance(r, RequestFailed) and r.http_status == 500
             assert "Gather" in str(r) or "indices" in str(r)

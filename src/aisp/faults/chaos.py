@@ -130,6 +130,19 @@ def _newest_checkpoint(directory: Path) -> str:
     return names[-1] if names else ""
 
 
+def _second_checkpoint(directory: Path, proc: subprocess.Popen[bytes], deadline: float) -> None:
+    """Wait until ``directory`` holds a checkpoint after the run's first (which a fresh run takes
+    at once, before it reads anything): one interval in, the run is up."""
+    first = ""
+    while proc.poll() is None and time.monotonic() < deadline:
+        newest = _newest_checkpoint(directory)
+        if newest and not first:
+            first = newest
+        elif newest != first:
+            return
+        time.sleep(0.02)
+
+
 def _compare(reference: list[bytes], outputs: list[bytes], key: str) -> tuple[int, int, int]:
     """(lost, duplicates, wrong values) of ``outputs`` against ``reference``, rows named by the
     field ``key`` (or the fields, comma-separated)."""
@@ -332,10 +345,10 @@ def _one_fault(
     key: str,
     extra: Sequence[str] = (),
 ) -> ChaosReport:
-    """Run the pipeline with checkpoints, call ``fault()`` ``after_s`` after its first checkpoint
-    (the pipeline is up and processing: start-up time varies), time the recovery (to the first
-    checkpoint after the fault) and compare the output; events that were dead-lettered
-    (``dead-letters.jsonl``, by ``id``) count as accounted for, not lost."""
+    """Run the pipeline with checkpoints, call ``fault()`` ``after_s`` after its second checkpoint
+    (the pipeline is up: start-up time varies), time the recovery (to the first checkpoint after
+    the fault) and compare the output; events that were dead-lettered (``dead-letters.jsonl``,
+    by ``id``) count as accounted for, not lost."""
     started = time.monotonic()
     source, output = ends.urls()
     chk = ends.work / "checkpoints"
@@ -345,8 +358,7 @@ def _one_fault(
     cmd += ["--checkpoint-interval-s", str(checkpoint_interval_s), "--rate", str(rate)]
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
-    while proc.poll() is None and not _newest_checkpoint(chk) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    _second_checkpoint(chk, proc, deadline)
     time.sleep(after_s)
     fault()
     back = time.monotonic()

@@ -120,7 +120,7 @@ class NatsConnector(Connector):
         while True:
             try:
                 out += [m.data for m in await sub.fetch(1000, timeout=1)]
-            except nats.errors.TimeoutError:
+            except (nats.errors.TimeoutError, TimeoutError):  # nothing more (either class, by version)
                 break
         await nc.close()
         return out

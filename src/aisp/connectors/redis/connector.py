@@ -93,21 +93,24 @@ class RedisConnector(Connector):
 
     def fill(self, url: str, lines: Sequence[bytes], shape: ScenarioShape = DEFAULT_SHAPE) -> None:
         self._one_partition(shape)
-        pipe = _client(url).pipeline(transaction=False)
-        stream = _address(url).name
-        for line in lines:
-            pipe.xadd(stream, {"data": line})
-        pipe.execute()
+        with _client(url) as r:  # closed: no socket left for the garbage collector
+            pipe = r.pipeline(transaction=False)
+            stream = _address(url).name
+            for line in lines:
+                pipe.xadd(stream, {"data": line})
+            pipe.execute()
 
     def read(self, url: str) -> list[bytes]:
-        return [f[b"data"] for _, f in _client(url).xrange(_address(url).name)]
+        with _client(url) as r:  # closed: no socket left for the garbage collector
+            return [f[b"data"] for _, f in r.xrange(_address(url).name)]
 
     def drop(self, url: str) -> None:
-        r, stream = _client(url), _address(url).name
-        r.delete(stream)
-        keys = list(r.scan_iter(f"aisp:dedupe:{stream}:*", count=10_000))
-        for i in range(0, len(keys), 1000):
-            r.delete(*keys[i : i + 1000])
+        stream = _address(url).name
+        with _client(url) as r:
+            r.delete(stream)
+            keys = list(r.scan_iter(f"aisp:dedupe:{stream}:*", count=10_000))
+            for i in range(0, len(keys), 1000):
+                r.delete(*keys[i : i + 1000])
 
     @contextmanager
     def private_broker(
