@@ -35,20 +35,22 @@ def test_sigkills_through_a_broker_lose_nothing_and_write_nothing_twice(
 
 
 @pytest.mark.parametrize(
-    ("via", "mode"),
+    ("via", "mode", "down_s", "after_s"),
     [
-        ("redis", "refuse"),
-        ("nats", "blackhole"),
-        ("redis", "slow"),
-        ("kafka", "blackhole"),
-        ("nats", "flaky"),
+        ("redis", "refuse", 2.5, 0.3),
+        ("nats", "blackhole", 2.5, 0.3),
+        ("redis", "slow", 2.5, 0.3),
+        # longer than the consumer's session, struck once the input is read: librdkafka
+        # re-bootstrapped and its transactional producer hung for good (librdkafka#5511)
+        ("kafka", "blackhole", 10.0, 3.0),
+        ("nats", "flaky", 2.5, 0.3),
     ],
 )
 def test_a_broker_outage_is_ridden_out_with_exactly_once_output(
-    data: Path, tmp_path: Path, via: str, mode: str
+    data: Path, tmp_path: Path, via: str, mode: str, down_s: float, after_s: float
 ) -> None:
     report = outage_scenario(
-        PIPELINE, data, via=via, down_s=2.5, after_s=0.3, rate=8000, work=tmp_path, mode=mode
+        PIPELINE, data, via=via, down_s=down_s, after_s=after_s, rate=8000, work=tmp_path, mode=mode
     )
     assert report.passed, report
     assert report.scenario == f"outage-{mode}"

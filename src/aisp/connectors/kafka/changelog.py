@@ -49,6 +49,7 @@ import msgspec
 import numpy.typing as npt
 import pyarrow as pa
 
+from aisp.connectors.kafka.client import CLIENT_SETTINGS
 from aisp.connectors.kafka.local_copy import LocalCopies, LocalCopy, Rows, merge_tail
 from aisp.connectors.kafka.records import changes, record_sets, state_columns, to_checkpoint
 from aisp.connectors.kafka.standby import COVERS, END, LAYOUT, OFFSET_BEGINNING, ChangelogLog, Standby, ring
@@ -138,6 +139,7 @@ class ChangelogStates:
                 "enable.idempotence": True,
                 "linger.ms": 5,
                 "error_cb": lambda err: None,  # delivery reports say what failed
+                **CLIENT_SETTINGS,
                 **(options or {}),
             }
         )

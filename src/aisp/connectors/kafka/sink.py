@@ -39,6 +39,7 @@ again), and on a first start counts the whole partition, once.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import Counter
@@ -49,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from aisp.batch import Batch
+from aisp.connectors.kafka.client import CLIENT_SETTINGS, GRACE_S, CallStuck, bounded
 from aisp.errors import SinkError
 from aisp.sinks.base import RowEncoder, Sink, SinkPartition
 
@@ -171,10 +173,12 @@ class _KafkaWriter(SinkPartition):
                 "enable.idempotence": True,
                 "linger.ms": 5,
                 "message.timeout.ms": int(cfg.retry_s * 1000),  # then a clear error, not a hang
+                **CLIENT_SETTINGS,
                 **({"transactional.id": cfg.transactional_id} if cfg.transactional_id else {}),
                 **cfg.options,
             }
         )
+        self._stuck = False  # a call never returned: the producer is not touched again
         self._txn_since: float | None = None  # when the open transaction began
         self._txn_lock = threading.RLock()  # begin, produce into, commit: one thread at a time
         self._sources: list[Any] = []  # Kafka source partitions whose offsets go with a commit
@@ -205,18 +209,33 @@ class _KafkaWriter(SinkPartition):
         the sink (the run restarts from its last checkpoint), a retriable one is retried."""
         from confluent_kafka import KafkaException
 
+        if self._stuck:
+            raise SinkError(f"kafka {self._cfg.topic!r}: the producer is stuck in an earlier call")
         deadline = time.monotonic() + self._cfg.retry_s
+        timeout = next((float(a) for a in reversed(args) if isinstance(a, (int, float))), 0.0)
         while True:
             try:
-                getattr(self._producer, method)(*args)
+                bounded(method, functools.partial(getattr(self._producer, method), *args), timeout + GRACE_S)
                 return
+            except CallStuck as exc:  # librdkafka ignored its timeout: the producer is lost
+                self._stuck = True
+                self._pending = None
+                self._committed.set()
+                raise SinkError(
+                    f"kafka {self._cfg.topic!r}: {exc} (the Kafka client hangs; the run stops, and"
+                    " a restart resumes from the last checkpoint)"
+                ) from exc
             except KafkaException as exc:
                 err = exc.args[0]
                 if err.retriable() and time.monotonic() < deadline:
                     time.sleep(0.1)
                     continue
                 if err.txn_requires_abort():
-                    self._producer.abort_transaction(self._cfg.flush_timeout_s)
+                    abort = functools.partial(self._producer.abort_transaction, self._cfg.flush_timeout_s)
+                    try:
+                        bounded("abort_transaction", abort, self._cfg.flush_timeout_s + GRACE_S)
+                    except CallStuck:
+                        self._stuck = True
                     self._txn_since = None
                 self._pending = None
                 self._committed.set()  # rows waiting for the commit see the failure
@@ -326,6 +345,8 @@ class _KafkaWriter(SinkPartition):
         return True
 
     def flush(self) -> None:
+        if self._stuck:
+            raise SinkError(f"kafka {self._cfg.topic!r}: the producer is stuck in an earlier call")
         left = self._producer.flush(self._cfg.flush_timeout_s)
         if left or self._errors:
             raise SinkError(
@@ -355,6 +376,8 @@ class _KafkaWriter(SinkPartition):
             self._committed.set()
 
     def close(self) -> None:
+        if self._stuck:  # the stuck call still holds the producer: leave it to the process exit
+            return
         self.sync()
         self.flush()
         if self._txn_since is not None:

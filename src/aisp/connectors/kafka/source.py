@@ -42,6 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from aisp.batch import Batch
+from aisp.connectors.kafka.client import CLIENT_SETTINGS
 from aisp.errors import SourceError
 from aisp.ingest.base import IdleClock, Source, SourceContext, SourcePartition
 from aisp.ingest.messages import MessageDecoder
@@ -117,6 +118,7 @@ class KafkaSourcePartition(SourcePartition):
             "heartbeat.interval.ms": 1000,
             "max.poll.interval.ms": 60000,
             "enable.partition.eof": False,
+            **CLIENT_SETTINGS,
             **cfg.options,
         }
         self._owned: set[int] = set()  # partitions assigned now (and restored)

@@ -1,0 +1,56 @@
+"""What AISP's Kafka clients (librdkafka, through ``confluent-kafka``) share: settings that keep
+a client out of known librdkafka hangs, and a bound on calls that may block past their timeout.
+
+``metadata.recovery.strategy=none``. librdkafka (2.10 and later) re-bootstraps a client whose
+known brokers all stayed unreachable, decommissioning their handles; a handle so decommissioned
+can stay cached as the group coordinator, and a transactional ``send_offsets_to_transaction``
+that waits for it never returns, its own timeout unchecked (librdkafka#5511 and #5456, open in
+2.16). Seen here: the only broker blackholed for 10 s once the input was read hung the run for
+good, after the broker was back. The brokers a pipeline names are its bootstrap addresses, so
+re-bootstrapping finds nothing new; a client whose brokers move can set it back in ``options``.
+
+``bounded``: a call that may still hang (another librdkafka path, a broker that half answers)
+runs on a helper thread and is given up after its own timeout and a grace period: the caller
+gets a clear error, not a process that hangs for good.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = ["CLIENT_SETTINGS", "GRACE_S", "CallStuck", "bounded"]
+
+CLIENT_SETTINGS: dict[str, Any] = {"metadata.recovery.strategy": "none"}
+GRACE_S = 15.0
+"""How long past its own timeout a call may take before it counts as stuck."""
+
+T = TypeVar("T")
+
+
+class CallStuck(Exception):
+    """A client call did not return within its bound (the client cannot be used again)."""
+
+
+def bounded(what: str, call: Callable[[], T], timeout_s: float) -> T:
+    """``call()``'s result or exception, or ``CallStuck`` if it has not returned after
+    ``timeout_s`` (the helper thread is left to it: a daemon, it does not keep the process up)."""
+    done = threading.Event()
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append((True, call()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller as it is
+            result.append((False, exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"aisp-kafka-{what}", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise CallStuck(f"{what} did not return within {timeout_s:g} s")
+    ok, value = result[0]
+    if ok:
+        return value  # type: ignore[no-any-return]
+    raise value
