@@ -134,6 +134,11 @@ def _bind(p: Pipeline, input: str | None, output: str | None) -> None:  # noqa: 
 
 
 def main() -> None:
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack to stderr (a hang)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     app()
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -177,9 +178,17 @@ def _recovery(report: ChaosReport) -> str:
 
 
 def run_case(
-    case: Case, workload: Workload, work: Path, *, rate: float = 4000, bootstrap: str = ""
+    case: Case,
+    workload: Workload,
+    work: Path,
+    *,
+    rate: float = 4000,
+    bootstrap: str = "",
+    run_timeout_s: float = 300,
 ) -> CaseResult:
-    """Run one case in ``work`` (emptied first by the scenario)."""
+    """Run one case in ``work`` (emptied first by the scenario); a last run that has not ended
+    after ``run_timeout_s`` makes the case an error (with the run's stacks in its log), and the
+    campaign goes on."""
     started = time.monotonic()
     extra: list[str] = []
     if case.partition_state:
@@ -199,8 +208,9 @@ def run_case(
             bootstrap=bootstrap,
             shape=shape,
             extra=extra,
+            run_timeout_s=run_timeout_s,
         )
-    except (AispError, OSError, ValueError, TimeoutError) as exc:
+    except (AispError, OSError, ValueError, TimeoutError, subprocess.SubprocessError) as exc:
         return CaseResult(
             case, None, "".join(traceback.format_exception_only(exc)).strip(), time.monotonic() - started
         )

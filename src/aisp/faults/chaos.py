@@ -27,6 +27,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -213,11 +214,13 @@ def kill_scenario(
     bootstrap: str = "",
     shape: ScenarioShape = DEFAULT_SHAPE,
     extra: Sequence[str] = (),
+    run_timeout_s: float = 600,
 ) -> ChaosReport:
     """SIGKILL ``aisp run`` ``kills`` times at random moments (``window_s`` after each start),
     restart it each time, and compare the final output with an uninterrupted run. ``shape``:
     the input's partitions, its group, transactional outputs; ``extra``: more ``aisp run``
-    options (``--partition-state changelog``, ...)."""
+    options (``--partition-state changelog``, ...). A last run that has not ended after
+    ``run_timeout_s`` is a failure whose message holds its threads' stacks."""
     work = Path(work)
     rng = random.Random(seed)
     started = time.monotonic()
@@ -249,8 +252,11 @@ def kill_scenario(
                     proc.wait()
                     done += 1
                     continue
-            if proc.wait(timeout=600) != 0:
-                raise ConfigError(f"the chaos run failed ({log}): {log.read_text(errors='replace')[-2000:]}")
+            rc = _wait_or_dump(proc, run_timeout_s)
+            if rc != 0:
+                why = f"did not end within {run_timeout_s:g} s" if rc == -9 else f"failed (exit {rc})"
+                tail = log.read_text(errors="replace")[-6000:]
+                raise ConfigError(f"the chaos run {why} ({log}): {tail}")
             break
         outputs = ends.read()
     lost, dups, wrong = _compare(reference, outputs, key)
@@ -266,6 +272,21 @@ def kill_scenario(
         recover,
         time.monotonic() - started,
     )
+
+
+def _wait_or_dump(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+    """``proc``'s exit code; if it runs past ``timeout_s``, its threads' stacks go to its stderr
+    (``aisp`` dumps them on SIGUSR1), it is killed, and the exit code says so (-9)."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        if hasattr(signal, "SIGUSR1"):
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+        proc.kill()
+        proc.wait()
+        sys.stderr.write(f"chaos: a run did not end within {timeout_s:g} s; killed\n")
+        return -9
 
 
 def outage_scenario(

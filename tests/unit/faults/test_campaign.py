@@ -4,13 +4,16 @@ report; the scenarios themselves run in tests/integration/test_chaos_campaign.py
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from aisp.faults.campaign import CaseResult, Workload, _Campaign, draw_case, draw_cases
-from aisp.faults.chaos import ChaosReport, _compare
+from aisp.faults.chaos import ChaosReport, _compare, _wait_or_dump
 
 LOADS = [
     Workload(name="fraud", pipeline="p.py", data="d.jsonl"),
@@ -77,3 +80,21 @@ def test_outputs_are_compared_by_composite_keys_and_floats_within_rounding(
     row["sum"] += 0.01  # a state feature that differs
     assert _compare(ref, [json.dumps(row).encode(), *out], "user,w") == (0, 1, 1)
     assert _compare(ref, out[1:], "user,w") == (1, 0, 0)
+
+
+def test_a_run_that_does_not_end_is_killed_after_its_stacks_are_dumped(tmp_path: Path) -> None:
+    hangs = (
+        "import faulthandler, signal, time\n"
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+        "print('up', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    log = tmp_path / "run.log"
+    with log.open("wb") as err:
+        proc = subprocess.Popen([sys.executable, "-c", hangs], stdout=subprocess.PIPE, stderr=err)
+    assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+    started = time.monotonic()
+    assert _wait_or_dump(proc, 0.3) == -9
+    assert time.monotonic() - started < 30 and proc.poll() is not None
+    assert "Current thread" in log.read_text() or "Thread 0x" in log.read_text()
+    proc.stdout.close()
