@@ -274,3 +274,77 @@ def test_state_that_follows_partitions_refuses_an_input_not_partitioned_by_the_k
     res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
     assert "arrives from input partitions" in res.stderr and "partitioned by the key" in res.stderr
+
+
+def _holder(broker: str, topic: str, group: str, revoked: list[bool] | None = None) -> Any:
+    """A plain consumer of ``group`` that holds ``topic``'s only partition (``revoked`` gets an
+    item when a rebalance begins)."""
+    from confluent_kafka import Consumer
+
+    seen = revoked if revoked is not None else []
+    holder = Consumer({"bootstrap.servers": broker, "group.id": group, "session.timeout.ms": 6000})
+    holder.subscribe([topic], on_revoke=lambda c, ps: seen.append(True))
+    deadline = time.monotonic() + 60
+    while not holder.assignment():
+        assert time.monotonic() < deadline, "the holder was never assigned the partition"
+        holder.poll(0.2)
+    return holder
+
+
+def test_an_input_held_back_by_its_group_says_why_it_does_not_end(broker: str, tmp_path: Path) -> None:
+    """Another member holds the topic's only partition: past ``idle_stop_s`` the input says that
+    its group has assigned it nothing, instead of a silent wait that looks like a hang."""
+    topic, group = f"held-{uuid.uuid4().hex[:8]}", f"held-{uuid.uuid4().hex[:8]}"
+    fill_topic(broker, topic, [], partitions=1)
+    holder = _holder(broker, topic, group)
+    cmd = [sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--no-live"]
+    cmd += ["--input", f"kafka://{broker}/{topic}?group={group}&idle_stop_s=1"]
+    cmd += ["--output", str(tmp_path / "out.jsonl")]
+    log = tmp_path / "run.log"
+    with log.open("wb") as err:
+        proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 90
+        while "the group has assigned this member no partition yet" not in log.read_text(errors="replace"):
+            assert proc.poll() is None, log.read_text(errors="replace")[-2000:]
+            assert time.monotonic() < deadline, log.read_text(errors="replace")[-2000:]
+            holder.poll(0.2)  # a live member meanwhile, which keeps the partition
+    finally:
+        proc.kill()
+        proc.wait()
+        holder.close()
+
+
+def test_a_rebalance_the_coordinator_never_completes_fails_the_input_clearly(broker: str) -> None:
+    """The member that was to lead leaves while ours waits in JoinGroup: Tansu names it leader
+    anyway and never answers our SyncGroup (Apache Kafka drops such a member and rebalances
+    again). Past max.poll.interval.ms + session.timeout.ms without an assignment, the input
+    fails with a reason instead of waiting for good."""
+    from aisp.connectors.kafka.source import KafkaSource
+    from aisp.errors import SourceError
+    from aisp.ingest.base import SourceContext
+
+    class Event(msgspec.Struct):
+        id: int
+
+    topic, group = f"wedge-{uuid.uuid4().hex[:8]}", f"wedge-{uuid.uuid4().hex[:8]}"
+    fill_topic(broker, topic, [], partitions=1)
+    revoked: list[bool] = []
+    holder = _holder(broker, topic, group, revoked)
+    limits = {"session.timeout.ms": 6000, "max.poll.interval.ms": 7000}
+    cfg = KafkaSource(topic=topic, schema=Event, bootstrap=broker, group=group, options=limits)
+    source = cfg.open(SourceContext("src", lambda records: None))
+    try:
+        deadline = time.monotonic() + 60
+        while not revoked:  # our JoinGroup has begun a rebalance
+            assert time.monotonic() < deadline, "no rebalance began"
+            holder.poll(0.1)
+            source.next_batch(10)
+        holder.close()  # gone before its JoinGroup: the rebalance is left without a leader
+        started = time.monotonic()
+        with pytest.raises(SourceError, match="does not complete the rebalance"):
+            while time.monotonic() - started < 60:
+                source.next_batch(10)
+        assert time.monotonic() - started >= 7.0  # not before a rebalance may have completed
+    finally:
+        source.close()

@@ -31,6 +31,8 @@ Tansu broker (Kafka protocol), see the README.
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
 from collections.abc import Mapping
@@ -46,6 +48,8 @@ from aisp.connectors.kafka.client import CLIENT_SETTINGS
 from aisp.errors import SourceError
 from aisp.ingest.base import IdleClock, Source, SourceContext, SourcePartition
 from aisp.ingest.messages import MessageDecoder
+
+log = logging.getLogger("aisp.kafka")
 
 __all__ = ["KafkaSource", "KafkaSourcePartition", "kafka_event_id"]
 
@@ -108,6 +112,7 @@ class KafkaSourcePartition(SourcePartition):
         self._idle = IdleClock()
         self._failing_since: float | None = None
         self._down_since: float | None = None  # all brokers unreachable since then
+        self._said_at = -math.inf  # when the input last said why it does not end
         settings = {
             "error_cb": self._on_error,
             "bootstrap.servers": cfg.bootstrap,
@@ -130,6 +135,12 @@ class KafkaSourcePartition(SourcePartition):
         self._poll_thread: threading.Thread | None = None
         self._in_callback: threading.Thread | None = None  # the thread in a rebalance callback
         self._session_s = float(settings["session.timeout.ms"]) / 1000
+        # a rebalance this member waits in longer than a rebalance may take (every member
+        # rejoins within max.poll.interval.ms, a dead one is dropped after a session) will not
+        # complete: a group coordinator that lost track of it (Tansu, when the member that was
+        # to lead left while the others' JoinGroup waited, never answers their SyncGroup)
+        self._join_limit_s = float(settings["max.poll.interval.ms"]) / 1000 + self._session_s
+        self._joining_since: float | None = time.monotonic()  # waiting for an assignment since
         self._consumer = Consumer(settings)
         self._consumer.subscribe([cfg.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
 
@@ -144,6 +155,7 @@ class KafkaSourcePartition(SourcePartition):
             self._down_since = time.monotonic()
 
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
+        self._joining_since = None
         self._assigned = True
         self._idle.reset()
         if self._ctx.on_assign is not None:  # state moves with partitions: restored first
@@ -185,6 +197,7 @@ class KafkaSourcePartition(SourcePartition):
         self._idle.reset()  # a restore is not idle input
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
+        self._joining_since = time.monotonic()
         self._idle.reset()  # a rebalance is under way: partitions may come back (not idle input)
         revoked = {tp.partition for tp in partitions}
         with self._commit_lock:  # commits a checkpoint asked for: the last chance to make them
@@ -237,6 +250,16 @@ class KafkaSourcePartition(SourcePartition):
                     " (all brokers down)"
                 )
             self._idle.reset()
+            if self._joining_since is not None:  # no rebalance completes meanwhile
+                self._joining_since = time.monotonic()
+        elif self._joining_since is not None:
+            waited = time.monotonic() - self._joining_since
+            if waited >= self._join_limit_s:
+                raise SourceError(
+                    f"kafka {self._cfg.bootstrap} group {self._cfg.group!r}: no partition assignment"
+                    f" after {waited:.0f} s, longer than a rebalance may take (max.poll.interval.ms"
+                    " + session.timeout.ms): the group coordinator does not complete the rebalance"
+                )
         records = []
         for m in msgs:
             err = m.error()
@@ -248,8 +271,10 @@ class KafkaSourcePartition(SourcePartition):
                 raise SourceError(f"kafka {self._cfg.bootstrap} topic {self._cfg.topic!r}: {err}")
         if not records:
             idle = self._cfg.stop_when_idle_s
-            if idle is not None and self._assigned and self._idle.idle_s() >= idle and self._may_stop(idle):
-                return None
+            if idle is not None and self._idle.idle_s() >= idle:
+                if self._assigned and self._may_stop(idle):
+                    return None
+                self._say_why_not_ended()
             return self._empty
         self._idle.handed_out()
         parts: list[int] = [m.partition() or 0 for m in records]
@@ -265,6 +290,23 @@ class KafkaSourcePartition(SourcePartition):
             lambda i: {"partition": parts[i], "offset": offsets[i]},
             [_traceparent(h) for h in headers] if any(headers) else None,
         )
+
+    def _say_why_not_ended(self) -> None:
+        """(Idle past ``stop_when_idle_s``, the input not ended) say why, every 30 s at most: an
+        input that waits for its group should not look like a hang."""
+        now = time.monotonic()
+        if now - self._said_at < 30:
+            return
+        self._said_at = now
+        if not self._assigned:
+            why = "the group has assigned this member no partition yet"
+        else:
+            held = sorted(self._owned | self._restoring)
+            why = f"this member holds partitions {held}; it waits for the group to assign the rest"
+        log.warning(
+            "kafka %s topic %r: no record for %.0f s, but the input does not end: %s",
+            self._cfg.bootstrap, self._cfg.topic, self._idle.idle_s(), why,
+        )  # fmt: skip
 
     def _may_stop(self, idle_s: float) -> bool:
         """(Idle for ``idle_s``) whether the input may end: the consumer holds the whole topic, or
