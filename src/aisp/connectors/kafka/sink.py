@@ -290,11 +290,19 @@ class _KafkaWriter(SinkPartition):
             self._txn_since = None
 
     def _delivered(self, err: Any, msg: Any) -> None:
-        if err is not None:
-            self._errors.append(str(err))
-        else:
+        """A delivery report. It must not raise: confluent-kafka 2.16 turns an exception in a
+        callback into a ``SystemError`` from ``flush``, which stopped a run after a blackhole."""
+        try:
+            if err is not None:
+                self._errors.append(str(err))
+                return
+            offset = msg.offset()
+            if offset is None or offset < 0:  # written, its offset unknown: a retry the broker had
+                return  # already taken (the reply was lost); the next report moves the position
             p = msg.partition()
-            self._next[p] = max(self._next.get(p, 0), msg.offset() + 1)
+            self._next[p] = max(self._next.get(p, 0), offset + 1)
+        except Exception as exc:  # noqa: BLE001 - said by the next write or flush, as a SinkError
+            self._errors.append(f"a delivery report failed: {type(exc).__name__}: {exc}")
 
     def write(self, batch: Batch) -> None:
         if not batch.num_rows:

@@ -112,6 +112,7 @@ class KafkaSourcePartition(SourcePartition):
         self._idle = IdleClock()
         self._failing_since: float | None = None
         self._down_since: float | None = None  # all brokers unreachable since then
+        self._probed_at = -math.inf  # when a broker was last asked whether it answers
         self._said_at = -math.inf  # when the input last said why it does not end
         settings = {
             "error_cb": self._on_error,
@@ -244,7 +245,14 @@ class KafkaSourcePartition(SourcePartition):
         if msgs:
             self._down_since = None
         elif self._down_since is not None:  # the brokers are away: not the end of the input
-            if time.monotonic() - self._down_since >= self._cfg.retry_s and not self._answers():
+            # asked once a second whether they are back: waiting for a record could take until
+            # the deadline once the input is all read, and one answer missed then (a reconnect
+            # backing off) must not end the run
+            now = time.monotonic()
+            if now - self._probed_at >= 1.0:
+                self._probed_at = now
+                self._answers()
+            if self._down_since is not None and now - self._down_since >= self._cfg.retry_s:
                 raise SourceError(
                     f"kafka at {self._cfg.bootstrap} unreachable for {self._cfg.retry_s:g} s"
                     " (all brokers down)"
