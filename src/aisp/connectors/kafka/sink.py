@@ -204,13 +204,16 @@ class _KafkaWriter(SinkPartition):
         self._encoder = RowEncoder(cfg.columns)
         self.skipped = 0
 
+    def _check_usable(self) -> None:
+        if self._stuck:
+            raise SinkError(f"kafka {self._cfg.topic!r}: the producer is stuck in an earlier call")
+
     def _call(self, method: str, *args: Any) -> None:
         """A transactional producer call; a failure that leaves the transaction unusable fails
         the sink (the run restarts from its last checkpoint), a retriable one is retried."""
         from confluent_kafka import KafkaException
 
-        if self._stuck:
-            raise SinkError(f"kafka {self._cfg.topic!r}: the producer is stuck in an earlier call")
+        self._check_usable()
         deadline = time.monotonic() + self._cfg.retry_s
         timeout = next((float(a) for a in reversed(args) if isinstance(a, (int, float))), 0.0)
         while True:
@@ -353,8 +356,7 @@ class _KafkaWriter(SinkPartition):
         return True
 
     def flush(self) -> None:
-        if self._stuck:
-            raise SinkError(f"kafka {self._cfg.topic!r}: the producer is stuck in an earlier call")
+        self._check_usable()
         left = self._producer.flush(self._cfg.flush_timeout_s)
         if left or self._errors:
             raise SinkError(
