@@ -65,11 +65,12 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
-# Kill, outage and broker-restart scenarios at full size (200k workload-F events, 6 SIGKILLs),
+# The suite's long variants (marked slow), then kill, outage and broker-restart scenarios at full size (200k workload-F events, 6 SIGKILLs),
 # through a file, Redis Streams, NATS JetStream and Kafka (Tansu); reports in out/chaos/.
 CHAOS_EVENTS ?= 200000
 chaos: $(STAMP)
 	mkdir -p out/chaos
+	$(BIN)/python -m pytest -q -m slow tests/integration
 	$(BIN)/python benchmarks/workload.py out/chaos/events.jsonl --events $(CHAOS_EVENTS) --bad-every 997
 	for via in file redis nats kafka; do \
 	  $(BIN)/aisp chaos kill examples/fraud/pipeline.py --data out/chaos/events.jsonl --via $$via \

@@ -35,7 +35,10 @@ def broker() -> Iterator[str]:
 
 
 @pytest.mark.parametrize(
-    ("standby", "output"), [(0, "redis"), (1, "kafka")], ids=["cold-redis", "standby-kafka-transactions"]
+    ("standby", "output"),
+    # the cold form (no standby) runs in `make chaos`; the campaign draws both
+    [pytest.param(0, "redis", marks=pytest.mark.slow), (1, "kafka")],
+    ids=["cold-redis", "standby-kafka-transactions"],
 )
 def test_workers_of_a_group_move_state_through_changelogs_across_a_kill_a_join_and_a_return(
     broker: str, tmp_path: Path, standby: int, output: str

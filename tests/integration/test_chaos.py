@@ -39,12 +39,12 @@ def test_sigkills_through_a_broker_lose_nothing_and_write_nothing_twice(
     [
         ("redis", "refuse", 2.5, 0.3),
         ("nats", "blackhole", 2.5, 0.3),
-        ("redis", "slow", 2.5, 0.3),
+        pytest.param("redis", "slow", 2.5, 0.3, marks=pytest.mark.slow),
         # longer than the consumer's session, struck once the input is read: librdkafka
         # re-bootstrapped and its transactional producer hung for good (librdkafka#5511)
         ("kafka", "blackhole", 10.0, 3.0),
-        ("nats", "flaky", 2.5, 0.3),
-    ],
+        pytest.param("nats", "flaky", 2.5, 0.3, marks=pytest.mark.slow),
+    ],  # slow (`make chaos`): the campaign draws every mode, 1-20 s long, in `make test` too
 )
 def test_a_broker_outage_is_ridden_out_with_exactly_once_output(
     data: Path, tmp_path: Path, via: str, mode: str, down_s: float, after_s: float

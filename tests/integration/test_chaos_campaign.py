@@ -1,7 +1,8 @@
 """The fault campaign's short form: the Kafka case that once lost exactly-once (three partitions
 keyed by user, plain output, the default group, repeated kills while the killed process is
 still a member of the group), and cases drawn from a seed printed here (set AISP_CAMPAIGN_SEED
-to replay one). ``make chaos-campaign`` runs 50 drawn cases."""
+to replay one): kills through Kafka, kills through a file, Redis or NATS, and a broker outage of
+a drawn kind, length and moment. ``make chaos-campaign`` runs 50 drawn cases."""
 
 from __future__ import annotations
 
@@ -55,10 +56,14 @@ def test_kafka_three_partitions_plain_output_repeated_kills_exactly_once(
     _check(run_case(case, workloads[0], tmp_path))
 
 
-@pytest.mark.parametrize("vias", [("kafka",), ("file", "redis", "nats")], ids=["kafka", "other"])
+@pytest.mark.parametrize(
+    ("vias", "outage_share"),
+    [(("kafka",), 0.0), (("file", "redis", "nats"), 0.0), (("redis", "nats", "kafka"), 1.0)],
+    ids=["kafka", "other", "outage"],
+)
 def test_a_case_drawn_from_the_printed_seed_holds(
-    workloads: list[Workload], tmp_path: Path, vias: tuple[str, ...]
+    workloads: list[Workload], tmp_path: Path, vias: tuple[str, ...], outage_share: float
 ) -> None:
-    case = draw_case(SEED + len(vias), workloads, vias)
+    case = draw_case(SEED + len(vias) + 7 * int(outage_share), workloads, vias, outage_share=outage_share)
     print(f"campaign seed {SEED} (AISP_CAMPAIGN_SEED={SEED} replays it): {case.describe()}")
     _check(run_case(case, {w.name: w for w in workloads}[case.workload], tmp_path))

@@ -186,9 +186,10 @@ def chaos_campaign(
         str, typer.Option(help="Where the report (campaign.json, campaign.md) goes.")
     ] = "out/chaos-campaign",
 ) -> None:
-    """Kill scenarios drawn at random (connectors, partitions, groups, transactional outputs, state
-    in changelog topics, 1-8 kills at random moments), each checked against an uninterrupted run;
-    writes a report of every case, its seed and its recovery times. Exit 1 when a case failed."""
+    """Fault scenarios drawn at random (connectors, partitions, groups, transactional outputs, state
+    in changelog topics; 1-8 kills at random moments, or a 1-20 s broker outage of a drawn kind),
+    each checked against an uninterrupted run; writes a report of every case, its seed and its
+    recovery times. Exit 1 when a case failed."""
     from aisp.faults.campaign import VIAS, draw_case, draw_cases, run_campaign
 
     loads = [_workload(w) for w in workload]

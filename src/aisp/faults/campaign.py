@@ -4,8 +4,12 @@ Each case is a ``kill_scenario`` with its own seed: a workload (a pipeline file,
 output key it is compared by), a connector (``file``, ``redis``, ``nats``, ``kafka``), for Kafka
 1 to 8 input partitions keyed by user, a named consumer group or the default one, transactional
 or plain output and keyed state in changelog topics (with 0 or 1 standby) or in the process's
-checkpoints; then 1 to 8 SIGKILLs at random moments. Every case must end with each input output
-once and the same values as an uninterrupted run (state features included).
+checkpoints; then 1 to 8 SIGKILLs at random moments, or (through a broker, about one case in
+four) an outage of the path to the broker: connections refused, a blackhole, a slow, narrow or
+flaky link, 1 to 20 s long, struck 0 to 2 s after the run's second checkpoint (mid-run at
+the campaign's pace). Every case must
+end with each input output once and the same values as an uninterrupted run (state features
+included).
 
 ``draw_cases(seed, n)`` is deterministic: a failing case replays from its seed (``Case.seed``,
 printed in every report) with ``aisp chaos campaign --replay SEED``. ``run_campaign`` runs the
@@ -21,17 +25,21 @@ import subprocess
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from aisp.connectors.base import ScenarioShape
 from aisp.errors import AispError, ConfigError
-from aisp.faults.chaos import ChaosReport, kill_scenario
+from aisp.faults.chaos import ChaosReport, kill_scenario, outage_scenario
 
 __all__ = ["Case", "CaseResult", "Workload", "draw_cases", "run_campaign"]
 
 VIAS = ("file", "redis", "nats", "kafka")
+OUTAGES = ("refuse", "blackhole", "slow", "narrow", "flaky")
+"""The outage modes a case draws from (``outage_scenario``'s ``mode``)."""
+OUTAGE_SHARE = 0.25
+"""The share of cases through a broker that are an outage instead of kills."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,23 +74,47 @@ class Case:
     window_s: tuple[float, float] = (1.0, 3.0)
     """When a kill comes, after the run started (start-up is part of the window: kills land
     in start-up, restore, rebalancing and processing)."""
+    outage: str = ""
+    """An outage mode (``OUTAGES``) instead of kills (``kills`` is then 0); empty: kills."""
+    down_s: float = 0.0
+    """How long the outage lasts."""
+    after_s: float = 0.0
+    """When it strikes, after the run's second checkpoint."""
 
     def describe(self) -> str:
         shape = f"{self.partitions}p " if self.via == "kafka" else ""
+        if self.outage:
+            shape += f"{self.outage} outage of {self.down_s:g} s at +{self.after_s:g} s"
+        else:
+            shape += f"{self.kills} kills"
         extra = [
             "" if self.group else "default group",
             "" if self.via != "kafka" else ("transactional" if self.transactional else "plain output"),
             f"state {self.partition_state} +{self.standbys} standby" if self.partition_state else "",
         ]
         tail = ", ".join(x for x in extra if x)
-        return f"#{self.seed} {self.workload} via {self.via} {shape}{self.kills} kills" + (
-            f" ({tail})" if tail else ""
-        )
+        return f"#{self.seed} {self.workload} via {self.via} {shape}" + (f" ({tail})" if tail else "")
 
 
-def draw_case(seed: int, workloads: Sequence[Workload], vias: Sequence[str] = VIAS) -> Case:
-    """The case of ``seed`` (the same seed gives the same case)."""
+def draw_case(
+    seed: int,
+    workloads: Sequence[Workload],
+    vias: Sequence[str] = VIAS,
+    *,
+    outage_share: float = OUTAGE_SHARE,
+) -> Case:
+    """The case of ``seed`` (the same seed gives the same case); ``outage_share`` of the cases
+    through a broker are outages (1.0: all of them)."""
     rng = random.Random(seed)
+    case = _draw_shape(rng, seed, workloads, vias)
+    if case.via != "file" and rng.random() < outage_share:  # drawn last: kill cases keep their seeds
+        mode = rng.choice(OUTAGES)
+        down_s, after_s = round(rng.uniform(1.0, 20.0), 1), round(rng.uniform(0.0, 2.0), 1)
+        case = replace(case, kills=0, outage=mode, down_s=down_s, after_s=after_s)
+    return case
+
+
+def _draw_shape(rng: random.Random, seed: int, workloads: Sequence[Workload], vias: Sequence[str]) -> Case:
     w = rng.choice(list(workloads))
     via = rng.choice(list(vias))
     kills = rng.randint(1, 8)
@@ -187,14 +219,22 @@ def run_case(
     run_timeout_s: float = 300,
 ) -> CaseResult:
     """Run one case in ``work`` (emptied first by the scenario); a last run that has not ended
-    after ``run_timeout_s`` makes the case an error (with the run's stacks in its log), and the
-    campaign goes on."""
+    after ``run_timeout_s`` (for an outage: after the outage began) makes the case an error (with
+    the run's stacks in its log), and the campaign goes on. ``bootstrap``: a Kafka broker for
+    kill cases (an outage case starts its own, which tells clients to go through the proxy)."""
     started = time.monotonic()
     extra: list[str] = []
     if case.partition_state:
         extra += ["--partition-state", case.partition_state, "--standby-replicas", str(case.standbys)]
     shape = ScenarioShape(partitions=case.partitions, group=case.group, transactional=case.transactional)
     try:
+        if case.outage:
+            report = outage_scenario(
+                workload.pipeline, workload.data, via=case.via, down_s=case.down_s, after_s=case.after_s,
+                rate=rate, key=workload.key, work=work, mode=case.outage, shape=shape, extra=extra,
+                run_timeout_s=run_timeout_s,
+            )  # fmt: skip
+            return CaseResult(case, report, "", time.monotonic() - started)
         report = kill_scenario(
             workload.pipeline,
             workload.data,

@@ -12,7 +12,7 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aisp.faults.campaign import CaseResult, Workload, _Campaign, draw_case, draw_cases
+from aisp.faults.campaign import OUTAGES, CaseResult, Workload, _Campaign, draw_case, draw_cases
 from aisp.faults.chaos import ChaosReport, _compare, _wait_or_dump
 
 LOADS = [
@@ -25,8 +25,15 @@ LOADS = [
 def test_a_seed_always_draws_the_same_case_and_every_case_is_in_range(seed: int) -> None:
     case = draw_case(seed, LOADS)
     assert case == draw_case(seed, LOADS)
-    assert 1 <= case.kills <= 8 and 1 <= case.partitions <= 8
+    assert 1 <= case.partitions <= 8
     assert case.via in ("file", "redis", "nats", "kafka")
+    if case.outage:  # through a broker only, instead of kills
+        assert case.via != "file" and case.kills == 0 and case.outage in OUTAGES
+        assert 1.0 <= case.down_s <= 20.0 and 0.0 <= case.after_s <= 2.0
+        assert f"{case.outage} outage of {case.down_s:g} s" in case.describe()
+    else:
+        assert 1 <= case.kills <= 8 and (case.down_s, case.after_s) == (0.0, 0.0)
+        assert f"{case.kills} kills" in case.describe()
     if case.via != "kafka":  # one ordered input, no transactions, no changelog topics
         assert (case.partitions, case.partition_state, case.standbys) == (1, "", 0)
     if case.workload == "windows":  # event time over several partitions depends on interleaving
@@ -40,7 +47,13 @@ def test_a_campaign_reaches_every_shape() -> None:
     assert {c.via for c in cases} == {"file", "redis", "nats", "kafka"}
     kafka = [c for c in cases if c.via == "kafka"]
     assert {c.partitions for c in kafka} == set(range(1, 9))
-    assert {c.kills for c in cases} == set(range(1, 9))
+    assert {c.kills for c in cases if not c.outage} == set(range(1, 9))
+    outages = [c for c in cases if c.outage]
+    assert {c.via for c in outages} == {"redis", "nats", "kafka"} and {c.outage for c in outages} == set(
+        OUTAGES
+    )
+    assert min(c.down_s for c in outages) < 3 and max(c.down_s for c in outages) > 15
+    assert 0.15 < len(outages) / sum(c.via != "file" for c in cases) < 0.35
     assert {(c.group, c.transactional, c.partition_state, c.standbys) for c in kafka} >= {
         (True, True, "", 0),
         (False, False, "", 0),
