@@ -70,6 +70,7 @@ clean:
 CHAOS_EVENTS ?= 200000
 chaos: $(STAMP)
 	mkdir -p out/chaos
+	bash scripts/test-services.sh
 	$(BIN)/python -m pytest -q -m slow tests/integration
 	$(BIN)/python benchmarks/workload.py out/chaos/events.jsonl --events $(CHAOS_EVENTS) --bad-every 997
 	for via in file redis nats kafka; do \

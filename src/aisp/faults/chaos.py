@@ -22,8 +22,6 @@ recover (from the restart to its first new checkpoint).
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import random
 import shutil
@@ -32,7 +30,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
@@ -42,6 +39,7 @@ from typing import Any
 from aisp.connectors import connector_for
 from aisp.connectors.base import DEFAULT_SHAPE, ScenarioShape, free_port
 from aisp.errors import ConfigError
+from aisp.faults.outputs import compare, without_dead_letters
 
 __all__ = ["ChaosReport", "kill_scenario", "model_scenario", "outage_scenario", "restart_scenario"]
 
@@ -144,35 +142,6 @@ def _second_checkpoint(directory: Path, proc: subprocess.Popen[bytes], deadline:
         time.sleep(0.02)
 
 
-def _compare(reference: list[bytes], outputs: list[bytes], key: str) -> tuple[int, int, int]:
-    """(lost, duplicates, wrong values) of ``outputs`` against ``reference``, rows named by the
-    field ``key`` (or the fields, comma-separated)."""
-    expected = {_row_name(r, key): r for r in map(json.loads, reference)}
-    rows = [json.loads(x) for x in outputs]
-    counts = Counter(_row_name(r, key) for r in rows)
-    lost = sum(1 for k in expected if k not in counts)
-    duplicates = sum(n - 1 for n in counts.values() if n > 1)
-    wrong = sum(1 for r in rows if not _same(expected.get(_row_name(r, key)), r))
-    return lost, duplicates, wrong
-
-
-def _row_name(row: dict[str, Any], key: str) -> Any:
-    """The value of the field ``key`` in ``row``, or of the fields (comma-separated) as a tuple."""
-    fields = key.split(",")
-    return row[key] if len(fields) == 1 else tuple(row[f] for f in fields)
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal rows, floats to 1e-9 relative (a sum over batches cut elsewhere rounds otherwise)."""
-    if isinstance(a, float) and isinstance(b, float):
-        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(map(_same, a, b))
-    return bool(a == b)
-
-
 @contextmanager
 def _scenario(
     pipeline: str | Path,
@@ -260,7 +229,7 @@ def kill_scenario(
                 raise ConfigError(f"the chaos run {why} ({log}): {tail}")
             break
         outputs = ends.read()
-    lost, dups, wrong = _compare(reference, outputs, key)
+    lost, dups, wrong = compare(reference, outputs, key)
     return ChaosReport(
         "kill",
         via,
@@ -412,14 +381,8 @@ def _one_fault(
         why = f"did not end within {run_timeout_s:g} s of the fault" if rc == -9 else f"failed (exit {rc})"
         raise ConfigError(f"the chaos run {why} ({log}): {log.read_text(errors='replace')[-6000:]}")
     outputs = ends.read()
-    # a dead letter accounts for the output it would have been: one named like an output (an
-    # event scored by the fraud example); an input row of another shape (a late event a window
-    # step refused) never was one, and the reference run refused it too
-    fields = key.split(",")
-    dead_rows = [json.loads(x).get("row") for x in dead.read_bytes().splitlines() if b'"row"' in x]
-    dead_names = {_row_name(r, key) for r in dead_rows if isinstance(r, dict) and all(f in r for f in fields)}
-    kept = [x for x in reference if _row_name(json.loads(x), key) not in dead_names]
-    lost, dups, wrong = _compare(kept, outputs, key)
+    kept = without_dead_letters(reference, dead.read_bytes().splitlines(), key)
+    lost, dups, wrong = compare(kept, outputs, key)
     seconds = time.monotonic() - started
     report = ChaosReport(name, ends.via, len(reference), len(outputs), lost, dups, wrong, 1, recover, seconds)
     report.dead_lettered = len(reference) - len(kept)
