@@ -46,8 +46,8 @@ def _answerer(model: Path) -> Any:
     serve`` decodes it, one ONNX Runtime call, the response encoded as it encodes it."""
     import onnxruntime as ort
 
-    from aisp.serve.oip import Signature, TensorSignature
-    from aisp.serve.oip_http import encode_response, parse_request
+    from aisp.serve.oip.http_codec import encode_response, parse_request
+    from aisp.serve.oip.request import Signature, TensorSignature
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
@@ -71,7 +71,7 @@ def unbatched(model: Path = MODEL) -> Any:
     from starlette.responses import Response
     from starlette.routing import Route
 
-    from aisp.serve.oip_http import HEADER_LENGTH
+    from aisp.serve.oip.http_codec import HEADER_LENGTH
 
     answer = _answerer(model)
 
@@ -109,7 +109,7 @@ def asgi_hello() -> Any:
 
 
 def asgi_unbatched(model: Path = MODEL) -> Any:
-    from aisp.serve.oip_http import HEADER_LENGTH
+    from aisp.serve.oip.http_codec import HEADER_LENGTH
 
     answer = _answerer(model)
     header = HEADER_LENGTH.lower().encode()

@@ -3,6 +3,7 @@
 Build a pipeline with ``Pipeline``/``Stream``, run it with ``Pipeline.run()`` or ``aisp run``.
 """
 
+from aisp.admission.anomaly import AnomalyPolicy
 from aisp.batch import Batch, matrix_column
 from aisp.connectors.file import JsonlFileSink, JsonlFileSource
 from aisp.errors import (
@@ -28,7 +29,6 @@ from aisp.infer import (
 from aisp.ingest import FilesSource, Source, TestingSource, WorkloadFSource
 from aisp.pipeline import KeyedStream, Pipeline, Stream
 from aisp.runner import CheckpointOptions, ObserveOptions, RunOptions, RunSummary, run
-from aisp.schedule.anomaly import AnomalyPolicy
 from aisp.schedule.executor import ExecutorOptions
 from aisp.sinks import CollectSink, DeadLetterSink, NullSink, Sink
 from aisp.transform.aggregates import Aggregate, Count, First, Last, Max, Mean, Min, Std, Sum, Var

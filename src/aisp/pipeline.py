@@ -21,6 +21,8 @@ from typing import Any
 import msgspec
 import pyarrow as pa
 
+from aisp.admission.anomaly import AnomalyPolicy
+from aisp.admission.tiers import DEFAULT_TIERS
 from aisp.batch import Batch
 from aisp.connectors import connector_for
 from aisp.errors import ConfigError, GraphError
@@ -34,13 +36,11 @@ from aisp.infer.stage import InferSpec
 from aisp.ingest.base import Source
 from aisp.observe.drift import DriftConfig, alert_sink, local_alert
 from aisp.runner import RunOptions, RunSummary, run
-from aisp.schedule.anomaly import AnomalyPolicy
 from aisp.sinks.base import Sink
 from aisp.transform.aggregates import Aggregate
 from aisp.transform.event_time import EventTime
 from aisp.transform.joins import IntervalJoinSpec, tag_side
 from aisp.transform.operators import (
-    DEFAULT_TIERS,
     AssignTier,
     Filter,
     KeyBy,
@@ -72,12 +72,12 @@ class Pipeline:
         """The model rollouts of ``Stream.infer_rollout`` steps, by step id (the graph's)."""
         self.migrations: dict[str, Callable[[pa.Table], pa.Table]] = {}
         """Per step, how its state changes when this pipeline replaces a running version of
-        itself (``migrate``, ``aisp.serve.topology``)."""
+        itself (``migrate``, ``aisp.serve.pipelines.topology``)."""
 
     def migrate(self, step_id: str, fn: Callable[[pa.Table], pa.Table]) -> None:
         """Declare how the state of ``step_id`` saved by the running version of this pipeline
         becomes this version's (a table of the step's state columns, one row per key, in and
-        out), for a topology update of a served pipeline (``aisp.serve.topology``)."""
+        out), for a topology update of a served pipeline (``aisp.serve.pipelines.topology``)."""
         self.migrations[step_id] = fn
 
     def source(
@@ -121,7 +121,7 @@ class Pipeline:
 
     def anomaly_control(self, policy: AnomalyPolicy) -> None:
         """When served, watch events/s, e2e latency and a score column over a sliding window and
-        lower the admitted rate while the policy's condition holds (``aisp.schedule.anomaly``);
+        lower the admitted rate while the policy's condition holds (``aisp.admission.anomaly``);
         a serve config's ``[anomaly.NAME]`` or the admin endpoint can change it."""
         if not isinstance(policy, AnomalyPolicy):
             raise GraphError(f"anomaly_control needs an AnomalyPolicy, got {type(policy).__name__}")

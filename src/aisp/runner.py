@@ -12,12 +12,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aisp.admission.anomaly import control_run
 from aisp.connectors import dead_letter_sink
 from aisp.errors import ConfigError
 from aisp.graph import Graph
 from aisp.infer.versions import VersionWatcher
 from aisp.observe.stats import peak_rss_mb
-from aisp.schedule.anomaly import control_run
 from aisp.schedule.checkpoints import open_partition_states
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
 from aisp.schedule.model_steps import verify_models

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from aisp.infer import BatcherConfig
-from aisp.serve.http import create_app
-from aisp.serve.models import ModelServer
+from aisp.serve.http.app import create_app
+from aisp.serve.models.server import ModelServer
 from benchmarks.workload import mlp_model
 from tests.support.models import FRAUD_CONFIG
 
@@ -97,7 +97,7 @@ def test_request_deadline_header(heavy: Path) -> None:
 
 
 def test_rate_limits_per_key_and_tier(heavy: Path) -> None:
-    from aisp.schedule.ratelimit import RateLimits
+    from aisp.admission.ratelimit import RateLimits
 
     models = ModelServer(heavy)
     models.start()

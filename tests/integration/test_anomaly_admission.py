@@ -149,8 +149,8 @@ def test_any_put_body_is_answered_200_or_400_with_json_and_admin_only_with_token
 
     from aisp import NullSink, Pipeline, TestingSource
     from aisp.serve.auth import Tokens
-    from aisp.serve.http import create_app
-    from aisp.serve.pipelines import PipelineService
+    from aisp.serve.http.app import create_app
+    from aisp.serve.pipelines.service import PipelineService
 
     class Event(msgspec.Struct):
         id: int

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aisp.serve.models import ModelServer, RequestFailed
+from aisp.serve.models.server import ModelServer, RequestFailed
 from tests.support.models import FRAUD_CONFIG, linear_model, picky_model
 
 

@@ -12,8 +12,8 @@ from aisp import CollectSink, Pipeline, RunOptions, WorkloadFSource, run
 from aisp.errors import ModelError
 from aisp.faults import FaultProxy
 from aisp.infer.remote import BreakerConfig, RemoteRuntime, RetryPolicy
-from aisp.serve.grpc import GrpcServer
-from aisp.serve.models import ModelServer
+from aisp.serve.grpc.server import GrpcServer
+from aisp.serve.models.server import ModelServer
 from tests.support.models import expected_score, fraud_repository
 
 

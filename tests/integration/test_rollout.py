@@ -22,8 +22,8 @@ from onnx import TensorProto
 
 from aisp.errors import AispError
 from aisp.infer.rollout import RolloutPolicy
-from aisp.serve.http import create_app
-from aisp.serve.models import ModelServer
+from aisp.serve.http.app import create_app
+from aisp.serve.models.server import ModelServer
 from tests.support.browser import dump_dom
 from tests.support.models import (
     FRAUD_CONFIG,

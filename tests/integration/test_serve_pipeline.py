@@ -20,8 +20,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from aisp import Batch, CollectSink, Pipeline, WorkloadFSource
 from aisp.observe.diagnose import Scrape, diagnose
 from aisp.observe.metrics import PipelineCollector
-from aisp.serve.http import create_app
-from aisp.serve.pipelines import PipelineService
+from aisp.serve.http.app import create_app
+from aisp.serve.pipelines.service import PipelineService
 from benchmarks.workload import reference_outputs, write_events
 from tests.support.serving import aisp_serve, wait_http
 

@@ -131,7 +131,7 @@ def _pieces(data: bytes, size: int) -> Iterator[bytes]:
 
 
 def test_a_line_past_the_media_limit_is_413_with_a_json_reason(photos: str) -> None:
-    from aisp.serve.http_events import MEDIA_LINE_BYTES
+    from aisp.serve.http.events import MEDIA_LINE_BYTES
 
     filler = b"A" * (MEDIA_LINE_BYTES + 4)
     body = b'{"id": "big", "image": "' + filler + b'"}\n'
@@ -150,7 +150,7 @@ def test_the_line_limit_follows_the_schema() -> None:
 
     import msgspec
 
-    from aisp.serve.http_events import MEDIA_LINE_BYTES, RAW_MAX_BYTES, Events, carries_bytes
+    from aisp.serve.http.events import MEDIA_LINE_BYTES, RAW_MAX_BYTES, Events, carries_bytes
 
     class Plain(msgspec.Struct):
         id: str

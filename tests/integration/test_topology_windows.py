@@ -13,7 +13,7 @@ import msgspec
 
 from aisp import CollectSink, Count, EventTime, Max, Pipeline, Sum, TestingSource, Tumbling
 from aisp.serve.admission import PipelineAdmission
-from aisp.serve.pipelines import PipelineService
+from aisp.serve.pipelines.service import PipelineService
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(

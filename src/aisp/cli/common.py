@@ -146,8 +146,8 @@ def _limits(config: str | None) -> Any:
     """``[limits]`` of the TOML config (rows/s per API key and per tier), or None."""
     import tomllib
 
-    from aisp.schedule.ratelimit import RateLimits
-    from aisp.transform.operators import DEFAULT_TIERS
+    from aisp.admission.ratelimit import RateLimits
+    from aisp.admission.tiers import DEFAULT_TIERS
 
     if config is None:
         return None

@@ -74,7 +74,7 @@ def serve(
         typer.Option(
             "--config",
             help="TOML config: [auth] tokens, admin_tokens; [limits] per_key_rps, tiers;"
-            " [anomaly.PIPELINE] an anomaly policy (aisp.schedule.anomaly); [rollout.MODEL] a canary"
+            " [anomaly.PIPELINE] an anomaly policy (aisp.admission.anomaly); [rollout.MODEL] a canary"
             " rollout policy (aisp.infer.rollout).",
         ),
     ] = None,
@@ -136,10 +136,10 @@ def serve(
     SIGTERM / Ctrl-C stop accepting, finish what was accepted, and exit 0. The bound addresses
     are printed on stdout as ``http HOST:PORT`` and ``grpc HOST:PORT``.
     """
-    from aisp.schedule.ratelimit import Limiter
+    from aisp.admission.ratelimit import Limiter
     from aisp.serve.auth import Tokens
-    from aisp.serve.grpc import GrpcServer
-    from aisp.serve.shm import SharedMemoryRegions
+    from aisp.serve.grpc.server import GrpcServer
+    from aisp.serve.oip.shm import SharedMemoryRegions
 
     if (tls_cert is None) != (tls_key is None):
         err.print("[red]error:[/red] --tls-cert and --tls-key go together")
@@ -215,12 +215,12 @@ class _ServeTargets:
         anomaly: dict[str, Any],
         pipeline_dirs: list[str],
     ) -> _ServeTargets:
+        from aisp.admission.anomaly import AnomalyPolicy
         from aisp.observe.metrics import PipelineCollector
         from aisp.observe.rollouts import GraphVersions, update_counts
-        from aisp.schedule.anomaly import AnomalyPolicy
         from aisp.serve.metrics import ServerMetrics
-        from aisp.serve.models import ModelServer
-        from aisp.serve.pipelines import PipelineService
+        from aisp.serve.models.server import ModelServer
+        from aisp.serve.pipelines.service import PipelineService
 
         pipelines: dict[str, PipelineService] = {}
         repository: str | None = target
@@ -302,8 +302,8 @@ def _serve_http(
     import anyio
     import uvicorn
 
-    from aisp.serve.http import create_app
-    from aisp.serve.http_errors import JsonErrorsHttpTools
+    from aisp.serve.http.app import create_app
+    from aisp.serve.http.errors import JsonErrorsHttpTools
 
     # load anyio's asyncio backend now: the first request that hands work to a thread (a topology
     # update, a model load, the dashboard) would import it in the event loop, holding up every

@@ -29,7 +29,7 @@ Families (seconds and rows in the names; labels bounded by the pipeline's steps)
   process's).
 * ``aisp_admission_events_total{outcome}``: a served pipeline's events accepted or refused
   (``queue_full``, ``rate_limited``).
-* With an anomaly policy (``aisp.schedule.anomaly``): ``aisp_anomaly_triggered_total`` (times
+* With an anomaly policy (``aisp.admission.anomaly``): ``aisp_anomaly_triggered_total`` (times
   the condition lowered the admitted rate), ``aisp_admitted_rate_events_per_second`` and
   ``aisp_anomaly_window{stat}`` (the last sliding window: offered/admitted/written events/s,
   score share, e2e p50/p99 in ms).

@@ -77,7 +77,7 @@ class KeyedStateKeeper:
     def share(self, other: KeyedStateKeeper, spaces: Iterable[str]) -> None:
         """(Before this executor builds its operators) use ``other``'s key indexes for
         ``spaces``: a topology update's new graph takes the keys over without copying them, and
-        its operators' rows follow the same key codes (``aisp.serve.topology``)."""
+        its operators' rows follow the same key codes (``aisp.serve.pipelines.topology``)."""
         for space in spaces:
             self._indexes[space] = other._indexes[space]
 

@@ -17,7 +17,7 @@ by a new version of the pipeline file at a checkpoint:
 5. if the new graph cannot start, the old version starts again from the same checkpoint.
 
 It needs the state in the checkpoint files (not ``--state-store``, ``--partition-state`` or
-``--workers N``). A served pipeline switches graphs without stopping (``aisp.serve.topology``).
+``--workers N``). A served pipeline switches graphs without stopping (``aisp.serve.pipelines.topology``).
 """
 
 from __future__ import annotations

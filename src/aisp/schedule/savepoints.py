@@ -6,7 +6,7 @@ same, or through the migration the new pipeline declares for that step (``Pipeli
 function from the old state table to the new one, one row per key); a keyed step's rows need
 their key space (the ``key_by`` step id) in the new graph too; new steps start empty; the state of
 steps the new graph lacks, or cannot take, is dropped with a warning. A served pipeline's
-topology update uses it in memory (``aisp.serve.topology``); ``aisp run NEW_PIPELINE
+topology update uses it in memory (``aisp.serve.pipelines.topology``); ``aisp run NEW_PIPELINE
 --from-savepoint DIR`` uses it on the newest verified checkpoint in ``DIR`` (the files a restart
 would read), when the run's own checkpoint directory has none yet: the sources read on from the
 positions of the steps with the same ids; the new version's outputs and dead letters start in

@@ -4,7 +4,7 @@
 ``timeout`` parameter if sooner), the rate limits of its API key and tier (``Overloaded``, 429
 / RESOURCE_EXHAUSTED), and its check against the model's signature (``BadRequest``).
 ``PipelineAdmission``: a served pipeline's events: rate limits, its anomaly-controlled rate
-(``aisp.schedule.anomaly``), its LLM steps' time-to-first-token targets, then room in its inbox.
+(``aisp.admission.anomaly``), its LLM steps' time-to-first-token targets, then room in its inbox.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from typing import Any
 import msgspec
 import numpy.typing as npt
 
+from aisp.admission.ratelimit import Limiter
 from aisp.batch import Batch
 from aisp.errors import Overloaded
 from aisp.infer.llm_stage import LlmStage
-from aisp.schedule.ratelimit import Limiter
-from aisp.serve.models import ModelServer
-from aisp.serve.oip import InferRequest, Signature, check_request
-from aisp.serve.pipelines import Chunk, PipelineService
-from aisp.serve.served import InferResult
+from aisp.serve.models.served import InferResult
+from aisp.serve.models.server import ModelServer
+from aisp.serve.oip.request import InferRequest, Signature, check_request
+from aisp.serve.pipelines.service import Chunk, PipelineService
 
 __all__ = ["Admitted", "PipelineAdmission", "admit_infer", "infer_admitted"]
 

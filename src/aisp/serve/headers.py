@@ -1,8 +1,8 @@
 """Request options that arrive as HTTP headers or gRPC metadata, parsed strictly for both.
 
 A deadline is a finite, positive number of milliseconds of at most ``MAX_DEADLINE_MS`` (one
-hour); a tier is one of the named QoS tiers. Anything else is a ``BadRequest`` naming where the
-value came from.
+hour); anything else is a ``BadRequest`` naming where the value came from. A request's tier is
+parsed the same way, by ``aisp.admission.tiers``.
 """
 
 from __future__ import annotations
@@ -11,24 +11,16 @@ import math
 from typing import Any
 
 from aisp.errors import BadRequest
-from aisp.transform.operators import DEFAULT_TIERS
 
 __all__ = [
     "DEADLINE_HEADER",
     "MAX_DEADLINE_MS",
-    "TIER_HEADER",
-    "TIER_KEY",
     "Headers",
     "parse_deadline_ms",
-    "parse_tier",
 ]
 
 DEADLINE_HEADER = "X-Request-Deadline-Ms"
 """Milliseconds the client will wait: rows still queued after that are dropped, the request 504s."""
-TIER_HEADER = "X-Tier"
-"""QoS tier name of a request (gold, silver, bronze); the OIP ``priority`` parameter otherwise."""
-TIER_KEY = "x-tier"
-"""The same as gRPC metadata."""
 MAX_DEADLINE_MS = 3_600_000.0
 
 
@@ -49,16 +41,6 @@ def parse_deadline_ms(value: str | None, source: str = DEADLINE_HEADER) -> float
             f"{source} must be more than 0 and at most {MAX_DEADLINE_MS:.0f} ms, got {value[:40]!r}"
         )
     return ms
-
-
-def parse_tier(name: str | None, source: str = TIER_KEY) -> int | None:
-    """The level of tier ``name`` (None: not given); an unknown name is a ``BadRequest`` naming where
-    it came from (``source``: a header or metadata key)."""
-    if name is None:
-        return None
-    if name not in DEFAULT_TIERS:
-        raise BadRequest(f"{source} must be one of {sorted(DEFAULT_TIERS)}, got {name[:40]!r}")
-    return DEFAULT_TIERS[name]
 
 
 class Headers(dict[str, str]):

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from aisp.observe.latency import LatencyHistogram
 from aisp.observe.metrics import BATCH_BUCKETS, LATENCY_BUCKETS_S, TextExposition, histogram_buckets
 from aisp.observe.rollouts import rollout_families
-from aisp.serve.models import ModelServer
+from aisp.serve.models.server import ModelServer
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 

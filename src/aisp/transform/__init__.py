@@ -1,7 +1,6 @@
 """Vectorised operators: map, filter, key-by, keyed state, routing, union."""
 
 from aisp.transform.operators import (
-    DEFAULT_TIERS,
     AssignTier,
     Filter,
     KeyBy,
@@ -16,7 +15,6 @@ from aisp.transform.stateful import RunningStats, Stateful, StateView
 
 __all__ = [
     "AssignTier",
-    "DEFAULT_TIERS",
     "Filter",
     "KeyBy",
     "MapBatch",

@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
+from aisp.admission.tiers import DEFAULT_TIERS
 from aisp.batch import KEY, META_COLUMNS, TIER, Batch
 from aisp.errors import ConfigError
 from aisp.graph import DEFAULT_PORT
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
 __all__ = [
     "AssignTier",
     "Checkpointable",
-    "DEFAULT_TIERS",
     "Emit",
     "Filter",
     "IncrementalState",
@@ -43,8 +43,6 @@ __all__ = [
 ]
 
 Emit = list[tuple[str, Batch]]
-DEFAULT_TIERS = {"bronze": 0, "silver": 1, "gold": 2}
-"""Tier names and their levels: higher levels are served first and shed last."""
 DeadLetterFn = Callable[..., None]
 """``fn(batch, step, reason, fields=None)``: dead-letter ``batch``'s rows; ``fields`` maps a
 record field to one value per row (e.g. the window a late event missed)."""

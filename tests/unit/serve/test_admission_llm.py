@@ -19,7 +19,7 @@ from aisp.errors import Overloaded
 from aisp.infer.llm_admission import LlmSlo
 from aisp.infer.llm_stage import LlmSpec
 from aisp.serve.admission import PipelineAdmission
-from aisp.serve.pipelines import PipelineService
+from aisp.serve.pipelines.service import PipelineService
 from tests.unit.infer.test_llm_admission import FakeLlm
 
 
