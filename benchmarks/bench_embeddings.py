@@ -1,7 +1,7 @@
 """Sentence embeddings/s: AISP's dynamic batching of single texts vs plain loops on the same model.
 
 The texts: the first paragraphs of the Python standard library's docstrings (offline, 1-120
-tokens each). The model: all-MiniLM-L6-v2, int8 ONNX (``aisp.infer.text.packaged_minilm``),
+tokens each). The model: all-MiniLM-L6-v2, int8 ONNX (``aisp.infer.runtimes.text_encoder.packaged_minilm``),
 mean pooled and L2-normalised in every variant, on ONNX Runtime with the same session options
 (``--threads`` intra-op threads):
 
@@ -110,7 +110,7 @@ def through_aisp(
     model: str, tokenizer: str, texts: list[str], batch: int, threads: int, instances: int
 ) -> dict[str, Any]:
     from aisp import BatcherConfig, NullSink, OnnxRuntime, Pipeline, TestingSource
-    from aisp.infer.text import TextEncoder
+    from aisp.infer.runtimes.text_encoder import TextEncoder
     from aisp.transform.text import TextTokenizer
 
     p = Pipeline("embed")
@@ -133,7 +133,7 @@ def through_aisp(
 
 
 def main() -> int:
-    from aisp.infer.text import packaged_minilm
+    from aisp.infer.runtimes.text_encoder import packaged_minilm
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--texts", type=int, default=3000)

@@ -107,7 +107,7 @@ async def _run(call: Any, url: str, streams: int, per_stream: int, max_tokens: i
 
 
 def main() -> int:
-    from aisp.infer.llm_server import llama_server
+    from aisp.infer.llm.server import llama_server
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", default="1,4,16")

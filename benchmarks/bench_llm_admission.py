@@ -74,7 +74,7 @@ def load(url: str, rate: float, seconds: float, offset: int) -> dict[str, Any]:
 
 
 def main() -> int:
-    from aisp.infer.llm_server import llama_server
+    from aisp.infer.llm.server import llama_server
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target-ms", type=float, default=1500.0)

@@ -52,7 +52,7 @@ STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
 
 
 def model_path(name: str) -> Path:
-    from aisp.infer.ocr import packaged_ppocr
+    from aisp.infer.runtimes.ocr import packaged_ppocr
 
     return packaged_ppocr()[0].parent / MODELS[name][0]
 
@@ -119,7 +119,7 @@ class PillowLoop:
 
 def through_aisp(directory: Path, model: str, threads: int, batch: int) -> dict[str, float]:
     from aisp import BatcherConfig, FilesSource, NullSink, OnnxRuntime, Pipeline
-    from aisp.infer.runtime import Reshaped
+    from aisp.infer.runtimes.base import Reshaped
     from aisp.transform.images import ImagePreprocess
 
     size = MODELS[model][1]
@@ -169,7 +169,7 @@ def bucketed(directory: Path, threads: int, buckets: bool) -> dict[str, float]:
     shape (``PADDED``), or routed by aspect ratio (``ImageBuckets``) to one image step and one
     model step per bucket (``BUCKETS``), each batching images of its own shape."""
     from aisp import BatcherConfig, FilesSource, NullSink, OnnxRuntime, Pipeline
-    from aisp.infer.runtime import Reshaped
+    from aisp.infer.runtimes.base import Reshaped
     from aisp.transform.images import ImageBuckets, ImagePreprocess
 
     p = Pipeline("buckets")

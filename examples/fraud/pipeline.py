@@ -20,8 +20,8 @@ import msgspec
 import numpy as np
 
 from aisp import Batch, BatcherConfig, NullSink, OnnxRuntime, Pipeline, ServedModel, WorkloadFSource
-from aisp.infer.pool import RemotePool
-from aisp.infer.remote import RemoteRuntime
+from aisp.infer.runtimes.pool import RemotePool
+from aisp.infer.runtimes.remote import RemoteRuntime
 
 HERE = Path(__file__).resolve().parent
 MODEL = HERE / "model.onnx"

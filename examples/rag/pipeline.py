@@ -40,9 +40,9 @@ import msgspec
 
 from aisp import BatcherConfig, LlmSlo, LlmSpec, NullSink, OnnxRuntime, OpenAIClient, Pipeline, TestingSource
 from aisp.batch import Batch
-from aisp.infer.cache import ResponseCache, cached
-from aisp.infer.llm_server import llama_server
-from aisp.infer.text import TextEncoder, packaged_minilm
+from aisp.infer.cache.response import ResponseCache, cached
+from aisp.infer.llm.server import llama_server
+from aisp.infer.runtimes.text_encoder import TextEncoder, packaged_minilm
 from aisp.transform.text import TextTokenizer
 from aisp.transform.vectors import VectorIndex
 

@@ -28,8 +28,8 @@ import pyarrow as pa
 
 from aisp import BatcherConfig, NullSink, OnnxRuntime, Pipeline, TestingSource
 from aisp.batch import Batch
-from aisp.infer.cache import ResponseCache
-from aisp.infer.text import TextEncoder, packaged_minilm
+from aisp.infer.cache.response import ResponseCache
+from aisp.infer.runtimes.text_encoder import TextEncoder, packaged_minilm
 from aisp.transform.semantic_router import EmbeddingRouter
 from aisp.transform.text import TextTokenizer
 from aisp.transform.vectors import VectorIndex

@@ -60,9 +60,9 @@ class Graph:
     name: str
     nodes: list[Node] = field(default_factory=list)
     caches: dict[str, Any] = field(default_factory=dict)
-    """Response caches in front of the graph's model steps (``aisp.infer.cache``), by step id."""
+    """Response caches in front of the graph's model steps (``aisp.infer.cache.response``), by step id."""
     rollouts: dict[str, Any] = field(default_factory=dict)
-    """Model rollouts of the graph's rollout steps (``aisp.infer.rollout.Rollout``, with a
+    """Model rollouts of the graph's rollout steps (``aisp.infer.models.rollout.Rollout``, with a
     ``status()``), by step id."""
 
     # -- construction -------------------------------------------------------------------------

@@ -27,12 +27,12 @@ from aisp.batch import Batch
 from aisp.connectors import connector_for
 from aisp.errors import ConfigError, GraphError
 from aisp.graph import DEFAULT_PORT, Graph, Node
-from aisp.infer.batcher import BatcherConfig
-from aisp.infer.llm_stage import LlmSpec
-from aisp.infer.model_steps import expand_by_tier, expand_rollout
-from aisp.infer.rollout import Rollout, RolloutPolicy
-from aisp.infer.runtime import Runtime
+from aisp.infer.batching.batcher import BatcherConfig
+from aisp.infer.llm.stage import LlmSpec
+from aisp.infer.models.rollout import Rollout, RolloutPolicy
+from aisp.infer.runtimes.base import Runtime
 from aisp.infer.stage import InferSpec
+from aisp.infer.steps import expand_by_tier, expand_rollout
 from aisp.ingest.base import Source
 from aisp.observe.drift import DriftConfig, alert_sink, local_alert
 from aisp.runner import RunOptions, RunSummary, run
@@ -329,7 +329,7 @@ class Stream:
     ) -> Stream:
         """A model step that rolls ``candidate`` out over ``stable`` in the steps of ``policy``
         (shadow, then traffic shares by key), rolling back on a measured regression
-        (``aisp.infer.model_steps``). The rollout's status: ``pipeline.rollouts[step_id]``."""
+        (``aisp.infer.steps``). The rollout's status: ``pipeline.rollouts[step_id]``."""
         infer: dict[str, Any] = dict(
             inputs=inputs, outputs=outputs, batcher=batcher, latency_budget_ms=latency_budget_ms
         )
@@ -339,7 +339,7 @@ class Stream:
 
     def llm(self, step_id: str, spec: LlmSpec, *, latency_budget_ms: float = 1000.0) -> Stream:
         """An LLM generating from each row's prompt: its tokens go on as partial rows while they
-        come, then the row with the answer (``aisp.infer.llm_stage``)."""
+        come, then the row with the answer (``aisp.infer.llm.stage``)."""
         return self._add(step_id, "llm", spec, latency_budget_ms)
 
     def route(

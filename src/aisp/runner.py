@@ -16,7 +16,7 @@ from aisp.admission.anomaly import control_run
 from aisp.connectors import dead_letter_sink
 from aisp.errors import ConfigError
 from aisp.graph import Graph
-from aisp.infer.versions import VersionWatcher
+from aisp.infer.models.versions import VersionWatcher
 from aisp.observe.stats import peak_rss_mb
 from aisp.schedule.checkpoints import open_partition_states
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from aisp.infer.batcher import DynamicBatcher
+from aisp.infer.batching.batcher import DynamicBatcher
 from aisp.observe.clock import wall_ms
 from aisp.observe.stats import peak_rss_mb
 from aisp.schedule.executor import LocalExecutor

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from aisp import BatcherConfig, CollectSink, Pipeline, TestingSource
 from aisp.errors import ConfigError
-from aisp.infer.text import TextEncoder, packaged_minilm
+from aisp.infer.runtimes.text_encoder import TextEncoder, packaged_minilm
 from aisp.observe.metrics import PipelineCollector
 from aisp.schedule.executor import LocalExecutor
 from aisp.sinks.deadletter import DeadLetterSink
@@ -142,7 +142,7 @@ def test_an_embedding_router_sends_queries_to_the_closest_topic_and_the_rest_to_
 def test_a_repeated_text_is_answered_from_the_cache_with_the_same_embedding() -> None:
     """The same cache in front of the model across two runs: the second run's known texts are
     answered from it, equal, without a model call; its new text costs no store lookup."""
-    from aisp.infer.cache import ResponseCache, cached
+    from aisp.infer.cache.response import ResponseCache, cached
 
     cache = ResponseCache(["text"], ["embedding"])
     last: list[Pipeline] = []

@@ -17,11 +17,11 @@ import pytest
 from aisp import CollectSink, LlmSpec, OpenAIClient, Pipeline, TestingSource
 from aisp.batch import PARTIAL, Batch
 from aisp.faults.proxy import FaultProxy, Faults
-from aisp.infer.llm import LlmError
-from aisp.infer.llm_local import LocalLlama
-from aisp.infer.llm_server import llama_server
-from aisp.infer.llm_stage import LlmStage
-from aisp.infer.remote import BreakerConfig, RetryPolicy
+from aisp.infer.llm.client import LlmError
+from aisp.infer.llm.local import LocalLlama
+from aisp.infer.llm.server import llama_server
+from aisp.infer.llm.stage import LlmStage
+from aisp.infer.runtimes.remote import BreakerConfig, RetryPolicy
 
 
 @pytest.fixture(scope="module")

@@ -134,7 +134,7 @@ def test_upside_down_pages_are_turned_by_the_direction_classifier() -> None:
     import numpy as np
 
     from aisp import BatcherConfig, Pipeline, TestingSource
-    from aisp.infer.ocr import TextReader, det_preprocess
+    from aisp.infer.runtimes.ocr import TextReader, det_preprocess
     from aisp.transform.images import ImagePreprocess
 
     pages = [PAGES.page(i) for i in range(4)]

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from aisp import BatcherConfig, CollectSink, ExecutorOptions, OnnxRuntime, Pipeline, WorkloadFSource
 from aisp.errors import ModelError
-from aisp.infer.rollout import RolloutPolicy
+from aisp.infer.models.rollout import RolloutPolicy
 from aisp.observe.dashboard import DashboardState
 from aisp.observe.metrics import PipelineCollector
 from aisp.schedule.executor import LocalExecutor
@@ -132,7 +132,7 @@ import importlib.util
 import sys
 
 from aisp import NullSink, OnnxRuntime, Pipeline, WorkloadFSource
-from aisp.infer.rollout import RolloutPolicy
+from aisp.infer.models.rollout import RolloutPolicy
 
 spec = importlib.util.spec_from_file_location("fraud_v1", {pipeline!r})
 v1 = sys.modules["fraud_v1"] = importlib.util.module_from_spec(spec)

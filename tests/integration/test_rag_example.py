@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from websockets.sync.client import connect
 
-from aisp.infer.llm_server import llama_server
+from aisp.infer.llm.server import llama_server
 from aisp.observe.diagnose import Scrape, diagnose
 from tests.support.serving import aisp_serve, wait_http
 

@@ -16,8 +16,8 @@ import pytest
 
 from aisp import CollectSink, Pipeline, PythonRuntime, TestingSource
 from aisp.batch import Batch
-from aisp.infer.cache import HIT, ResponseCache, cached
-from aisp.infer.cache_redis import RedisStore
+from aisp.infer.cache.redis import RedisStore
+from aisp.infer.cache.response import HIT, ResponseCache, cached
 from tests.integration.test_exactly_once import redis_client
 
 URL = "redis://127.0.0.1:6379/0"

@@ -21,7 +21,7 @@ import pytest
 from onnx import TensorProto
 
 from aisp.errors import AispError
-from aisp.infer.rollout import RolloutPolicy
+from aisp.infer.models.rollout import RolloutPolicy
 from aisp.serve.http.app import create_app
 from aisp.serve.models.server import ModelServer
 from tests.support.browser import dump_dom

@@ -65,8 +65,8 @@ def test_repeated_texts_take_their_embeddings_from_a_shared_cache_with_equal_ans
     """The search with its embedding cache in Redis, run twice (two workers, one after the
     other): the second run embeds nothing, every row comes from the cache, and the answers equal
     a run without a cache; each query is routed to a topic branch."""
-    from aisp.infer.cache import ResponseCache
-    from aisp.infer.cache_redis import RedisStore
+    from aisp.infer.cache.redis import RedisStore
+    from aisp.infer.cache.response import ResponseCache
     from tests.integration.test_exactly_once import redis_client
 
     redis_client()

@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch")  # the `torch` extra; .ci/run installs a CP
 
 from aisp import CollectSink, Pipeline, WorkloadFSource, run  # noqa: E402
 from aisp.errors import ModelError  # noqa: E402
-from aisp.infer.runtime import OnnxRuntime, TensorSpec  # noqa: E402
-from aisp.infer.torch import TorchRuntime  # noqa: E402
+from aisp.infer.runtimes.base import OnnxRuntime, TensorSpec  # noqa: E402
+from aisp.infer.runtimes.torch import TorchRuntime  # noqa: E402
 from tests.support.models import expected_score, linear_model  # noqa: E402
 
 SPECS = {"features": TensorSpec(np.dtype(np.float32), (None, 18))}

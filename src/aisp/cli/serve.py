@@ -75,7 +75,7 @@ def serve(
             "--config",
             help="TOML config: [auth] tokens, admin_tokens; [limits] per_key_rps, tiers;"
             " [anomaly.PIPELINE] an anomaly policy (aisp.admission.anomaly); [rollout.MODEL] a canary"
-            " rollout policy (aisp.infer.rollout).",
+            " rollout policy (aisp.infer.models.rollout).",
         ),
     ] = None,
     tls_cert: Annotated[
@@ -278,7 +278,7 @@ class _ServeTargets:
 
     def roll_out(self, policies: dict[str, Any]) -> None:
         """Start the rollouts of the config's ``[rollout.MODEL]`` tables."""
-        from aisp.infer.rollout import RolloutPolicy
+        from aisp.infer.models.rollout import RolloutPolicy
 
         if policies and self.models is None:
             raise ConfigError("[rollout] applies to served models; this serves no model repository")

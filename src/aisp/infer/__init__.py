@@ -1,7 +1,7 @@
 """Model inference: runtimes, the dynamic batcher and the infer step's column glue."""
 
-from aisp.infer.adaptive import AdaptiveConfig, AdaptiveTuner
-from aisp.infer.batcher import (
+from aisp.infer.batching.adaptive import AdaptiveConfig, AdaptiveTuner
+from aisp.infer.batching.batcher import (
     BatcherClosed,
     BatcherConfig,
     BatcherStats,
@@ -14,9 +14,9 @@ from aisp.infer.batcher import (
     Prepare,
     QueueFull,
 )
-from aisp.infer.llm import Generation, LlmClient, LlmError, OpenAIClient
-from aisp.infer.llm_stage import LlmSlo, LlmSpec, LlmStage
-from aisp.infer.repository import (
+from aisp.infer.llm.client import Generation, LlmClient, LlmError, OpenAIClient
+from aisp.infer.llm.stage import LlmSlo, LlmSpec, LlmStage
+from aisp.infer.models.repository import (
     ModelConfig,
     ModelRepository,
     TensorConfig,
@@ -24,9 +24,9 @@ from aisp.infer.repository import (
     VersionPolicy,
     priority_to_tier,
 )
-from aisp.infer.runtime import CostModel, OnnxRuntime, PythonRuntime, Runtime, TensorSpec, resolve
+from aisp.infer.models.versions import ServedModel
+from aisp.infer.runtimes.base import CostModel, OnnxRuntime, PythonRuntime, Runtime, TensorSpec, resolve
 from aisp.infer.stage import InferSpec, build_batcher, build_io
-from aisp.infer.versions import ServedModel
 
 __all__ = [
     "AdaptiveConfig",

@@ -4,7 +4,7 @@
 columns; ``build_io`` turns it into the ``prepare``/``finish`` pair a ``DynamicBatcher`` calls
 once per batch (whole columns, no per-row work).
 
->>> from aisp.infer.runtime import PythonRuntime
+>>> from aisp.infer.runtimes.base import PythonRuntime
 >>> rt = PythonRuntime(lambda xs: {"y": xs["x"] * 2}, input_names=["x"], output_names=["y"], name="m")
 >>> prepare, finish = build_io(InferSpec(runtime=rt, inputs={"x": "a"}, outputs={"y": "b"}))
 >>> b = Batch.from_columns({"a": [1.0, 2.0]})
@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from aisp.batch import Batch, matrix_column, padded
 from aisp.errors import ConfigError, ModelError
-from aisp.infer.batcher import (
+from aisp.infer.batching.batcher import (
     BatcherConfig,
     DeadLetter,
     DynamicBatcher,
@@ -34,7 +34,7 @@ from aisp.infer.batcher import (
     OnBatch,
     Prepare,
 )
-from aisp.infer.runtime import Runtime, TensorSpec
+from aisp.infer.runtimes.base import Runtime, TensorSpec
 from aisp.observe.drift import DriftConfig
 
 __all__ = ["InferSpec", "build_batcher", "build_io"]

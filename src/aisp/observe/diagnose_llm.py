@@ -1,4 +1,4 @@
-"""Diagnosis of a pipeline's LLM steps (``aisp.infer.llm_stage``), from their metrics
+"""Diagnosis of a pipeline's LLM steps (``aisp.infer.llm.stage``), from their metrics
 (``aisp.observe.llm_metrics``), for ``aisp.observe.diagnose``.
 
 An LLM step's time to first token is its queueing (waiting for a free generation slot) plus the

@@ -1,4 +1,4 @@
-"""Prometheus families of a pipeline's LLM steps (``aisp.infer.llm_stage``), read at scrape time:
+"""Prometheus families of a pipeline's LLM steps (``aisp.infer.llm.stage``), read at scrape time:
 
 * ``aisp_llm_ttft_seconds{stage}``: time to first token, from the event's ingest (the steps
   before and the queueing included); ``aisp_llm_first_token_seconds{stage}``: from the request's start (the

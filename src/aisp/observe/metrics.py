@@ -243,7 +243,7 @@ class PipelineCollector:
             yield setting
 
     def _pools(self) -> Iterator[Any]:
-        """Model pools' endpoints (``aisp.infer.pool.RemotePool``)."""
+        """Model pools' endpoints (``aisp.infer.runtimes.pool.RemotePool``)."""
         pools = {sid: ends() for sid, b in self._ex.batchers.items()
                  if callable(ends := getattr(b.runtime, "endpoints", None))}  # fmt: skip
         if not pools:

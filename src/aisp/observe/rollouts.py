@@ -1,4 +1,4 @@
-"""What observers show of live operations: canary rollouts (``aisp.infer.rollout``), as
+"""What observers show of live operations: canary rollouts (``aisp.infer.models.rollout``), as
 Prometheus families (the candidate's traffic share, the rollout's state, decisions by kind) and
 the dashboard's rows, for served models' rollouts (``aisp serve``) and pipelines' rollout steps
 (``Stream.infer_rollout``), from their ``status()``; and topology updates (``GraphVersions``:

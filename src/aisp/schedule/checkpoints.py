@@ -33,7 +33,7 @@ import pyarrow as pa
 
 from aisp.errors import ConfigError
 from aisp.graph import Graph
-from aisp.infer.batcher import DynamicBatcher
+from aisp.infer.batching.batcher import DynamicBatcher
 from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
 from aisp.observe.stats import RunStats
 from aisp.schedule.keyed_state import KeyedStateKeeper, PartitionCapture

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from aisp.batch import PARTIAL, Batch
 from aisp.errors import AispError, SinkError, StateError
 from aisp.graph import Graph, Node
-from aisp.infer.batcher import DynamicBatcher
-from aisp.infer.llm_stage import LlmStage
+from aisp.infer.batching.batcher import DynamicBatcher
+from aisp.infer.llm.stage import LlmStage
 from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
 from aisp.observe.drift import DriftMonitor
 from aisp.observe.stats import RunStats, StageStats

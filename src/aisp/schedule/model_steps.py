@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 from aisp.batch import Batch
 from aisp.errors import AispError, SinkError
 from aisp.graph import Graph, Node
-from aisp.infer.batcher import DynamicBatcher
-from aisp.infer.llm_stage import LlmStage
+from aisp.infer.batching.batcher import DynamicBatcher
+from aisp.infer.llm.stage import LlmStage
+from aisp.infer.models.versions import ServedModel
 from aisp.infer.stage import InferSpec, build_batcher
-from aisp.infer.versions import ServedModel
 from aisp.observe.stats import StageStats
 from aisp.schedule.ops import model_batches
 

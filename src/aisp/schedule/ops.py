@@ -14,8 +14,8 @@ import numpy as np
 import numpy.typing as npt
 
 from aisp.batch import INGEST_NS, PARTIAL, Batch
-from aisp.infer.batcher import DynamicBatcher
-from aisp.infer.llm_stage import LlmStage
+from aisp.infer.batching.batcher import DynamicBatcher
+from aisp.infer.llm.stage import LlmStage
 from aisp.infer.stage import InferSpec
 from aisp.ingest.base import Source
 from aisp.ingest.process import ProcessSource

@@ -25,7 +25,7 @@ import numpy as np
 from aisp.batch import Batch
 from aisp.errors import AispError
 from aisp.graph import Graph, graph_from
-from aisp.infer.versions import VersionWatcher
+from aisp.infer.models.versions import VersionWatcher
 from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
 from aisp.ipc import report_error, worker_init
 from aisp.observe.remote import snapshot

@@ -21,7 +21,7 @@ import numpy.typing as npt
 from aisp.admission.ratelimit import Limiter
 from aisp.batch import Batch
 from aisp.errors import Overloaded
-from aisp.infer.llm_stage import LlmStage
+from aisp.infer.llm.stage import LlmStage
 from aisp.serve.models.served import InferResult
 from aisp.serve.models.server import ModelServer
 from aisp.serve.oip.request import InferRequest, Signature, check_request

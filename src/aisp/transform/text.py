@@ -7,8 +7,8 @@ and the token type ids as list columns of each row's own length, truncated at ``
 plus each row's number of tokens. Nothing is padded here: a model step pads each batch it forms
 to its longest row (``aisp.batch.padded``), so a batch of short texts stays small, and a text
 encoder cuts padding further by running rows of similar length together
-(``aisp.infer.text.TextEncoder``). A null text is tokenised as an empty one. ``tokens`` counts
-the tokens made so far.
+(``aisp.infer.runtimes.text_encoder.TextEncoder``). A null text is tokenised as an empty one.
+``tokens`` counts the tokens made so far.
 
 Needs the ``text`` extra (``pip install 'aisp[text]'``).
 """

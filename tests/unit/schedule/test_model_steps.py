@@ -13,7 +13,7 @@ import pytest
 
 from aisp import CheckpointOptions, RunOptions, RunSummary, run
 from aisp.cli.common import load_pipeline
-from aisp.infer.runtime import OnnxRuntime, file_sha256
+from aisp.infer.runtimes.base import OnnxRuntime, file_sha256
 from aisp.schedule.model_steps import ModelChanged
 from aisp.state.checkpoint import CheckpointStore
 from tests.support.models import FRAUD_CONFIG, fraud_repository, linear_model

@@ -16,11 +16,11 @@ import pytest
 from aisp import CollectSink, Pipeline, WorkloadFSource
 from aisp.batch import Batch
 from aisp.errors import Overloaded
-from aisp.infer.llm_admission import LlmSlo
-from aisp.infer.llm_stage import LlmSpec
+from aisp.infer.llm.admission import LlmSlo
+from aisp.infer.llm.stage import LlmSpec
 from aisp.serve.admission import PipelineAdmission
 from aisp.serve.pipelines.service import PipelineService
-from tests.unit.infer.test_llm_admission import FakeLlm
+from tests.unit.infer.llm.test_admission import FakeLlm
 
 
 class Row(msgspec.Struct):

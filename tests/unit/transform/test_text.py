@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from aisp.batch import Batch, padded
 from aisp.errors import ConfigError
-from aisp.infer.text import packaged_minilm
+from aisp.infer.runtimes.text_encoder import packaged_minilm
 from aisp.transform.text import TextTokenizer
 
 _, TOKENIZER = packaged_minilm()

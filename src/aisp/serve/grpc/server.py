@@ -33,7 +33,7 @@ from aisp.admission.ratelimit import Limiter
 from aisp.admission.tiers import TIER_KEY, parse_tier
 from aisp.aio import LoopThread
 from aisp.errors import BadRequest, Forbidden, ModelError, NotFound
-from aisp.infer.repository import check_model_name
+from aisp.infer.models.repository import check_model_name
 from aisp.serve.admission import admit_infer, infer_admitted
 from aisp.serve.auth import Scope, Tokens, api_key
 from aisp.serve.grpc.events import EVENTS_METHOD, PipelineStreams, status_of

@@ -26,8 +26,8 @@ from starlette.routing import Route
 from aisp.admission.ratelimit import Limiter
 from aisp.admission.tiers import TIER_HEADER, parse_tier
 from aisp.errors import BadRequest, ConfigError, Forbidden, ModelError, NotFound, PayloadTooLarge
-from aisp.infer.repository import check_model_name
-from aisp.infer.rollout import RolloutPolicy
+from aisp.infer.models.repository import check_model_name
+from aisp.infer.models.rollout import RolloutPolicy
 from aisp.serve.admission import admit_infer, infer_admitted
 from aisp.serve.auth import api_key
 from aisp.serve.headers import DEADLINE_HEADER, parse_deadline_ms
@@ -348,7 +348,7 @@ class ModelRoutes:
 
     async def rollout(self, request: Request) -> Response:
         """``GET``: the model's rollout status and decisions; ``POST`` (model control) with a
-        rollout policy (``aisp.infer.rollout.RolloutPolicy`` as JSON) starts one; ``DELETE``
+        rollout policy (``aisp.infer.models.rollout.RolloutPolicy`` as JSON) starts one; ``DELETE``
         rolls the one under way back."""
         name = request.path_params["model"]
         if request.method == "GET":

@@ -3,7 +3,7 @@
 ``ModelControl`` loads and unloads models (each a ``ModelVersions``: the versions its policy
 selects, live at once), and answers the repository index, metadata, readiness and statistics;
 ``ModelServer`` (``aisp.serve.models.server``) adds inference on top. Rollouts of a new version
-(``aisp.infer.rollout``) start, report and stop here.
+(``aisp.infer.models.rollout``) start, report and stop here.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from aisp.errors import AispError, BadRequest, NotFound
-from aisp.infer.repository import ModelRepository, check_model_name
-from aisp.infer.rollout import RolloutPolicy
-from aisp.infer.versions import ServedModel
+from aisp.infer.models.repository import ModelRepository, check_model_name
+from aisp.infer.models.rollout import RolloutPolicy
+from aisp.infer.models.versions import ServedModel
 from aisp.serve.models.served import Served
 from aisp.serve.models.versions import ModelVersions, wanted_versions
 from aisp.serve.oip.request import Signature, TensorSignature

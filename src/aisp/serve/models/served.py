@@ -15,10 +15,10 @@ import numpy.typing as npt
 
 from aisp.batch import Batch
 from aisp.errors import RequestError
-from aisp.infer.batcher import DynamicBatcher
-from aisp.infer.config import BatcherConfig
-from aisp.infer.runtime import Runtime
-from aisp.infer.versions import ServedModel
+from aisp.infer.batching.batcher import DynamicBatcher
+from aisp.infer.batching.config import BatcherConfig
+from aisp.infer.models.versions import ServedModel
+from aisp.infer.runtimes.base import Runtime
 from aisp.serve.models.stats import ModelStats
 from aisp.serve.oip.request import signature_of
 from aisp.serve.oip.tensors import REQ, ROW, Gathered, reshaped, row_shapes, tensor_batch

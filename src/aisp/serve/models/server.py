@@ -24,10 +24,10 @@ import numpy.typing as npt
 
 from aisp.batch import Batch
 from aisp.errors import AispError, BadRequest
-from aisp.infer.batcher import BatcherClosed, QueueFull
-from aisp.infer.config import BatcherConfig
-from aisp.infer.repository import ModelRepository
-from aisp.infer.versions import ServedModel
+from aisp.infer.batching.batcher import BatcherClosed, QueueFull
+from aisp.infer.batching.config import BatcherConfig
+from aisp.infer.models.repository import ModelRepository
+from aisp.infer.models.versions import ServedModel
 from aisp.serve.models.control import ModelControl
 from aisp.serve.models.served import InferResult, Pending, RequestFailed, Served, wake
 from aisp.serve.models.stats import ModelStats
@@ -150,7 +150,7 @@ class ModelServer(ModelControl):
         from a thread (blocks until answered). Asyncio callers use ``infer_async``. The inputs
         are checked first (``BadRequest`` names what does not fit the model), unless
         ``checked`` says the caller has run ``oip.check_request`` on them against this model.
-        ``key`` places the request during a rollout (``aisp.infer.rollout``)."""
+        ``key`` places the request during a rollout (``aisp.infer.models.rollout``)."""
         served, shadow, n, tier, deadline = self._admit(
             name, inputs, version, priority, tier, timeout_s, checked, key
         )

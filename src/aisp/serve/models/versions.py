@@ -8,7 +8,7 @@ with the newest as the default, then the versions no longer wanted are closed af
 period (requests that found them before the switch are answered by them: their queues drain), so
 a hot swap fails no request. Other models are never touched.
 
-During a rollout (``aisp.infer.rollout``) a request that names no version goes where the
+During a rollout (``aisp.infer.models.rollout``) a request that names no version goes where the
 rollout routes it (the stable version, the candidate, or the stable one with a shadow copy to
 the candidate); a promotion retires the old stable version, a rollback the candidate (unless
 the policy keeps it for inspection).
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aisp.errors import BadRequest, ModelError, NotFound
-from aisp.infer.rollout import Rollout, RolloutPolicy
+from aisp.infer.models.rollout import Rollout, RolloutPolicy
 from aisp.serve.models.served import Served
 
 __all__ = ["ModelVersions", "Routing", "wanted_versions"]

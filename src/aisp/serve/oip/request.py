@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from aisp.errors import BadRequest
-from aisp.infer.versions import ServedModel
+from aisp.infer.models.versions import ServedModel
 from aisp.serve.oip.shm import ShmRef
 
 __all__ = [

@@ -18,7 +18,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from aisp.batch import DEADLINE_NS, TIER, Batch, matrix_column
-from aisp.infer.versions import ServedModel
+from aisp.infer.models.versions import ServedModel
 from aisp.serve.oip.request import DATATYPES, TensorSignature
 
 __all__ = [

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from aisp.errors import BadRequest, ModelError
-from aisp.infer.rollout import RolloutPolicy
+from aisp.infer.models.rollout import RolloutPolicy
 from aisp.serve.models.versions import ModelVersions
 from tests.support.stepping import at_every_step
 

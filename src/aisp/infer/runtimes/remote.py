@@ -1,0 +1,280 @@
+"""A model served by another Open Inference Protocol v2 server, called over gRPC.
+
+``RemoteRuntime`` speaks OIP v2 through ``tritonclient.grpc``, so the server can be Triton,
+KServe, MLServer or another AISP. Each call has a timeout; failures that can pass (unavailable,
+deadline exceeded, resource exhausted, aborted) are retried with exponential backoff and full
+jitter; a circuit breaker opens after consecutive failures, so calls fail fast (and their rows go
+to the dead-letter sink with the cause) until a trial call after ``reset_s`` succeeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from aisp.errors import ConfigError, ModelError
+from aisp.infer.runtimes.base import TensorSpec, check_rows
+from aisp.retry import RETRIES
+
+__all__ = ["BreakerConfig", "CircuitBreaker", "EndpointUnavailable", "RemoteRuntime", "RetryPolicy"]
+
+log = logging.getLogger("aisp.remote")
+
+RETRIABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED")
+OIP_DTYPES = {
+    "BOOL": np.bool_,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "UINT8": np.uint8,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
+}
+
+
+class EndpointUnavailable(ModelError):
+    """The server did not answer (unavailable, too slow, overloaded, or its circuit is open):
+    another server of the same model may."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """``attempts`` tries in all; before try ``k`` (k >= 1) sleep uniform(0, min(max, base * 2**k)).
+
+    >>> RetryPolicy().backoff_s(3, rand=lambda: 1.0)
+    0.16
+    """
+
+    attempts: int = 4
+    base_ms: float = 20.0
+    max_ms: float = 1000.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ConfigError(f"attempts must be >= 1, got {self.attempts}")
+
+    def backoff_s(self, attempt: int, rand: Callable[[], float] = random.random) -> float:
+        return float(rand() * min(self.max_ms, self.base_ms * 2**attempt) / 1000)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BreakerConfig:
+    """Open after ``failures`` consecutive failed attempts; try again after ``reset_s``."""
+
+    failures: int = 5
+    reset_s: float = 5.0
+
+
+class CircuitBreaker:
+    """closed -> (``failures`` in a row) -> open -> (``reset_s``) -> half-open -> one trial call.
+
+    >>> now = [0.0]
+    >>> b = CircuitBreaker(BreakerConfig(failures=2, reset_s=1.0), clock=lambda: now[0])
+    >>> b.failure(); b.failure(); b.state, b.allow()
+    ('open', False)
+    >>> now[0] = 1.5; b.allow(), b.state
+    (True, 'half-open')
+    >>> b.success(); b.state
+    'closed'
+    """
+
+    def __init__(self, config: BreakerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.state = "closed"
+        self._failures = 0
+        self._opened_at = 0.0
+        self.opened = 0
+
+    def ready(self) -> bool:
+        """Whether ``allow`` would let a call through now (without starting a trial)."""
+        with self._lock:
+            return self.state == "closed" or (
+                self.state == "open" and self._clock() - self._opened_at >= self.config.reset_s
+            )
+
+    def allow(self) -> bool:
+        with self._lock:
+            if self.state == "open" and self._clock() - self._opened_at >= self.config.reset_s:
+                self.state = "half-open"
+                return True
+            return self.state == "closed"
+
+    def success(self) -> None:
+        with self._lock:
+            self.state, self._failures = "closed", 0
+
+    def failure(self) -> None:
+        with self._lock:
+            self._failures += 1
+            if self.state == "half-open" or self._failures >= self.config.failures:
+                if self.state != "open":
+                    self.opened += 1
+                self.state, self._opened_at = "open", self._clock()
+
+    def retry_in_s(self) -> float:
+        return max(0.0, self.config.reset_s - (self._clock() - self._opened_at))
+
+
+class RemoteRuntime:
+    """Model ``model`` on the OIP v2 gRPC server at ``url`` (``host:port``).
+
+    Args:
+        url: the server's gRPC address.
+        model: the model name there; ``version`` pins a version ("" = the server's choice).
+        timeout_ms: per attempt.
+        retry: attempts and backoff.
+        breaker: circuit breaker settings.
+        name: the name rows are tagged with (default: ``model``).
+        connect_timeout_s: at start, how long to wait for the server to answer (one that is
+            still starting is waited for, with backoff); then a clear ``ModelError``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        version: str = "",
+        timeout_ms: float = 1000.0,
+        retry: RetryPolicy | None = None,
+        breaker: BreakerConfig | None = None,
+        name: str | None = None,
+        connect_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        import tritonclient.grpc as tc
+
+        self._tc = tc
+        self.url, self.model = url, model
+        self.name = name or model
+        self._version = version
+        self.timeout_s = timeout_ms / 1000
+        self.retry = retry or RetryPolicy()
+        self.breaker = CircuitBreaker(breaker or BreakerConfig(), clock)
+        self._sleep = sleep
+        self.provider = f"remote:{url}"
+        self.attempts = 0
+        self.retries = 0
+        self._client = self._connect()
+        meta = self._metadata(connect_timeout_s, clock)
+        self.version = version or str((meta.get("versions") or [""])[-1])
+        self.input_names = tuple(i["name"] for i in meta["inputs"])
+        self.output_names = tuple(o["name"] for o in meta["outputs"])
+        self._datatypes = {i["name"]: i["datatype"] for i in meta["inputs"]}
+        self.input_specs: Mapping[str, TensorSpec] = {
+            i["name"]: TensorSpec(
+                np.dtype(OIP_DTYPES[i["datatype"]]) if i["datatype"] in OIP_DTYPES else None,
+                tuple(None if int(d) < 0 else int(d) for d in i["shape"]),
+            )
+            for i in meta["inputs"]
+        }
+
+    def _metadata(self, wait_s: float, clock: Callable[[], float]) -> Any:
+        """The model's metadata, waiting up to ``wait_s`` for a server that is not up yet."""
+        deadline = clock() + wait_s
+        pause = 0.1
+        while True:
+            try:
+                return self._call(
+                    lambda t: self._client.get_model_metadata(
+                        self.model, self._version, as_json=True, client_timeout=t
+                    )
+                )
+            except ModelError as exc:
+                if clock() >= deadline or "UNAVAILABLE" not in str(exc) and "circuit open" not in str(exc):
+                    raise type(exc)(f"{exc} (waited {wait_s:g} s for the server at start)") from exc
+                RETRIES.note(f"remote model {self.model} at {self.url}", "starting")
+                self._sleep(pause)
+                pause = min(pause * 2, 2.0)
+                self.breaker = CircuitBreaker(self.breaker.config, clock)  # not open because of start-up
+                self._client = self._connect()
+
+    def _connect(self) -> Any:
+        return self._tc.InferenceServerClient(
+            self.url,
+            channel_args=[
+                ("grpc.initial_reconnect_backoff_ms", 50),
+                ("grpc.min_reconnect_backoff_ms", 50),
+                ("grpc.max_reconnect_backoff_ms", 500),
+                ("grpc.use_local_subchannel_pool", 1),  # a new client must not inherit a backoff
+            ],
+        )
+
+    def run(self, inputs: Mapping[str, npt.NDArray[Any]]) -> dict[str, npt.NDArray[Any]]:
+        tc = self._tc
+        request = []
+        for name in self.input_names:
+            arr = np.ascontiguousarray(inputs[name])
+            tensor = tc.InferInput(name, list(arr.shape), self._datatypes[name])
+            tensor.set_data_from_numpy(arr)
+            request.append(tensor)
+        wanted = [tc.InferRequestedOutput(o) for o in self.output_names]
+        result = self._call(
+            lambda t: self._client.infer(self.model, request, self._version, outputs=wanted, client_timeout=t)
+        )
+        outputs = {o: result.as_numpy(o) for o in self.output_names}
+        check_rows(self.name, inputs, outputs)
+        return outputs
+
+    def warmup(self, batch_sizes: Sequence[int]) -> None:
+        """Check the path to the server with one small request (the server warms its own model).
+
+        A failure is logged, not raised: the pipeline starts, and rows that cannot be scored go
+        to the dead-letter sink with the cause.
+        """
+        zeros = {n: s.zeros(1) for n, s in self.input_specs.items()}
+        if all(v is not None for v in zeros.values()):
+            try:
+                self.run({k: v for k, v in zeros.items() if v is not None})
+            except ModelError as exc:
+                log.warning("remote model %s: warm-up failed: %s", self.model, exc)
+
+    def _call(self, fn: Callable[[float], Any]) -> Any:
+        from tritonclient.utils import InferenceServerException
+
+        if not self.breaker.allow():
+            raise EndpointUnavailable(
+                f"remote model {self.model!r} at {self.url}: circuit open after repeated failures;"
+                f" next try in {self.breaker.retry_in_s():.1f} s"
+            )
+        if self.breaker.state == "half-open":
+            self._client = self._connect()  # a fresh channel: the old one may sit in reconnect backoff
+        last, passing = "", True
+        for attempt in range(self.retry.attempts):
+            if attempt:
+                self.retries += 1
+                self._sleep(self.retry.backoff_s(attempt))
+            self.attempts += 1
+            try:
+                out = fn(self.timeout_s)
+            except InferenceServerException as exc:
+                status = str(exc.status() or "")
+                last = f"{status}: {exc.message()}"
+                self.breaker.failure()
+                passing = any(code in status for code in RETRIABLE)
+                if not passing or not self.breaker.allow():
+                    break
+                RETRIES.note(f"remote model {self.model} at {self.url}", status or "error")
+                continue
+            self.breaker.success()
+            return out
+        error = EndpointUnavailable if passing else ModelError
+        raise error(
+            f"remote model {self.model!r} at {self.url} failed after {attempt + 1} attempt(s): {last}"
+        )
+
+    def __repr__(self) -> str:
+        return f"RemoteRuntime({self.url!r}, {self.model!r}, version={self.version!r})"
