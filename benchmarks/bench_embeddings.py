@@ -111,7 +111,7 @@ def through_aisp(
 ) -> dict[str, Any]:
     from aisp import BatcherConfig, NullSink, OnnxRuntime, Pipeline, TestingSource
     from aisp.infer.runtimes.text_encoder import TextEncoder
-    from aisp.transform.text import TextTokenizer
+    from aisp.transform.text.tokenize import TextTokenizer
 
     p = Pipeline("embed")
     rows = [{"id": i, "text": t} for i, t in enumerate(texts)]

@@ -120,7 +120,7 @@ class PillowLoop:
 def through_aisp(directory: Path, model: str, threads: int, batch: int) -> dict[str, float]:
     from aisp import BatcherConfig, FilesSource, NullSink, OnnxRuntime, Pipeline
     from aisp.infer.runtimes.base import Reshaped
-    from aisp.transform.images import ImagePreprocess
+    from aisp.transform.media.images import ImagePreprocess
 
     size = MODELS[model][1]
     p = Pipeline("images")
@@ -170,7 +170,7 @@ def bucketed(directory: Path, threads: int, buckets: bool) -> dict[str, float]:
     model step per bucket (``BUCKETS``), each batching images of its own shape."""
     from aisp import BatcherConfig, FilesSource, NullSink, OnnxRuntime, Pipeline
     from aisp.infer.runtimes.base import Reshaped
-    from aisp.transform.images import ImageBuckets, ImagePreprocess
+    from aisp.transform.media.images import ImageBuckets, ImagePreprocess
 
     p = Pipeline("buckets")
     src = p.source("files", FilesSource(directory, pattern="mixed-*.jpg", batch_rows=8))
@@ -254,7 +254,7 @@ def features(seconds: float = 60.0) -> dict[str, float]:
 
     from aisp.batch import KEY, Batch
     from aisp.state.keyed import KeyIndex
-    from aisp.transform.audio import AudioFeatures
+    from aisp.transform.media.audio import AudioFeatures
     from aisp.transform.operators import OperatorContext
 
     rng = np.random.default_rng(0)

@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from aisp.batch import Batch
 from aisp.transform.operators import OperatorContext
-from aisp.transform.vectors import VectorIndex, VectorIndexOp
+from aisp.transform.text.vectors import VectorIndex, VectorIndexOp
 
 DIM = 384
 LATENT = 48  # sentence embeddings vary along far fewer directions than they have

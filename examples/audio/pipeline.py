@@ -23,8 +23,8 @@ from pathlib import Path
 import msgspec
 
 from aisp import NullSink, Pipeline, TestingSource
-from aisp.transform.audio import AudioDecode, AudioFeatures
-from aisp.transform.vad import SpeechSegments
+from aisp.transform.media.audio import AudioDecode, AudioFeatures
+from aisp.transform.media.vad import SpeechSegments
 
 HERE = Path(__file__).resolve().parent
 OUTPUT_COLUMNS = [

@@ -27,7 +27,7 @@ import pyarrow as pa
 from aisp import BatcherConfig, FilesSource, NullSink, Pipeline, TestingSource
 from aisp.batch import Batch
 from aisp.infer.runtimes.ocr import TextReader, det_preprocess
-from aisp.transform.images import ImagePreprocess
+from aisp.transform.media.images import ImagePreprocess
 
 HERE = Path(__file__).resolve().parent
 OUTPUT_COLUMNS = ["id", "texts", "scores", "boxes", "regions"]

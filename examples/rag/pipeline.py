@@ -43,8 +43,8 @@ from aisp.batch import Batch
 from aisp.infer.cache.response import ResponseCache, cached
 from aisp.infer.llm.server import llama_server
 from aisp.infer.runtimes.text_encoder import TextEncoder, packaged_minilm
-from aisp.transform.text import TextTokenizer
-from aisp.transform.vectors import VectorIndex
+from aisp.transform.text.tokenize import TextTokenizer
+from aisp.transform.text.vectors import VectorIndex
 
 HERE = Path(__file__).resolve().parent
 OUTPUT_COLUMNS = ["id", "text", "answer", "sources", "cached", "completion_tokens"]

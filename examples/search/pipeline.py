@@ -30,9 +30,9 @@ from aisp import BatcherConfig, NullSink, OnnxRuntime, Pipeline, TestingSource
 from aisp.batch import Batch
 from aisp.infer.cache.response import ResponseCache
 from aisp.infer.runtimes.text_encoder import TextEncoder, packaged_minilm
-from aisp.transform.semantic_router import EmbeddingRouter
-from aisp.transform.text import TextTokenizer
-from aisp.transform.vectors import VectorIndex
+from aisp.transform.text.router import EmbeddingRouter
+from aisp.transform.text.tokenize import TextTokenizer
+from aisp.transform.text.vectors import VectorIndex
 
 HERE = Path(__file__).resolve().parent
 OUTPUT_COLUMNS = ["id", "text", "hits", "scores", "cached", "route", "route_score"]

@@ -31,10 +31,10 @@ from aisp.pipeline import KeyedStream, Pipeline, Stream
 from aisp.runner import CheckpointOptions, ObserveOptions, RunOptions, RunSummary, run
 from aisp.schedule.executor import ExecutorOptions
 from aisp.sinks import CollectSink, DeadLetterSink, NullSink, Sink
-from aisp.transform.aggregates import Aggregate, Count, First, Last, Max, Mean, Min, Std, Sum, Var
-from aisp.transform.event_time import EventTime
-from aisp.transform.sketches import DistinctCount, Quantile, TopK
-from aisp.transform.windows import Session, Sliding, Tumbling
+from aisp.transform.windows.aggregates import Aggregate, Count, First, Last, Max, Mean, Min, Std, Sum, Var
+from aisp.transform.windows.event_time import EventTime
+from aisp.transform.windows.sketches import DistinctCount, Quantile, TopK
+from aisp.transform.windows.spec import Session, Sliding, Tumbling
 
 __all__ = [
     "Aggregate",

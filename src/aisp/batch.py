@@ -9,7 +9,7 @@ metadata columns whose names start with ``_``:
 * ``_tier``        optional int8 priority level (higher is served first);
 * ``_deadline_ns`` optional int64 monotonic deadline (0 means none);
 * ``_event_time``  optional int64 event time, ms since the epoch (a source with event time);
-* ``_watermark``   optional int64 watermark before the row, ms (``aisp.transform.event_time``).
+* ``_watermark``   optional int64 watermark before the row, ms (``aisp.transform.windows.event_time``).
 
 Numeric columns convert to numpy without a copy; operators work on whole columns, never per row.
 """

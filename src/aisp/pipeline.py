@@ -37,8 +37,6 @@ from aisp.ingest.base import Source
 from aisp.observe.drift import DriftConfig, alert_sink, local_alert
 from aisp.runner import RunOptions, RunSummary, run
 from aisp.sinks.base import Sink
-from aisp.transform.aggregates import Aggregate
-from aisp.transform.event_time import EventTime
 from aisp.transform.joins import IntervalJoinSpec, tag_side
 from aisp.transform.operators import (
     AssignTier,
@@ -50,8 +48,10 @@ from aisp.transform.operators import (
     Route,
 )
 from aisp.transform.stateful import RunningStats, StateFn, Stateful
-from aisp.transform.vectors import VectorIndex
-from aisp.transform.windows import Session, Sliding, Tumbling, WindowSpec
+from aisp.transform.text.vectors import VectorIndex
+from aisp.transform.windows.aggregates import Aggregate
+from aisp.transform.windows.event_time import EventTime
+from aisp.transform.windows.spec import Session, Sliding, Tumbling, WindowSpec
 
 __all__ = ["KeyedStream", "Pipeline", "Stream"]
 
@@ -92,7 +92,7 @@ class Pipeline:
         """Add a source. ``schema`` types its records, so ``--input FILE`` can replace it.
 
         ``event_time`` gives its rows event time and watermarks, which windows need
-        (``aisp.transform.event_time``); it stays when ``--input`` replaces the source."""
+        (``aisp.transform.windows.event_time``); it stays when ``--input`` replaces the source."""
         if schema is not None:
             self.input_schema = schema
         if event_time is not None and not isinstance(event_time, EventTime):
@@ -375,7 +375,7 @@ class Stream:
 
     def vector_index(self, step_id: str, index: VectorIndex, *, latency_budget_ms: float = 5.0) -> Stream:
         """A vector index fed by this stream's upserts and deletes, answering its queries with
-        the top k ids and scores (``aisp.transform.vectors``); its documents are checkpointed."""
+        the top k ids and scores (``aisp.transform.text.vectors``); its documents are checkpointed."""
         return self.apply(step_id, index, latency_budget_ms=latency_budget_ms)
 
     def sink(self, step_id: str, sink: Sink, *, latency_budget_ms: float = 2.0) -> None:
@@ -446,7 +446,7 @@ class KeyedStream(Stream):
     ) -> KeyedStream:
         """Windows over event time per key: one row per window, ``{key, window_start,
         window_end, <aggregates>}``, once the watermark passes its end + ``allowed_lateness_ms``
-        (``aisp.transform.windows``). Events that missed their windows are dead letters with
+        (``aisp.transform.windows.spec``). Events that missed their windows are dead letters with
         reason ``late`` (``late="side"``: rows on the ``"late"`` port, ``output("late")``;
         ``"drop"``: only counted). The source needs an ``EventTime``.
 

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 
 from aisp import CollectSink
-from aisp.transform.audio import AudioFeatures
+from aisp.transform.media.audio import AudioFeatures
 from benchmarks.workload import load_example
 from tests.support.serving import aisp_serve, wait_http
 from tests.unit.transform.test_audio import Features

@@ -16,7 +16,7 @@ from aisp.infer.runtimes.text_encoder import TextEncoder, packaged_minilm
 from aisp.observe.metrics import PipelineCollector
 from aisp.schedule.executor import LocalExecutor
 from aisp.sinks.deadletter import DeadLetterSink
-from aisp.transform.text import TextTokenizer
+from aisp.transform.text.tokenize import TextTokenizer
 
 MODEL, TOKENIZER = packaged_minilm()
 INPUTS = {n: n for n in ("input_ids", "attention_mask", "token_type_ids")}
@@ -79,7 +79,7 @@ def test_documents_and_queries_through_one_pipeline_find_the_live_documents() ->
     """Documents upserted, one updated and one deleted, then queries, through tokenizer, encoder
     and the vector index: a query equal to a document finds it first (score ~1); the deleted one
     never comes back, the updated one only with its new text's score."""
-    from aisp.transform.vectors import VectorIndex
+    from aisp.transform.text.vectors import VectorIndex
     from benchmarks.bench_embeddings import stdlib_texts
 
     docs = stdlib_texts(300)
@@ -108,7 +108,7 @@ def test_documents_and_queries_through_one_pipeline_find_the_live_documents() ->
 
 
 def test_an_embedding_router_sends_queries_to_the_closest_topic_and_the_rest_to_the_fallback() -> None:
-    from aisp.transform.semantic_router import EmbeddingRouter
+    from aisp.transform.text.router import EmbeddingRouter
 
     tokenizer, encoder = TextTokenizer(TOKENIZER), TextEncoder(MODEL)
     topics = {

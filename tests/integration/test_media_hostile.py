@@ -26,8 +26,8 @@ from tests.unit.transform.test_media_reasons import ADDRESS
 PIPELINE = """
 import msgspec
 from aisp import NullSink, Pipeline, TestingSource
-from aisp.transform.audio import AudioDecode
-from aisp.transform.images import ImagePreprocess
+from aisp.transform.media.audio import AudioDecode
+from aisp.transform.media.images import ImagePreprocess
 
 
 class Row(msgspec.Struct):

@@ -135,7 +135,7 @@ def test_upside_down_pages_are_turned_by_the_direction_classifier() -> None:
 
     from aisp import BatcherConfig, Pipeline, TestingSource
     from aisp.infer.runtimes.ocr import TextReader, det_preprocess
-    from aisp.transform.images import ImagePreprocess
+    from aisp.transform.media.images import ImagePreprocess
 
     pages = [PAGES.page(i) for i in range(4)]
     rows = []

@@ -52,7 +52,7 @@ def test_raw_image_messages_become_a_binary_column_an_image_step_decodes() -> No
 
     from aisp import CollectSink, Pipeline
     from aisp.ingest import RawMessage
-    from aisp.transform.images import ImagePreprocess
+    from aisp.transform.media.images import ImagePreprocess
 
     r = redis_client()
     stream = f"aisp-raw-images-{uuid.uuid4().hex[:8]}"

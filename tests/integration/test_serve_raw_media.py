@@ -20,7 +20,7 @@ from tests.support.serving import aisp_serve, wait_http
 PIPELINE = """
 from aisp import NullSink, Pipeline, TestingSource
 from aisp.ingest import RawMessage
-from aisp.transform.images import ImagePreprocess
+from aisp.transform.media.images import ImagePreprocess
 
 
 def build() -> Pipeline:
@@ -77,7 +77,7 @@ def test_each_grpc_message_is_one_image(served: dict[str, str]) -> None:
 PHOTOS = """
 import msgspec
 from aisp import NullSink, Pipeline, TestingSource
-from aisp.transform.images import ImagePreprocess
+from aisp.transform.media.images import ImagePreprocess
 
 
 class Photo(msgspec.Struct):

@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 
 from aisp import NullSink, Pipeline, TestingSource
-from aisp.transform.images import ImagePreprocess
+from aisp.transform.media.images import ImagePreprocess
 
 RATE = 300
 

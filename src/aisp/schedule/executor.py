@@ -48,7 +48,7 @@ from aisp.state.keyed import KeyIndex
 from aisp.state.partitions import PartitionStateStore
 from aisp.state.store import LmdbStateStore
 from aisp.transform.operators import Operator, OperatorContext
-from aisp.transform.window_base import WindowsBase
+from aisp.transform.windows.base import WindowsBase
 
 if TYPE_CHECKING:
     from aisp.observe.tracing import EventTracer

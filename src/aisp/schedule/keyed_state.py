@@ -26,7 +26,7 @@ from aisp.state.partitions import PartitionStateStore
 from aisp.state.store import LmdbStateStore, decode_keys, decode_rows
 from aisp.state.window_log import WindowLog
 from aisp.transform.operators import Checkpointable, IncrementalState, LoggedState, Operator
-from aisp.transform.window_base import WindowsBase
+from aisp.transform.windows.base import WindowsBase
 
 __all__ = ["Captured", "KeyedStateKeeper", "PartitionCapture"]
 

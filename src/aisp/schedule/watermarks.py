@@ -1,6 +1,6 @@
 """The executor's event-time clocks: each source with an ``EventTime`` stamps its rows.
 
-A source's watermark generator (``aisp.transform.event_time``) gives the watermark before each
+A source's watermark generator (``aisp.transform.windows.event_time``) gives the watermark before each
 row from that source's partitions; with several sources, a row's watermark is also held back
 by the other sources' current watermarks (the pipeline watermark is the minimum over every
 partition of every source), except sources that have ended or stayed idle past their
@@ -28,7 +28,7 @@ from aisp.errors import ConfigError
 from aisp.graph import Graph, Node, split_ref
 from aisp.observe.stats import RunStats
 from aisp.sinks.deadletter import DeadLetterWriter
-from aisp.transform.event_time import NO_WATERMARK, EventTime, WatermarkGenerator
+from aisp.transform.windows.event_time import NO_WATERMARK, EventTime, WatermarkGenerator
 
 __all__ = ["SourceClocks", "check_event_time_options"]
 

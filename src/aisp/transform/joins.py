@@ -27,9 +27,9 @@ import pyarrow as pa
 from aisp.batch import EVENT_TIME, ID, INGEST_NS, KEY, META_COLUMNS, WATERMARK, Batch
 from aisp.errors import ConfigError
 from aisp.graph import DEFAULT_PORT
-from aisp.transform.event_time import NO_WATERMARK
 from aisp.transform.operators import Emit, Operator, OperatorContext
-from aisp.transform.window_base import window_ids
+from aisp.transform.windows.base import window_ids
+from aisp.transform.windows.event_time import NO_WATERMARK
 
 __all__ = ["SIDE", "IntervalJoinOp", "IntervalJoinSpec", "tag_side"]
 

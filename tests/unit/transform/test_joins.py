@@ -16,10 +16,10 @@ from aisp import CollectSink, EventTime, Pipeline, TestingSource
 from aisp.batch import EVENT_TIME, WATERMARK, Batch
 from aisp.errors import ConfigError
 from aisp.state.keyed import KeyIndex
-from aisp.transform.event_time import NO_WATERMARK, WatermarkGenerator
-from aisp.transform.event_time import EventTime as Et
 from aisp.transform.joins import SIDE, IntervalJoinSpec
 from aisp.transform.operators import OperatorContext
+from aisp.transform.windows.event_time import NO_WATERMARK, WatermarkGenerator
+from aisp.transform.windows.event_time import EventTime as Et
 
 Row = tuple[int, str, int, int, int]  # side, key, event time, watermark before it, id
 

@@ -16,7 +16,7 @@ from aisp.errors import ConfigError
 from aisp.infer.cache.response import HIT
 from aisp.infer.cache.semantic import SCORE, SemanticCache
 from aisp.infer.runtimes.text_encoder import TextEncoder, packaged_minilm
-from aisp.transform.text import TextTokenizer
+from aisp.transform.text.tokenize import TextTokenizer
 
 
 class Clock:

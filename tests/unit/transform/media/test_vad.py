@@ -12,8 +12,8 @@ import pytest
 from aisp.batch import KEY, Batch
 from aisp.errors import ConfigError
 from aisp.state.keyed import KeyIndex
+from aisp.transform.media.vad import SpeechSegments
 from aisp.transform.operators import OperatorContext
-from aisp.transform.vad import SpeechSegments
 from benchmarks.workload import load_example
 
 VOICES = load_example("audio/voices.py", "aisp_example_audio_voices")

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aisp.errors import ConfigError
-from aisp.transform.audio import RATES_HZ, AudioDecode
-from aisp.transform.media import MediaError
-from tests.unit.transform.test_audio import RATE, signal, wav
+from aisp.transform.media.audio import RATES_HZ, AudioDecode
+from aisp.transform.media.common import MediaError
+from tests.unit.transform.media.test_audio import RATE, signal, wav
 
 
 def with_rate(data: bytes, rate: int) -> bytes:

@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
-from aisp.transform.image_formats import MAX_SCANS, image_info
-from aisp.transform.images import ImageBuckets, decode_image
-from aisp.transform.media import MediaError
-from tests.unit.transform.test_images import Harness, encode, picture
+from aisp.transform.media.common import MediaError
+from aisp.transform.media.image_formats import MAX_SCANS, image_info
+from aisp.transform.media.images import ImageBuckets, decode_image
+from tests.unit.transform.media.test_images import Harness, encode, picture
 
 
 def pillow(img: np.ndarray, fmt: str = "JPEG", orientation: int | None = None, **params: object) -> bytes:

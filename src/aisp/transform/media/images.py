@@ -4,7 +4,7 @@
 row's bytes (JPEG, PNG or WebP) from a binary column, as files, HTTP bodies and broker messages
 bring them, or from a text column of base64, as JSON carries them, and makes one tensor per row:
 
-- the header is read first, without decoding (``aisp.transform.image_formats``): an empty,
+- the header is read first, without decoding (``aisp.transform.media.image_formats``): an empty,
   truncated or corrupt file, a format other than those, an image of more than ``max_pixels``
   pixels (a decompression bomb: a few kilobytes that would decode to gigabytes) or a JPEG of
   more than ``max_scans`` scans (seconds of decoding for a few hundred kilobytes) is refused
@@ -12,7 +12,7 @@ bring them, or from a text column of base64, as JSON carries them, and makes one
   rows go on. Bytes after the image's end (a motion photo's video) are ignored;
 - each image is turned upright by its EXIF orientation (``exif_orientation=False``: as stored);
 - libjpeg-turbo (JPEG, through simplejpeg) and OpenCV (PNG, WebP; resizing) work without the
-  GIL, on one thread per core (``aisp.transform.media.run_sliced``): each thread takes a
+  GIL, on one thread per core (``aisp.transform.media.common.run_sliced``): each thread takes a
   contiguous slice of the batch and writes its rows straight into the batch's tensor;
 - ``fit`` makes every image ``size`` (height, width): ``letterbox`` keeps the aspect ratio and
   pads (with ``pad_value``), ``crop`` keeps it and cuts the centre, ``stretch`` does not keep it;
@@ -44,8 +44,8 @@ import pyarrow as pa
 from aisp.batch import Batch
 from aisp.errors import ConfigError
 from aisp.graph import DEFAULT_PORT
-from aisp.transform.image_formats import MAX_SCANS, ImageInfo, image_info, orient
-from aisp.transform.media import MediaCounters, MediaError, cores, dead_letter_rows, plain, run_sliced
+from aisp.transform.media.common import MediaCounters, MediaError, cores, dead_letter_rows, plain, run_sliced
+from aisp.transform.media.image_formats import MAX_SCANS, ImageInfo, image_info, orient
 from aisp.transform.operators import Emit, Operator, OperatorContext
 
 __all__ = [
@@ -77,7 +77,7 @@ def image_header(data: bytes) -> tuple[str, int, int]:
     >>> image_header(b"GIF89a...")
     Traceback (most recent call last):
     ...
-    aisp.transform.media.MediaError: unsupported image format: GIF
+    aisp.transform.media.common.MediaError: unsupported image format: GIF
     """
     info = image_info(data)
     return info.format, info.width, info.height

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from aisp.transform.media import MediaError
+from aisp.transform.media.common import MediaError
 
 __all__ = ["MAX_SCANS", "ImageInfo", "image_info", "orient"]
 
@@ -212,7 +212,7 @@ def image_info(data: bytes, *, max_scans: int = MAX_SCANS) -> ImageInfo:
     >>> image_info(b"GIF89a...")
     Traceback (most recent call last):
     ...
-    aisp.transform.media.MediaError: unsupported image format: GIF
+    aisp.transform.media.common.MediaError: unsupported image format: GIF
     """
     if not data:
         raise MediaError("empty image (zero bytes)")

@@ -17,7 +17,13 @@ from hypothesis import strategies as st
 
 from aisp.batch import Batch
 from aisp.errors import ConfigError
-from aisp.transform.images import ImagePreprocess, ImagePreprocessOp, MediaError, decode_image, image_header
+from aisp.transform.media.images import (
+    ImagePreprocess,
+    ImagePreprocessOp,
+    MediaError,
+    decode_image,
+    image_header,
+)
 from aisp.transform.operators import OperatorContext
 
 
@@ -234,7 +240,7 @@ def test_an_image_steps_counters_are_metrics_of_its_stage() -> None:
 
 def test_buckets_route_each_shape_to_a_step_of_its_own_size() -> None:
     from aisp import CollectSink, Pipeline, TestingSource
-    from aisp.transform.images import ImageBuckets
+    from aisp.transform.media.images import ImageBuckets
 
     shapes = {"landscape": (30, 40), "portrait": (40, 30), "wide": (20, 40)}
     sizes = {"landscape": (12, 16), "portrait": (16, 12), "wide": (8, 16)}
@@ -261,7 +267,7 @@ def test_buckets_route_each_shape_to_a_step_of_its_own_size() -> None:
 
 
 def test_buckets_read_base64_text_and_need_a_size() -> None:
-    from aisp.transform.images import ImageBuckets
+    from aisp.transform.media.images import ImageBuckets
 
     buckets = ImageBuckets({"square": (8, 8), "tall": (16, 8)})
     assert buckets.pick(base64.b64encode(encode(picture(40, 20), ".png")).decode()) == "tall"
@@ -276,7 +282,7 @@ def test_one_thread_per_core_counts_the_cores_the_process_may_run_on() -> None:
     cpuset, ``taskset``), not per core of the machine."""
     code = (
         "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
-        "from aisp.transform.media import cores; print(cores())"
+        "from aisp.transform.media.common import cores; print(cores())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "1"

@@ -150,7 +150,7 @@ class WatermarkGenerator:
         its partition decides by, so the outcome does not depend on which other partitions the
         process reads; and the watermark over all partitions *after* each row (first): up to
         where windows may close once the row is taken, whichever partitions it brought in
-        (see ``aisp.transform.window_base``).
+        (see ``aisp.transform.windows.base``).
 
         >>> gen = WatermarkGenerator(EventTime("ts"))
         >>> wm, own = gen.partition_watermarks(np.array([50, 10, 60, 20]), np.array([0, 1, 0, 1]), 0)

@@ -5,7 +5,7 @@ bytes into mono float32 samples at ``sample_rate`` (a list column, ``samples``, 
 ``audio_seconds``): WAV, FLAC and Ogg through libsndfile (``soundfile``), or raw little-endian
 PCM (``format="pcm_s16le"`` or ``"pcm_f32le"`` at ``input_rate``), as a microphone's chunks come
 over a WebSocket; other rates are resampled with soxr, input by input (a stream of chunks is
-resampled by the keyed ``Resample`` step, ``aisp.transform.resample``, which carries each
+resampled by the keyed ``Resample`` step, ``aisp.transform.media.resample``, which carries each
 stream's filter from chunk to chunk). libsndfile and soxr release the GIL, so
 the rows decode on one thread per core. An empty, truncated, corrupt or unknown input, one of
 a sample rate outside ``RATES_HZ``, one longer than ``max_seconds`` or of more samples (frames x
@@ -49,7 +49,7 @@ import pyarrow as pa
 from aisp.batch import KEY, Batch
 from aisp.errors import ConfigError
 from aisp.graph import DEFAULT_PORT
-from aisp.transform.media import (
+from aisp.transform.media.common import (
     MediaCounters,
     MediaError,
     cores,

@@ -1,5 +1,5 @@
 """What every window operator shares: window kinds, settings, late events, emitting rows,
-early results and checkpoints (``aisp.transform.windows`` is the user-facing module).
+early results and checkpoints (``aisp.transform.windows.spec`` is the user-facing module).
 
 When keyed state follows the partitions of a Kafka input (``aisp run --partition-state``), a
 key's windows move between processes with its partition, and rows carry their own partition's
@@ -26,10 +26,10 @@ from aisp.batch import EVENT_TIME, ID, INGEST_NS, KEY, PARTITION_WATERMARK, WATE
 from aisp.errors import ConfigError
 from aisp.graph import DEFAULT_PORT
 from aisp.state.keyed import KeyIndex
-from aisp.transform.aggregates import Aggregate, check_aggregates
-from aisp.transform.event_time import NO_WATERMARK
 from aisp.transform.operators import Emit, OperatorContext
-from aisp.transform.window_state import Slots
+from aisp.transform.windows.aggregates import Aggregate, check_aggregates
+from aisp.transform.windows.event_time import NO_WATERMARK
+from aisp.transform.windows.state import Slots
 
 __all__ = [
     "END_OF_INPUT",

@@ -1,5 +1,5 @@
 """Sketch aggregates for windows: distinct counts (HyperLogLog), quantiles (KLL) and the most
-frequent values (top-k), all mergeable (``aisp.transform.aggregates`` has the interface).
+frequent values (top-k), all mergeable (``aisp.transform.windows.aggregates`` has the interface).
 
 ``DistinctCount`` is a HyperLogLog kept as a row of ``2**precision`` one-byte registers per
 window and updated for a whole batch with one ``np.maximum.at`` (values hashed vectorised:
@@ -8,7 +8,7 @@ Apache DataSketches sketch per window (KLL, frequent items): a batch updates eac
 sketch once, with all of that window's values (KLL takes a numpy array; top-k takes each
 distinct value once with its count), so the Python work is per window, not per event.
 
->>> from aisp.transform.aggregates import Groups
+>>> from aisp.transform.windows.aggregates import Groups
 >>> g = Groups.of(np.array([0, 0, 0, 1]), None)
 >>> d = DistinctCount("user")
 >>> state = d.update(g, g.sorted(d.prepare(pa.array(["a", "b", "a", "c"]))), np.zeros(4, np.int64))
@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from aisp.transform.aggregates import Aggregate, Groups, State
+from aisp.transform.windows.aggregates import Aggregate, Groups, State
 
 __all__ = ["DistinctCount", "Quantile", "TopK", "hash64"]
 

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from aisp.batch import matrix_column
-from aisp.transform.aggregates import Aggregate, Groups
+from aisp.transform.windows.aggregates import Aggregate, Groups
 
 __all__ = ["AggTable", "PairIndex", "RingIndex", "Slots"]
 

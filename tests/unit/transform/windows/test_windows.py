@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from aisp.batch import EVENT_TIME, KEY, WATERMARK, Batch
 from aisp.errors import ConfigError
 from aisp.state.keyed import KeyIndex
-from aisp.transform.aggregates import Count, First, Last, Max, Mean, Min, Std, Sum, Var
-from aisp.transform.event_time import NO_WATERMARK, EventTime, WatermarkGenerator
 from aisp.transform.operators import OperatorContext
-from aisp.transform.windows import LATE_PORT, Session, Sliding, Tumbling, WindowSpec
+from aisp.transform.windows.aggregates import Count, First, Last, Max, Mean, Min, Std, Sum, Var
+from aisp.transform.windows.event_time import NO_WATERMARK, EventTime, WatermarkGenerator
+from aisp.transform.windows.spec import LATE_PORT, Session, Sliding, Tumbling, WindowSpec
 
 AGGREGATES = {
     "n": Count(), "sum": Sum("x"), "lo": Min("x"), "hi": Max("x"), "avg": Mean("x"),
@@ -164,7 +164,7 @@ def test_every_window_kind_agrees_with_the_sequential_reference(scenario: Any) -
 def test_the_hash_table_index_agrees_when_the_ring_outgrows_its_budget(scenario: Any) -> None:
     from unittest import mock
 
-    from aisp.transform.windows import AlignedWindowsOp
+    from aisp.transform.windows.spec import AlignedWindowsOp
 
     events, window, lateness, cuts = scenario
     expected, late = reference(events, window, lateness)

@@ -16,11 +16,11 @@ from aisp.batch import EVENT_TIME, KEY, WATERMARK, Batch
 from aisp.state.keyed import KeyIndex
 from aisp.state.store import LmdbStateStore
 from aisp.state.window_log import WindowLog
-from aisp.transform.aggregates import Aggregate, Count, Groups, State
-from aisp.transform.event_time import NO_WATERMARK
 from aisp.transform.operators import OperatorContext
-from aisp.transform.sketches import DistinctCount, Quantile, TopK, hash64
-from aisp.transform.windows import Session, Tumbling, WindowSpec
+from aisp.transform.windows.aggregates import Aggregate, Count, Groups, State
+from aisp.transform.windows.event_time import NO_WATERMARK
+from aisp.transform.windows.sketches import DistinctCount, Quantile, TopK, hash64
+from aisp.transform.windows.spec import Session, Tumbling, WindowSpec
 
 
 class GeometricMean(Aggregate):

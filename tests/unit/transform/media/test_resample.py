@@ -17,9 +17,9 @@ from scipy.signal import resample_poly
 from aisp.batch import KEY, Batch
 from aisp.errors import ConfigError
 from aisp.state.keyed import KeyIndex
-from aisp.transform.audio import AudioFeatures
+from aisp.transform.media.audio import AudioFeatures
+from aisp.transform.media.resample import Resample
 from aisp.transform.operators import OperatorContext
-from aisp.transform.resample import Resample
 
 
 class Keyed:
@@ -147,7 +147,7 @@ def test_equal_rates_pass_through_and_settings_are_checked() -> None:
 
 def test_a_pipeline_decodes_pcm_at_48khz_and_resamples_each_stream() -> None:
     from aisp import CollectSink, Pipeline, TestingSource
-    from aisp.transform.audio import AudioDecode
+    from aisp.transform.media.audio import AudioDecode
 
     pcm = {s: (noise(9600, i) * 32767).astype("<i2") for i, s in enumerate(["a", "b"])}
     rows = [{"stream": s, "audio": pcm[s][a : a + 960].tobytes()} for a in range(0, 9600, 960) for s in pcm]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from aisp.batch import Batch, padded
 from aisp.errors import ConfigError
 from aisp.infer.runtimes.text_encoder import packaged_minilm
-from aisp.transform.text import TextTokenizer
+from aisp.transform.text.tokenize import TextTokenizer
 
 _, TOKENIZER = packaged_minilm()
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aisp.errors import ConfigError
-from aisp.transform.event_time import NO_WATERMARK, EventTime, WatermarkGenerator
+from aisp.transform.windows.event_time import NO_WATERMARK, EventTime, WatermarkGenerator
 
 
 def reference(rows: list[tuple[int, int]], delay: int) -> list[int]:

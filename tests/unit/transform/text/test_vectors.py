@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from aisp.batch import Batch
 from aisp.errors import ConfigError
 from aisp.transform.operators import OperatorContext
-from aisp.transform.vectors import VectorIndex, VectorIndexOp
+from aisp.transform.text.vectors import VectorIndex, VectorIndexOp
 
 DIM = 8
 

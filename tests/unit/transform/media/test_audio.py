@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from aisp.batch import KEY, Batch
 from aisp.errors import ConfigError
 from aisp.state.keyed import KeyIndex
-from aisp.transform.audio import AudioDecode, AudioDecodeOp, AudioFeatures, mel_filters
-from aisp.transform.images import MediaError
+from aisp.transform.media.audio import AudioDecode, AudioDecodeOp, AudioFeatures, mel_filters
+from aisp.transform.media.images import MediaError
 from aisp.transform.operators import OperatorContext
 
 RATE = 16000

@@ -17,10 +17,10 @@ import numpy as np
 import numpy.typing as npt
 
 from aisp.batch import Batch
-from aisp.transform.aggregates import Groups
 from aisp.transform.operators import Emit, OperatorContext
 from aisp.transform.stateful import occurrence_rank
-from aisp.transform.window_base import END_OF_INPUT, Session, WindowConfig, WindowsBase
+from aisp.transform.windows.aggregates import Groups
+from aisp.transform.windows.base import END_OF_INPUT, Session, WindowConfig, WindowsBase
 
 __all__ = ["SessionWindowsOp"]
 

@@ -10,9 +10,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aisp.transform.media import plain
-from tests.unit.transform.test_audio import SEED_AUDIO, Decoder, signal, wav
-from tests.unit.transform.test_images import SEEDS, Harness
+from aisp.transform.media.common import plain
+from tests.unit.transform.media.test_audio import SEED_AUDIO, Decoder, signal, wav
+from tests.unit.transform.media.test_images import SEEDS, Harness
 
 ADDRESS = re.compile(r"0x[0-9a-f]{6,}|<.* object at")
 SIGNATURES = [b"RIFF\x24\x00\x00\x00WAVEfmt ", b"RIFF\xff\xff\xff\x7fWAVE", b"fLaC", b"OggS", b"\xff\xd8\xff",

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from aisp.batch import Batch
 from aisp.errors import ConfigError
-from aisp.transform.semantic_router import EmbeddingRouter
+from aisp.transform.text.router import EmbeddingRouter
 
 
 def unit(rng: np.random.Generator, n: int) -> np.ndarray:

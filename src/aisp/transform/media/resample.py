@@ -28,7 +28,7 @@ import pyarrow as pa
 
 from aisp.batch import KEY, Batch
 from aisp.errors import ConfigError
-from aisp.transform.media import MediaCounters, samples_column
+from aisp.transform.media.common import MediaCounters, samples_column
 from aisp.transform.operators import Operator, OperatorContext
 from aisp.transform.stateful import Stateful, StateView
 

@@ -1,6 +1,6 @@
 """Windows on keyed streams: tumbling, sliding and session windows over event time.
 
-A window step reads rows stamped with event time and watermarks (``aisp.transform.event_time``)
+A window step reads rows stamped with event time and watermarks (``aisp.transform.windows.event_time``)
 and keeps, per key, the open windows' aggregate state in numpy columns (``aggregates``). For
 each batch it assigns every row to its windows, updates all touched windows at once (grouped
 reductions, no loop over events), and emits one row per window whose end plus the allowed
@@ -28,10 +28,9 @@ import numpy as np
 import numpy.typing as npt
 
 from aisp.batch import Batch
-from aisp.transform.aggregates import Groups
 from aisp.transform.operators import Emit, Operator, OperatorContext
-from aisp.transform.sessions import SessionWindowsOp
-from aisp.transform.window_base import (
+from aisp.transform.windows.aggregates import Groups
+from aisp.transform.windows.base import (
     END_OF_INPUT,
     LATE_PORT,
     Session,
@@ -41,7 +40,8 @@ from aisp.transform.window_base import (
     WindowsBase,
     window_ids,
 )
-from aisp.transform.window_state import PairIndex, RingIndex
+from aisp.transform.windows.sessions import SessionWindowsOp
+from aisp.transform.windows.state import PairIndex, RingIndex
 
 __all__ = [
     "LATE_PORT",
