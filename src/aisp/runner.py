@@ -18,11 +18,11 @@ from aisp.errors import ConfigError
 from aisp.graph import Graph
 from aisp.infer.models.versions import VersionWatcher
 from aisp.observe.stats import peak_rss_mb
-from aisp.schedule.checkpoints import open_partition_states
+from aisp.schedule.checkpointing.coordinator import open_partition_states
+from aisp.schedule.checkpointing.savepoints import from_savepoint, restore_point
 from aisp.schedule.executor import ExecutorOptions, LocalExecutor
 from aisp.schedule.model_steps import verify_models
 from aisp.schedule.run_control import Checkpointer, RunUpdates, install_signals, tune_gc
-from aisp.schedule.savepoints import from_savepoint, restore_point
 from aisp.schedule.watermarks import check_event_time_options
 from aisp.state.checkpoint import Checkpoint, CheckpointStore
 from aisp.summary import RunSummary, summarize
@@ -64,7 +64,7 @@ class CheckpointOptions:
     tail (see ``aisp.connectors.kafka.standby.ring``)."""
     from_savepoint: str | None = None
     """When ``dir`` has no checkpoint yet: start from the newest one in this directory, taken by
-    another version of the pipeline (``aisp.schedule.savepoints``)."""
+    another version of the pipeline (``aisp.schedule.checkpointing.savepoints``)."""
     allow_model_change: bool = False
     """Restore even when a model step's version or weights differ from the checkpoint's (else
     ``ModelChanged``); the summary's ``model_changes`` and the log say which."""
@@ -325,10 +325,10 @@ def _drive_one(
 
 
 def _run_workers(graph: Graph, opts: RunOptions) -> RunSummary:
-    """``graph`` on ``opts.execution.workers`` processes (``schedule/workers.py``)."""
+    """``graph`` on ``opts.execution.workers`` processes (``schedule/workers/pool.py``)."""
     from aisp.live import merged_live_view
-    from aisp.schedule.exchange import plan_exchange
-    from aisp.schedule.workers import WorkerPool
+    from aisp.schedule.workers.exchange import plan_exchange
+    from aisp.schedule.workers.pool import WorkerPool
 
     n = opts.execution.workers
     plan = plan_exchange(graph)

@@ -181,7 +181,7 @@ def _checkpoints(
     """The checkpoint options of ``aisp run`` (None: no checkpoints), refusing state options that
     need a checkpoint directory without one."""
     from aisp.runner import CheckpointOptions
-    from aisp.schedule.checkpoints import CHANGELOG
+    from aisp.schedule.checkpointing.coordinator import CHANGELOG
 
     if directory is None:
         if state_store or state_max_keys:

@@ -27,7 +27,7 @@ class ExecutorOptions:
     offload_sinks: bool = False
     workers: int = 1
     """Worker processes that share the pipeline by key (``aisp run --workers``; see
-    ``schedule/workers.py``); 1: the pipeline runs in this process."""
+    ``schedule/workers/pool.py``); 1: the pipeline runs in this process."""
     state_max_keys: int = 0
     """With a state store: keep about this many keys per key space in memory (0: all); at a
     checkpoint, keys not seen for the longest are evicted (their state is in the store) and

@@ -32,9 +32,9 @@ from aisp.observe.drift import DriftMonitor
 from aisp.observe.stats import RunStats, StageStats
 from aisp.schedule import planning
 from aisp.schedule.channel import Channel
-from aisp.schedule.checkpoints import CheckpointCoordinator, Flight
+from aisp.schedule.checkpointing.coordinator import CheckpointCoordinator, Flight
+from aisp.schedule.checkpointing.keyed_state import KeyedStateKeeper
 from aisp.schedule.config import ExecutorOptions, Lineage
-from aisp.schedule.keyed_state import KeyedStateKeeper
 from aisp.schedule.model_steps import make_batcher, make_llm
 from aisp.schedule.ops import InferOp, LlmOp, SinkOp, can_fork, offloaded
 from aisp.schedule.pacing import Pacer

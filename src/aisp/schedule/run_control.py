@@ -34,8 +34,8 @@ from typing import Any
 from aisp.errors import ConfigError
 from aisp.graph import Graph
 from aisp.observe.clock import wall_ms
+from aisp.schedule.checkpointing.savepoints import carry_checkpoint
 from aisp.schedule.executor import LocalExecutor
-from aisp.schedule.savepoints import carry_checkpoint
 from aisp.state.checkpoint import Checkpoint, CheckpointStore
 
 __all__ = ["Checkpointer", "RunUpdates", "install_signals", "tune_gc"]

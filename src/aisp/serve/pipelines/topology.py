@@ -48,7 +48,7 @@ import msgspec
 from aisp.errors import AispError, ConfigError, Forbidden, Unavailable
 from aisp.graph import Graph
 from aisp.observe.clock import wall_ms
-from aisp.schedule.savepoints import carry_state
+from aisp.schedule.checkpointing.savepoints import carry_state
 from aisp.state.checkpoint import Checkpoint
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from aisp.errors import StateError
-from aisp.schedule.restores import Restores
+from aisp.schedule.checkpointing.restores import Restores
 from aisp.state.checkpoint import Checkpoint
 
 

@@ -48,7 +48,7 @@ from aisp.observe.clock import wall_ms
 from aisp.observe.latency import LatencyHistogram
 from aisp.observe.remote import MergedTrail, merge
 from aisp.schedule.config import ExecutorOptions
-from aisp.schedule.exchange import (
+from aisp.schedule.workers.exchange import (
     ACK,
     LINES,
     ONE,
@@ -60,7 +60,7 @@ from aisp.schedule.exchange import (
     Pipes,
     batch_from_bytes,
 )
-from aisp.schedule.worker import WorkerSpec, worker_main
+from aisp.schedule.workers.worker import WorkerSpec, worker_main
 from aisp.sinks.base import RowEncoder, SinkPartition
 from aisp.sinks.deadletter import DeadLetterWriter
 from aisp.state.checkpoint import CheckpointStore

@@ -1,4 +1,4 @@
-"""What several worker processes need to share one keyed pipeline (``schedule/workers.py``):
+"""What several worker processes need to share one keyed pipeline (``schedule/workers/pool.py``):
 a stable key hash, the blocks a file is cut into, batches as bytes on a pipe, the messages
 between the processes, and the plan (which source is split, which column routes rows).
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from aisp.batch import Batch
 from aisp.connectors.file.blocks import FileBlocks
-from aisp.schedule.exchange import batch_from_bytes, batch_to_bytes, key_hash, key_owner
+from aisp.schedule.workers.exchange import batch_from_bytes, batch_to_bytes, key_hash, key_owner
 
 M = (1 << 64) - 1
 P = 0x100000001B3

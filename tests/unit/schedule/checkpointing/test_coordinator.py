@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from aisp.schedule.checkpoints import Flight
+from aisp.schedule.checkpointing.coordinator import Flight
 
 
 def test_a_bounded_drain_gives_up_on_rows_still_in_flight_and_a_drain_ends_when_they_land() -> None:

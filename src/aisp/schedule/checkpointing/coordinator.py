@@ -36,9 +36,9 @@ from aisp.graph import Graph
 from aisp.infer.batching.batcher import DynamicBatcher
 from aisp.ingest.base import DeadLetterRecord, Source, SourceContext, SourcePartition
 from aisp.observe.stats import RunStats
-from aisp.schedule.keyed_state import KeyedStateKeeper, PartitionCapture
+from aisp.schedule.checkpointing.keyed_state import KeyedStateKeeper, PartitionCapture
+from aisp.schedule.checkpointing.restores import Restores
 from aisp.schedule.model_steps import model_record
-from aisp.schedule.restores import Restores
 from aisp.schedule.watermarks import SourceClocks
 from aisp.sinks.base import SinkPartition
 from aisp.sinks.deadletter import DeadLetterWriter

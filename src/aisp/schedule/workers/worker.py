@@ -1,4 +1,4 @@
-"""A worker process of a run on several workers (``schedule/workers.py`` has the design).
+"""A worker process of a run on several workers (``schedule/workers/pool.py`` has the design).
 
 The worker runs the whole graph in a ``LocalExecutor`` whose source is its ``_Inbox`` (the
 parts of every block, in block order) and whose sinks and dead letters relay to the
@@ -31,7 +31,8 @@ from aisp.ipc import report_error, worker_init
 from aisp.observe.remote import snapshot
 from aisp.observe.stats import peak_rss_mb
 from aisp.schedule.config import ExecutorOptions
-from aisp.schedule.exchange import (
+from aisp.schedule.executor import LocalExecutor
+from aisp.schedule.workers.exchange import (
     ACK,
     LINES,
     ONE,
@@ -44,7 +45,6 @@ from aisp.schedule.exchange import (
     batch_to_bytes,
     key_owner,
 )
-from aisp.schedule.executor import LocalExecutor
 from aisp.sinks.base import RowEncoder, Sink, SinkPartition
 from aisp.sinks.deadletter import DeadLetterSink, DeadLetterWriter
 from aisp.state.checkpoint import CheckpointStore

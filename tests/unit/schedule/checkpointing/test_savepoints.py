@@ -10,7 +10,7 @@ import pytest
 
 from aisp import CollectSink, Pipeline, WorkloadFSource
 from aisp.errors import ConfigError
-from aisp.schedule.savepoints import carry_state
+from aisp.schedule.checkpointing.savepoints import carry_state
 
 
 def graph(*, stats_id: str = "user_stats", key_id: str = "by_user") -> Pipeline:
