@@ -30,7 +30,7 @@ from aisp.summary import RunSummary, summarize
 if TYPE_CHECKING:
     from aisp.observe.latency import LatencyHistogram
     from aisp.observe.remote import RemoteObserver
-    from aisp.observe.trace_config import TraceConfig
+    from aisp.observe.tracing.config import TraceConfig
     from aisp.pipeline import Pipeline
 
 __all__ = ["CheckpointOptions", "ObserveOptions", "RunOptions", "RunSummary", "run", "tune_gc"]
@@ -244,7 +244,7 @@ def _observe(current: list[LocalExecutor], opts: ObserveOptions, res: ExitStack)
     ex = current[0]
     observer = _observer(ex.graph, opts, res)
     if opts.trace is not None:
-        from aisp.observe.tracing import EventTracer
+        from aisp.observe.tracing.spans import EventTracer
 
         ex.tracer = EventTracer(opts.trace, ex.graph.name)
         res.callback(ex.tracer.close)

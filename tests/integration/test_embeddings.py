@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from aisp import BatcherConfig, CollectSink, Pipeline, TestingSource
 from aisp.errors import ConfigError
 from aisp.infer.runtimes.text_encoder import TextEncoder, packaged_minilm
-from aisp.observe.metrics import PipelineCollector
+from aisp.observe.export.metrics import PipelineCollector
 from aisp.schedule.executor import LocalExecutor
 from aisp.sinks.deadletter import DeadLetterSink
 from aisp.transform.text.tokenize import TextTokenizer

@@ -110,7 +110,7 @@ def test_traceparent_headers_are_read_from_and_written_to_kafka_messages(broker:
 
     from aisp.cli import load_pipeline
     from aisp.connectors import sink_for, source_for
-    from aisp.observe.tracing import TraceConfig
+    from aisp.observe.tracing.spans import TraceConfig
     from aisp.runner import ObserveOptions, RunOptions, run
     from tests.support.otlp import otlp_receiver
 

@@ -153,7 +153,7 @@ def test_the_pool_endpoints_are_in_the_metrics(
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from aisp.observe.metrics import PipelineCollector
+    from aisp.observe.export.metrics import PipelineCollector
     from aisp.schedule.executor import LocalExecutor
     from aisp.sinks.deadletter import DeadLetterSink
 

@@ -14,7 +14,7 @@ from aisp import BatcherConfig, CollectSink, ExecutorOptions, OnnxRuntime, Pipel
 from aisp.errors import ModelError
 from aisp.infer.models.rollout import RolloutPolicy
 from aisp.observe.dashboard import DashboardState
-from aisp.observe.metrics import PipelineCollector
+from aisp.observe.export.metrics import PipelineCollector
 from aisp.schedule.executor import LocalExecutor
 from aisp.sinks.deadletter import DeadLetterSink
 from benchmarks.workload import load_fraud_example

@@ -27,7 +27,7 @@ import pytest
 from websockets.sync.client import connect
 
 from aisp.infer.llm.server import llama_server
-from aisp.observe.diagnose import Scrape, diagnose
+from aisp.observe.diagnose.pipeline import Scrape, diagnose
 from tests.support.serving import aisp_serve, wait_http
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,8 +18,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from aisp import Batch, CollectSink, Pipeline, WorkloadFSource
-from aisp.observe.diagnose import Scrape, diagnose
-from aisp.observe.metrics import PipelineCollector
+from aisp.observe.diagnose.pipeline import Scrape, diagnose
+from aisp.observe.export.metrics import PipelineCollector
 from aisp.serve.http.app import create_app
 from aisp.serve.pipelines.service import PipelineService
 from benchmarks.workload import reference_outputs, write_events

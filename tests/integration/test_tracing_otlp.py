@@ -12,7 +12,7 @@ import grpc
 import httpx
 
 from aisp.cli import load_pipeline
-from aisp.observe.tracing import TraceConfig
+from aisp.observe.tracing.spans import TraceConfig
 from aisp.runner import ObserveOptions, RunOptions, run
 from benchmarks.workload import write_events
 from tests.support.otlp import Received, otlp_receiver

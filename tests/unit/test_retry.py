@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from aisp import CollectSink, Pipeline, WorkloadFSource
 from aisp.errors import SinkError
-from aisp.observe.metrics import PipelineCollector
+from aisp.observe.export.metrics import PipelineCollector
 from aisp.retry import RETRIES, call_with_retry
 from aisp.schedule.executor import LocalExecutor
 from aisp.sinks.deadletter import DeadLetterSink

@@ -105,7 +105,7 @@ def _trace_config(sample: float, endpoint: str | None, max_per_s: float) -> Any:
     """``--trace-*`` options as a ``TraceConfig`` (None: tracing off). With an endpoint and no
     sample, only events whose client sent a sampled ``traceparent`` are traced. Without either,
     the standard ``OTEL_*`` variables decide (``TraceConfig.from_env``)."""
-    from aisp.observe.trace_config import TraceConfig
+    from aisp.observe.tracing.config import TraceConfig
 
     if sample <= 0 and endpoint is None:
         from_env = TraceConfig.from_env()

@@ -135,8 +135,8 @@ def diagnose(
     """Name what makes a running pipeline slow: the findings, most likely first."""
     import httpx
 
-    from aisp.observe.diagnose import Scrape, metrics_url
-    from aisp.observe.diagnose import diagnose as find_causes
+    from aisp.observe.diagnose.pipeline import Scrape, metrics_url
+    from aisp.observe.diagnose.pipeline import diagnose as find_causes
 
     files = snapshot or []
     before: Scrape | None

@@ -216,8 +216,8 @@ class _ServeTargets:
         pipeline_dirs: list[str],
     ) -> _ServeTargets:
         from aisp.admission.anomaly import AnomalyPolicy
-        from aisp.observe.metrics import PipelineCollector
-        from aisp.observe.rollouts import GraphVersions, update_counts
+        from aisp.observe.export.metrics import PipelineCollector
+        from aisp.observe.export.rollouts import GraphVersions, update_counts
         from aisp.serve.metrics import ServerMetrics
         from aisp.serve.models.server import ModelServer
         from aisp.serve.pipelines.service import PipelineService

@@ -1,5 +1,5 @@
 """The live dashboard: a JSON state of a running pipeline and the page that draws it, served by
-``aisp run``'s observability server (``aisp.observe.server``) and mounted by ``aisp serve``.
+``aisp run``'s observability server (``aisp.observe.export.server``) and mounted by ``aisp serve``.
 
 Endpoints: ``/`` (or ``/dashboard``): the page (plain HTML and JavaScript in one file, no build
 step, nothing fetched from elsewhere); ``/dashboard/state``: the current state as JSON (with
@@ -9,7 +9,7 @@ opens); ``/dashboard/events``: the same state as server-sent events, one a secon
 The state: the DAG (steps, kinds, edges); per stage over the last interval rows/s in and out,
 queue depth, p99 of each phase, mean batch size; end-to-end p50/p90/p99 over the interval and
 since the start; drift scores per model input feature; the current diagnosis
-(``aisp.observe.diagnose`` over the last five seconds, renewed that often); and model rollouts
+(``aisp.observe.diagnose.pipeline`` over the last five seconds, renewed that often); and model rollouts
 (the pipeline's rollout steps and, under ``aisp serve``, the served models'), each with its
 state, traffic share and latest decisions with their evidence. A server without pipelines
 shows its models' rollouts alone (``ModelsState``).
@@ -28,10 +28,10 @@ from prometheus_client import CollectorRegistry
 
 from aisp.graph import split_ref
 from aisp.observe.clock import wall_ms
-from aisp.observe.diagnose import Scrape, diagnose
+from aisp.observe.diagnose.pipeline import Scrape, diagnose
+from aisp.observe.export.metrics import PipelineCollector
+from aisp.observe.export.rollouts import rollout_rows, step_statuses
 from aisp.observe.latency import LatencyHistogram
-from aisp.observe.metrics import PipelineCollector
-from aisp.observe.rollouts import rollout_rows, step_statuses
 from aisp.observe.stats import AdmissionStats, RunStats
 from aisp.observe.view import PipelineView
 

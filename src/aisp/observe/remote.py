@@ -31,10 +31,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 
 from aisp.graph import Graph, Node
+from aisp.observe.export.metrics import GcPauses, gc_pauses
+from aisp.observe.export.operators import operator_counters
+from aisp.observe.export.rollouts import GraphVersions, update_counts
 from aisp.observe.latency import LatencyHistogram
-from aisp.observe.metrics import GcPauses, gc_pauses
-from aisp.observe.operator_counters import operator_counters
-from aisp.observe.rollouts import GraphVersions, update_counts
 from aisp.observe.stats import LatencyTrail, RunStats, StageStats
 from aisp.observe.view import PipelineView
 from aisp.retry import RETRIES
@@ -349,8 +349,8 @@ def _observer_main(
     parent_ends: list[Connection],
 ) -> None:
     from aisp.ipc import worker_init
-    from aisp.observe.metrics import metrics_registry
-    from aisp.observe.server import ObserveServer
+    from aisp.observe.export.metrics import metrics_registry
+    from aisp.observe.export.server import ObserveServer
 
     worker_init(*parent_ends)
     _yield_cpu()

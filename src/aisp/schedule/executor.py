@@ -51,7 +51,7 @@ from aisp.transform.operators import Operator, OperatorContext
 from aisp.transform.windows.base import WindowsBase
 
 if TYPE_CHECKING:
-    from aisp.observe.tracing import EventTracer
+    from aisp.observe.tracing.spans import EventTracer
 
 __all__ = ["ExecutorOptions", "Lineage", "LocalExecutor"]
 

@@ -14,9 +14,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from aisp.observe.export.metrics import BATCH_BUCKETS, LATENCY_BUCKETS_S, TextExposition, histogram_buckets
+from aisp.observe.export.rollouts import rollout_families
 from aisp.observe.latency import LatencyHistogram
-from aisp.observe.metrics import BATCH_BUCKETS, LATENCY_BUCKETS_S, TextExposition, histogram_buckets
-from aisp.observe.rollouts import rollout_families
 from aisp.serve.models.server import ModelServer
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
@@ -40,7 +40,7 @@ class _QueueCollector:
 
 
 class _RolloutCollector:
-    """Each served model's rollout (``aisp.observe.rollouts``)."""
+    """Each served model's rollout (``aisp.observe.export.rollouts``)."""
 
     def __init__(self, models: ModelServer | None) -> None:
         self._models = models

@@ -15,7 +15,7 @@ from prometheus_client.process_collector import ProcessCollector
 import aisp.observe
 from aisp import CollectSink, DeadLetterSink, Pipeline, PythonRuntime, WorkloadFSource
 from aisp.observe.drift import DriftConfig
-from aisp.observe.metrics import PipelineCollector, gc_pauses
+from aisp.observe.export.metrics import PipelineCollector, gc_pauses
 from aisp.observe.stats import AdmissionStats
 from aisp.schedule.executor import LocalExecutor
 from aisp.serve.metrics import ServerMetrics

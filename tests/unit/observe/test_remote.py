@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from aisp import Batch, CollectSink, DeadLetterSink, Pipeline, PythonRuntime, WorkloadFSource
 from aisp.observe.dashboard import DashboardState
 from aisp.observe.drift import DriftConfig
-from aisp.observe.metrics import PipelineCollector, TextExposition, metrics_registry
+from aisp.observe.export.metrics import PipelineCollector, TextExposition, metrics_registry
 from aisp.observe.remote import ConsistentRegistry, RemoteObserver, SnapshotView, snapshot
 from aisp.retry import RETRIES
 from aisp.schedule.executor import LocalExecutor

@@ -44,7 +44,7 @@ from aisp.sinks.deadletter import DeadLetterSink, DeadLetterWriter
 from aisp.sinks.memory import NullSink
 
 if TYPE_CHECKING:
-    from aisp.observe.trace_config import TraceConfig
+    from aisp.observe.tracing.config import TraceConfig
 
 __all__ = ["Chunk", "Inbox", "InboxClosed", "PipelineService", "ResultTracker"]
 
@@ -320,7 +320,7 @@ class PipelineService:
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
         if self.trace is not None:
-            from aisp.observe.tracing import EventTracer
+            from aisp.observe.tracing.spans import EventTracer
 
             self.executor.tracer = EventTracer(self.trace, self.name)
         self.executor.start()
@@ -331,7 +331,7 @@ class PipelineService:
         """The client's trace context from W3C headers, when this pipeline traces (else None)."""
         if self.executor.tracer is None or not traceparent:
             return None
-        from aisp.observe.tracing import extract_parent
+        from aisp.observe.tracing.spans import extract_parent
 
         return extract_parent(traceparent, tracestate)
 

@@ -5,7 +5,7 @@ plain words (``plain`` takes out what a library's message says about Python obje
 ``<_io.BytesIO object at 0x...>``).
 
 ``MediaCounters`` is kept by an image or audio step's spec and read off the graph as metrics
-(``aisp.observe.operator_counters``): items decoded and refused, bytes in, seconds spent
+(``aisp.observe.export.operators``): items decoded and refused, bytes in, seconds spent
 decoding (summed over the threads) and the pixels or samples made. ``run_sliced`` cuts a batch
 into one slice per core and decodes the slices in parallel threads: libjpeg-turbo, OpenCV,
 libsndfile and soxr release the GIL while they work, so one step's rows decode on every core.

@@ -22,7 +22,7 @@ from aisp.errors import ConfigError
 from aisp.infer.llm.admission import LlmSlo, Load, RecentTimes, TtftPredictor
 from aisp.infer.llm.client import Generation, OpenAIClient
 from aisp.infer.llm.stage import LlmSpec, LlmStage
-from aisp.observe.llm_metrics import llm_families
+from aisp.observe.export.llm import llm_families
 
 MS = 1_000_000
 

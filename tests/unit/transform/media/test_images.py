@@ -222,7 +222,7 @@ def test_an_image_steps_counters_are_metrics_of_its_stage() -> None:
     from prometheus_client.core import Metric
 
     from aisp import CollectSink, Pipeline, TestingSource
-    from aisp.observe.operator_counters import counter_families, operator_counters
+    from aisp.observe.export.operators import counter_families, operator_counters
 
     p, out = Pipeline("img"), CollectSink(columns=["image_width"])
     rows = [{"image": encode(picture(20, 30), ".png")}, {"image": b"junk"}]

@@ -21,7 +21,7 @@ How it reasons:
    (``slow_operator``); and for the whole pipeline, events refused or shed at admission
    (``admission_overload``), model calls failing or rows expiring (``model_errors``); an LLM
    step's requests waiting for a slot (``llm_queueing``) or slow generation
-   (``llm_slow_generation``, see ``diagnose_llm``). When nothing stands out: ``healthy``.
+   (``llm_slow_generation``, see ``diagnose.llm``). When nothing stands out: ``healthy``.
 
 A finding's ``score`` is the share of the events' time it explains (0..1) or, for causes that
 are work done (``slow_model``, ``row_udf``, ``slow_operator``, ``decode_bound``,
@@ -39,8 +39,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from aisp.observe.diagnose_llm import LLM_CAUSES, llm_findings
-from aisp.observe.scrape import Scrape, _Hist, _Window, metrics_url
+from aisp.observe.diagnose.llm import LLM_CAUSES, llm_findings
+from aisp.observe.export.scrape import Scrape, _Hist, _Window, metrics_url
 
 __all__ = ["CAUSES", "Finding", "Scrape", "diagnose", "metrics_url"]
 
@@ -182,7 +182,7 @@ def _classify(st: _Stage, thread_busy: float) -> tuple[str, str, dict[str, Any]]
         ev["budget_ms"] = _ms(st.budget_s)
     per_row_us = round(st.own_s / st.batch_rows * 1e6, 2) if st.batch_rows else 0.0
     if st.kind == "llm":
-        return None  # (``diagnose_llm``)
+        return None  # (``diagnose.llm``)
     if st.kind == "infer":
         return _classify_model(st, thread_busy, ev, per_row_us)
     if st.kind in ("sink", "source"):

@@ -13,7 +13,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from aisp.observe.dashboard import DashboardState, page, sse
-from aisp.observe.metrics import TextExposition, metrics_registry
+from aisp.observe.export.metrics import TextExposition, metrics_registry
 from aisp.observe.view import PipelineView
 
 __all__ = ["ObserveServer"]

@@ -38,7 +38,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from aisp.batch import INGEST_NS, Batch
 from aisp.observe.clock import wall_ns
-from aisp.observe.trace_config import TraceConfig
+from aisp.observe.tracing.config import TraceConfig
 
 __all__ = ["EventTracer", "TraceConfig", "extract_parent"]
 

@@ -8,7 +8,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from aisp.observe.scrape import Scrape, _Window
+from aisp.observe.export.scrape import Scrape, _Window
 
 
 class _Families:
@@ -59,7 +59,7 @@ def test_window_histograms_from_indexed_buckets() -> None:
 def test_text_exposition_writes_what_generate_latest_writes() -> None:
     from prometheus_client import Counter, Gauge, Histogram, Info
 
-    from aisp.observe.metrics import TextExposition
+    from aisp.observe.export.metrics import TextExposition
 
     registry = CollectorRegistry()
     fam = _Families()

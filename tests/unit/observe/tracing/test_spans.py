@@ -9,7 +9,7 @@ from opentelemetry.trace import StatusCode
 
 from aisp import Batch, CollectSink, Pipeline, WorkloadFSource
 from aisp.errors import ConfigError
-from aisp.observe.tracing import EventTracer, TraceConfig, extract_parent
+from aisp.observe.tracing.spans import EventTracer, TraceConfig, extract_parent
 from aisp.schedule.executor import LocalExecutor
 from aisp.sinks.deadletter import DeadLetterSink
 

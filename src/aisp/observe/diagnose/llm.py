@@ -1,5 +1,5 @@
 """Diagnosis of a pipeline's LLM steps (``aisp.infer.llm.stage``), from their metrics
-(``aisp.observe.llm_metrics``), for ``aisp.observe.diagnose``.
+(``aisp.observe.export.llm``), for ``aisp.observe.diagnose.pipeline``.
 
 An LLM step's time to first token is its queueing (waiting for a free generation slot) plus the
 server's time to a first token; then the generation streams. When requests wait longer for a
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aisp.observe.scrape import _Window
+from aisp.observe.export.scrape import _Window
 
 __all__ = ["LLM_CAUSES", "llm_findings"]
 

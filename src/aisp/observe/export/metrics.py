@@ -36,7 +36,7 @@ Families (seconds and rows in the names; labels bounded by the pipeline's steps)
 * Per window step: ``aisp_window_open{stage}`` (open windows), ``aisp_window_late_events_total
   {stage}``, ``aisp_watermark_lag_seconds{stage}`` (the wall clock minus the step's watermark).
 * Per LLM step: time to first token, inter-token gaps, jitter, tokens/s, queueing, requests by
-  outcome (``aisp.observe.llm_metrics``).
+  outcome (``aisp.observe.export.llm``).
 * ``aisp_uptime_seconds``: since the pipeline started (the clock of rates between scrapes).
 * ``aisp_stage_errors_total{stage}``, ``aisp_dead_letters_total{stage}``,
   ``aisp_events_total{direction}``, ``aisp_checkpoints_total``.
@@ -68,10 +68,10 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.utils import floatToGoString as _go_float
 
 from aisp.observe.clock import wall_ms
+from aisp.observe.export.llm import llm_families
+from aisp.observe.export.operators import counter_families, operator_counters
+from aisp.observe.export.rollouts import rollout_families, step_statuses
 from aisp.observe.latency import LatencyHistogram, histogram_buckets
-from aisp.observe.llm_metrics import llm_families
-from aisp.observe.operator_counters import counter_families, operator_counters
-from aisp.observe.rollouts import rollout_families, step_statuses
 from aisp.observe.stats import AdmissionStats, StageStats
 from aisp.observe.view import PipelineView
 from aisp.retry import RETRIES

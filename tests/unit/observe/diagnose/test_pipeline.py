@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from aisp.cli import app
-from aisp.observe.diagnose import Scrape, _Hist, diagnose, metrics_url
+from aisp.observe.diagnose.pipeline import Scrape, _Hist, diagnose, metrics_url
 
 BOUNDS = (0.001, 0.005, 0.01, 0.05, 0.1, 1.0)
 

@@ -1,5 +1,5 @@
 """What tracing is asked for (``TraceConfig``): the ``--trace-*`` options or the standard
-OpenTelemetry variables. Kept apart from ``aisp.observe.tracing`` so that deciding whether to
+OpenTelemetry variables. Kept apart from ``aisp.observe.tracing.spans`` so that deciding whether to
 trace imports no OpenTelemetry: a run that does not trace never loads it."""
 
 from __future__ import annotations
