@@ -6,9 +6,11 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import grimp
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -109,13 +111,29 @@ def test_functions_stay_short() -> None:
     assert long == []
 
 
-def test_modules_stay_small() -> None:
-    big = {
-        str(path.relative_to(ROOT))
+@pytest.mark.filterwarnings("default")
+def test_modules_past_500_lines_are_reported() -> None:
+    """A long module is a hint, not a rule (a cap that splits files without grouping them makes
+    prefixes, not rooms): it is reported in the warnings summary, and the folder rule below is
+    what keeps the tree navigable."""
+    big = sorted(
+        f"{path.relative_to(ROOT)} ({n} lines)"
         for path in (ROOT / "src" / "aisp").rglob("*.py")
-        if len(path.read_text().splitlines()) > 500
-    }
-    assert big == set(), sorted(big)
+        if (n := len(path.read_text().splitlines())) > 500
+    )
+    if big:
+        warnings.warn(f"modules past 500 lines: {', '.join(big)}", UserWarning, stacklevel=1)
+
+
+def test_no_package_folder_holds_more_than_12_modules() -> None:
+    """A folder that grows past 12 modules splits into sub-packages by concept."""
+    crowded = {
+        str(folder.relative_to(ROOT)): n
+        for folder in [ROOT / "src" / "aisp", *(ROOT / "src" / "aisp").rglob("*/")]
+        if folder.is_dir() and folder.name != "__pycache__"
+        and (n := sum(1 for f in folder.glob("*.py") if f.name != "__init__.py")) > 12
+    }  # fmt: skip
+    assert crowded == {}
 
 
 def test_unit_tests_mirror_the_package_layout() -> None:
