@@ -10,7 +10,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aisp.admission.anomaly import control_run
 from aisp.connectors import dead_letter_sink
@@ -28,12 +28,15 @@ from aisp.state.checkpoint import Checkpoint, CheckpointStore
 from aisp.summary import RunSummary, summarize
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from aisp.admission.anomaly import AnomalyPolicy
+    from aisp.infer.models.rollout import Rollout
     from aisp.observe.latency import LatencyHistogram
     from aisp.observe.remote import RemoteObserver
     from aisp.observe.tracing.config import TraceConfig
-    from aisp.pipeline import Pipeline
 
-__all__ = ["CheckpointOptions", "ObserveOptions", "RunOptions", "RunSummary", "run", "tune_gc"]
+__all__ = ["CheckpointOptions", "ObserveOptions", "RunOptions", "RunSummary", "Runnable", "run", "tune_gc"]
 
 log = logging.getLogger("aisp.runner")
 
@@ -100,6 +103,19 @@ class ObserveOptions:
             )
 
 
+class Runnable(Protocol):
+    """What ``run`` reads of a pipeline (``aisp.pipeline.Pipeline`` is one): its graph, built and
+    validated by ``build()``, the anomaly policy and rollouts of its steps, and its state
+    migrations. A Protocol, so that the runner never imports the builder whose ``run`` calls it."""
+
+    graph: Graph
+    anomaly: AnomalyPolicy | None
+    rollouts: dict[str, Rollout]
+    migrations: dict[str, Callable[[pa.Table], pa.Table]]
+
+    def build(self) -> Graph: ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunOptions:
     """How to run, by concern: the executor (``execution``: batch and queue sizes, pacing,
@@ -118,7 +134,7 @@ class RunOptions:
     handled) switches the run to the new version at a checkpoint (``schedule.run_control``)."""
 
 
-def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
+def run(pipeline: Runnable, options: RunOptions | None = None) -> RunSummary:
     """Build, start and drain ``pipeline``; SIGINT/SIGTERM (when handled) trigger a clean drain."""
     opts = options or RunOptions()
     graph = pipeline.build()
@@ -169,7 +185,7 @@ def run(pipeline: Pipeline, options: RunOptions | None = None) -> RunSummary:
 
 
 def _updates(
-    pipeline: Pipeline, opts: RunOptions, store: CheckpointStore | None, res: ExitStack
+    pipeline: Runnable, opts: RunOptions, store: CheckpointStore | None, res: ExitStack
 ) -> RunUpdates | None:
     """Topology updates of this run (``schedule.run_control``), when it can take them."""
     ck = opts.checkpoints

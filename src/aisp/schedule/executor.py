@@ -35,7 +35,7 @@ from aisp.schedule.channel import Channel
 from aisp.schedule.checkpointing.coordinator import CheckpointCoordinator, Flight
 from aisp.schedule.checkpointing.keyed_state import KeyedStateKeeper
 from aisp.schedule.config import ExecutorOptions, Lineage
-from aisp.schedule.model_steps import make_batcher, make_llm
+from aisp.schedule.model_steps import StepPort, make_batcher, make_llm
 from aisp.schedule.ops import InferOp, LlmOp, SinkOp, can_fork, offloaded
 from aisp.schedule.pacing import Pacer
 from aisp.schedule.planning import MODEL_KINDS
@@ -177,12 +177,34 @@ class LocalExecutor:
                 self._sink_parts[sid] = part
                 self._ops[sid] = SinkOp(part, self.stats)
             elif node.kind == "infer":
-                self._ops[sid] = InferOp(make_batcher(self, node, st), sid, node.spec)
+                self.batchers[sid] = make_batcher(self._model_port(sid), node.spec, st)
+                self._ops[sid] = InferOp(self.batchers[sid], sid, node.spec)
             elif node.kind == "llm":
-                self._ops[sid] = LlmOp(make_llm(self, node, st))
+                self.llm_stages[sid] = make_llm(self._model_port(sid), node.spec, st)
+                self._ops[sid] = LlmOp(self.llm_stages[sid])
             else:
                 ctx = OperatorContext(sid, partial(self._dead_letter_rows, closes=False), self._key_indexes)
                 self._ops[sid] = node.spec.build(ctx)
+
+    def _model_port(self, sid: str) -> StepPort:
+        """What model step ``sid`` may do to this executor (its rows come from threads of its own)."""
+        ch = self._channels.get(sid)
+
+        def traced(batch: Batch, wait_ns: int, compute_ns: int) -> None:
+            if self.tracer is not None and self.tracer.active:  # the tracer may be set after the build
+                self.tracer.model_out(sid, batch, wait_ns, compute_ns)
+
+        return StepPort(
+            emit=partial(self._emit, sid, "out"),
+            dead_letter=lambda b, reason: self._dead_letter_rows(b, sid, reason),
+            fail=self._fail, landed=self.flight.landed, traced=traced,
+            queued_rows=lambda: ch.rows if ch else 0,
+        )  # fmt: skip
+
+    def _fail(self, exc: BaseException) -> None:
+        """Record ``exc`` (``run()`` raises it after the drain) and stop the run."""
+        self._errors.append(exc)
+        self._stop.set()
 
     # -- data flow ----------------------------------------------------------------------------
     def _push(self, sid: str, batch: Batch) -> None:
@@ -315,8 +337,7 @@ class LocalExecutor:
         try:
             self._pump(node, part, st)
         except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by run() after the drain
-            self._errors.append(exc)
-            self._stop.set()
+            self._fail(exc)
         finally:
             self.flight.source_ended()
             self.clocks.ended(node.step_id)
@@ -379,8 +400,7 @@ class LocalExecutor:
                 st.phase("queue", ch.last_wait_ns)
                 self._push(sid, batch)
         except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by run() after the drain
-            self._errors.append(exc)
-            self._stop.set()
+            self._fail(exc)
             while ch.get() is not None:  # keep upstream from blocking forever
                 pass
         finally:

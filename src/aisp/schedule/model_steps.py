@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from aisp.batch import Batch
 from aisp.errors import AispError, SinkError
-from aisp.graph import Graph, Node
+from aisp.graph import Graph
 from aisp.infer.batching.batcher import DynamicBatcher
 from aisp.infer.llm.stage import LlmStage
 from aisp.infer.models.versions import ServedModel
@@ -27,10 +28,9 @@ from aisp.observe.stats import StageStats
 from aisp.schedule.ops import model_batches
 
 if TYPE_CHECKING:
-    from aisp.schedule.executor import LocalExecutor
     from aisp.state.checkpoint import Checkpoint
 
-__all__ = ["ModelChanged", "make_batcher", "make_llm", "model_record", "verify_models"]
+__all__ = ["ModelChanged", "StepPort", "make_batcher", "make_llm", "model_record", "verify_models"]
 
 log = logging.getLogger("aisp.checkpoint")
 
@@ -45,61 +45,62 @@ class ModelChanged(AispError):
     directory, or restore across the change on purpose (``aisp run --allow-model-change``)."""
 
 
-def make_batcher(ex: LocalExecutor, node: Node, st: StageStats) -> DynamicBatcher:
-    """An ``infer`` step's (not yet started) batcher, its rows handed on by ``emit_model``."""
-    spec: InferSpec = node.spec
-    sid = node.step_id
+@dataclass(frozen=True)
+class StepPort:
+    """What a model step may do to the executor that runs it, and nothing more: the step hands
+    rows on from a thread of its own, so it never reads the executor's members."""
 
+    emit: Callable[[Batch], None]
+    """Hand rows on downstream (a sink chained after the model may raise ``SinkError``)."""
+    dead_letter: Callable[[Batch, str], None]
+    """Rows that leave the pipeline here, with the reason."""
+    fail: Callable[[BaseException], None]
+    """Stop the run with this error."""
+    landed: Callable[[int], None]
+    """Rows that came into being here (the flight's count of rows in the pipeline)."""
+    traced: Callable[[Batch, int, int], None]
+    """A model call's rows out for the run's tracer, if it traces (wait and compute ns)."""
+    queued_rows: Callable[[], int]
+    """Rows waiting in the step's input channel."""
+
+
+def make_batcher(port: StepPort, spec: InferSpec, st: StageStats) -> DynamicBatcher:
+    """An ``infer`` step's (not yet started) batcher, its rows handed on by ``emit_model``."""
     call = threading.local()  # the dispatcher's last call, for its trace span
 
     def emit(batch: Batch) -> None:
-        if ex.tracer is not None and ex.tracer.active:
-            ex.tracer.model_out(sid, batch, getattr(call, "wait_ns", 0), getattr(call, "compute_ns", 0))
-        emit_model(ex, sid, st, batch)
+        port.traced(batch, getattr(call, "wait_ns", 0), getattr(call, "compute_ns", 0))
+        emit_model(port, st, batch)
 
-    batcher = build_batcher(
-        spec,
-        emit=emit,
-        dead_letter=lambda b, reason: ex._dead_letter_rows(b, sid, reason),
-        on_batch=model_batches(st, call),
-    )
-    ch = ex._channels.get(sid)
-    st.queue_rows = lambda: batcher.queued_rows + (ch.rows if ch else 0)
-    ex.batchers[sid] = batcher
+    batcher = build_batcher(spec, emit=emit, dead_letter=port.dead_letter, on_batch=model_batches(st, call))
+    st.queue_rows = lambda: batcher.queued_rows + port.queued_rows()
     return batcher
 
 
-def make_llm(ex: LocalExecutor, node: Node, st: StageStats) -> LlmStage:
+def make_llm(port: StepPort, spec: Any, st: StageStats) -> LlmStage:
     """An ``llm`` step's stage (its loop starts with the first rows)."""
-    sid = node.step_id
 
     def emit(batch: Batch) -> None:  # a row with its answer (its tokens went on before it)
-        if ex.tracer is not None and ex.tracer.active:
-            ex.tracer.model_out(sid, batch, 0, 0)
-        emit_model(ex, sid, st, batch)
+        port.traced(batch, 0, 0)
+        emit_model(port, st, batch)
 
     stage = LlmStage(
-        node.spec,
-        emit=emit,
-        emit_made=partial(emit_model, ex, sid, st, made=True),
-        dead_letter=lambda b, reason: ex._dead_letter_rows(b, sid, reason),
+        spec, emit=emit, emit_made=partial(emit_model, port, st, made=True), dead_letter=port.dead_letter
     )
     st.queue_rows = lambda: stage.queued_rows
-    ex.llm_stages[sid] = stage
     return stage
 
 
-def emit_model(ex: LocalExecutor, sid: str, st: StageStats, batch: Batch, *, made: bool = False) -> None:
+def emit_model(port: StepPort, st: StageStats, batch: Batch, *, made: bool = False) -> None:
     """Rows a model step hands on from a thread of its own (``made``: new rows, not ones
     that replace rows it took: an LLM's tokens)."""
     if made:
-        ex.flight.landed(batch.num_rows)
+        port.landed(batch.num_rows)
     st.rows_out += batch.num_rows
     try:
-        ex._emit(sid, "out", batch)
+        port.emit(batch)
     except SinkError as exc:  # from a sink chained after the model: the pipeline stops
-        ex._errors.append(exc)
-        ex._stop.set()
+        port.fail(exc)
 
 
 def model_of(runtime: Any) -> Model:
