@@ -1,7 +1,10 @@
-"""Time-bounded retries with exponential backoff and full jitter, for connectors.
+"""Backoff and time-bounded retries: the one policy of waits every retry loop in AISP uses.
 
-A broker that goes away for a while is waited for; one that stays away past the limit stops the
-pipeline with an error that says where and for how long, never a silent hang.
+``Backoff`` is exponential backoff, with full jitter where several clients may retry at once
+(brokers, model servers, LLM endpoints) and without where one waiter polls (an inbox with room,
+a server that is starting). ``call_with_retry`` retries a call for connectors: a broker that goes
+away for a while is waited for; one that stays away past the limit stops the pipeline with an
+error that says where and for how long, never a silent hang.
 """
 
 from __future__ import annotations
@@ -10,14 +13,42 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from aisp.errors import AispError
 
-__all__ = ["RETRIES", "RetryCounts", "call_with_retry"]
+__all__ = ["RETRIES", "Backoff", "RetryCounts", "call_with_retry"]
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """The wait before retry ``k`` (0, 1, ...): ``min(max_s, base_s * 2**k)``, or, with ``jitter``
+    (full jitter), a uniform draw below it.
+
+    >>> [Backoff(0.1, 0.5, jitter=False).delay(k) for k in range(4)]
+    [0.1, 0.2, 0.4, 0.5]
+    >>> Backoff(0.02, 1.0).delay(3, rand=lambda: 1.0)
+    0.16
+    """
+
+    base_s: float
+    max_s: float
+    jitter: bool = True
+
+    def delay(self, k: int, rand: Callable[[], float] = random.random) -> float:
+        ceiling = min(self.max_s, self.base_s * 2.0 ** min(k, 64))
+        return rand() * ceiling if self.jitter else ceiling
+
+    def delays(self, rand: Callable[[], float] = random.random) -> Iterator[float]:
+        """``delay(0)``, ``delay(1)``, ... for good."""
+        k = 0
+        while True:
+            yield self.delay(k, rand)
+            k += 1
 
 
 class RetryCounts:
@@ -63,7 +94,7 @@ def call_with_retry(
     'up'
     """
     deadline = time.monotonic() + give_up_after_s
-    delay = base_s
+    waits = Backoff(base_s, max_s).delays()
     while True:
         try:
             return fn(*args)
@@ -71,5 +102,4 @@ def call_with_retry(
             if time.monotonic() >= deadline:
                 raise error(f"{what} unreachable for {give_up_after_s:g} s: {exc}") from exc
             RETRIES.note(what, type(exc).__name__)
-            time.sleep(random.uniform(0, delay))
-            delay = min(delay * 2, max_s)
+            time.sleep(next(waits))

@@ -22,6 +22,7 @@ from aisp.admission.ratelimit import Limiter
 from aisp.batch import Batch
 from aisp.errors import Overloaded
 from aisp.infer.llm.stage import LlmStage
+from aisp.retry import Backoff
 from aisp.serve.models.served import InferResult
 from aisp.serve.models.server import ModelServer
 from aisp.serve.oip.request import InferRequest, Signature, check_request
@@ -81,11 +82,8 @@ def admit_infer(
 
 
 def _pauses() -> Iterator[float]:
-    """Waits between offers to a full inbox: 0.2 ms, doubling up to 5 ms."""
-    pause = 0.0002
-    while True:
-        yield pause
-        pause = min(pause * 2, 0.005)
+    """Waits between offers to a full inbox: 0.2 ms, doubling up to 5 ms (one waiter: no jitter)."""
+    return Backoff(0.0002, 0.005, jitter=False).delays()
 
 
 def _release_when_done(chunk: Chunk, release: Callable[[], None]) -> None:

@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from aisp.errors import ConfigError, ModelError
 from aisp.infer.runtimes.base import TensorSpec, check_rows
-from aisp.retry import RETRIES
+from aisp.retry import RETRIES, Backoff
 
 __all__ = ["BreakerConfig", "CircuitBreaker", "EndpointUnavailable", "RemoteRuntime", "RetryPolicy"]
 
@@ -44,7 +44,14 @@ OIP_DTYPES = {
 
 class EndpointUnavailable(ModelError):
     """The server did not answer (unavailable, too slow, overloaded, or its circuit is open):
-    another server of the same model may."""
+    another server of the same model may. ``code`` says which: the gRPC status (``UNAVAILABLE``,
+    ``DEADLINE_EXCEEDED``, ``RESOURCE_EXHAUSTED``, ``ABORTED``) or ``CIRCUIT_OPEN``."""
+
+    retriable = True
+
+    def __init__(self, message: str, *, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +71,7 @@ class RetryPolicy:
             raise ConfigError(f"attempts must be >= 1, got {self.attempts}")
 
     def backoff_s(self, attempt: int, rand: Callable[[], float] = random.random) -> float:
-        return float(rand() * min(self.max_ms, self.base_ms * 2**attempt) / 1000)
+        return Backoff(self.base_ms / 1000, self.max_ms / 1000).delay(attempt, rand)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,7 +192,7 @@ class RemoteRuntime:
     def _metadata(self, wait_s: float, clock: Callable[[], float]) -> Any:
         """The model's metadata, waiting up to ``wait_s`` for a server that is not up yet."""
         deadline = clock() + wait_s
-        pause = 0.1
+        pauses = Backoff(0.1, 2.0, jitter=False).delays()  # one waiter polling a starting server
         while True:
             try:
                 return self._call(
@@ -194,11 +201,14 @@ class RemoteRuntime:
                     )
                 )
             except ModelError as exc:
-                if clock() >= deadline or "UNAVAILABLE" not in str(exc) and "circuit open" not in str(exc):
+                starting = isinstance(exc, EndpointUnavailable) and exc.code in (
+                    "UNAVAILABLE",
+                    "CIRCUIT_OPEN",
+                )
+                if clock() >= deadline or not starting:
                     raise type(exc)(f"{exc} (waited {wait_s:g} s for the server at start)") from exc
                 RETRIES.note(f"remote model {self.model} at {self.url}", "starting")
-                self._sleep(pause)
-                pause = min(pause * 2, 2.0)
+                self._sleep(next(pauses))
                 self.breaker = CircuitBreaker(self.breaker.config, clock)  # not open because of start-up
                 self._client = self._connect()
 
@@ -248,11 +258,12 @@ class RemoteRuntime:
         if not self.breaker.allow():
             raise EndpointUnavailable(
                 f"remote model {self.model!r} at {self.url}: circuit open after repeated failures;"
-                f" next try in {self.breaker.retry_in_s():.1f} s"
+                f" next try in {self.breaker.retry_in_s():.1f} s",
+                code="CIRCUIT_OPEN",
             )
         if self.breaker.state == "half-open":
             self._client = self._connect()  # a fresh channel: the old one may sit in reconnect backoff
-        last, passing = "", True
+        last, passing, code = "", True, ""
         for attempt in range(self.retry.attempts):
             if attempt:
                 self.retries += 1
@@ -264,17 +275,18 @@ class RemoteRuntime:
                 status = str(exc.status() or "")
                 last = f"{status}: {exc.message()}"
                 self.breaker.failure()
-                passing = any(code in status for code in RETRIABLE)
+                code = next((c for c in RETRIABLE if c in status), "")
+                passing = bool(code)
                 if not passing or not self.breaker.allow():
                     break
                 RETRIES.note(f"remote model {self.model} at {self.url}", status or "error")
                 continue
             self.breaker.success()
             return out
-        error = EndpointUnavailable if passing else ModelError
-        raise error(
-            f"remote model {self.model!r} at {self.url} failed after {attempt + 1} attempt(s): {last}"
-        )
+        message = f"remote model {self.model!r} at {self.url} failed after {attempt + 1} attempt(s): {last}"
+        if passing:
+            raise EndpointUnavailable(message, code=code)
+        raise ModelError(message)
 
     def __repr__(self) -> str:
         return f"RemoteRuntime({self.url!r}, {self.model!r}, version={self.version!r})"
