@@ -187,8 +187,11 @@ def test_a_failed_version_is_retried_only_when_its_file_changes(tmp_path: Path) 
 
 def test_hot_swap_under_load_loses_nothing(tmp_path: Path) -> None:
     """Rows stream through a batcher while versions swap back and forth: each row comes out once,
-    computed entirely by the version it is tagged with."""
+    computed entirely by the version it is tagged with. The stream goes on (at least 4,000 rows)
+    until both versions have computed rows and the model swapped twice, however the swapper's
+    thread is scheduled: a busy machine may run many batches between two swaps."""
     import threading
+    import time
 
     from aisp.batch import Batch
     from aisp.infer import BatcherConfig, InferSpec, build_batcher
@@ -204,15 +207,16 @@ def test_hot_swap_under_load_loses_nothing(tmp_path: Path) -> None:
     out: list[Batch] = []
     dead: list[str] = []
     lock = threading.Lock()
+    seen: set[str] = set()
 
     def emit(b: Batch) -> None:
         with lock:
             out.append(b)
+            seen.update(b.pylist("model_version"))
 
     batcher = build_batcher(spec, emit=emit, dead_letter=lambda b, r: dead.append(r))
     batcher.start()
     rng = np.random.default_rng(1)
-    xs = rng.normal(size=(4000, 18)).astype(np.float32)
     stop = threading.Event()
 
     def swapper() -> None:
@@ -223,15 +227,23 @@ def test_hot_swap_under_load_loses_nothing(tmp_path: Path) -> None:
 
     t = threading.Thread(target=swapper)
     t.start()
-    for i in range(0, 4000, 40):
-        batcher.submit(Batch.from_columns({"x": xs[i : i + 40]}, ids=np.arange(i, i + 40)))
+    chunks: list[np.ndarray[Any, Any]] = []
+    deadline = time.monotonic() + 120
+    while len(chunks) < 100 or len(seen) < 2 or model.swaps < 2:
+        assert time.monotonic() < deadline, f"versions {seen} computed rows, {model.swaps} swaps in 120 s"
+        chunks.append(rng.normal(size=(40, 18)).astype(np.float32))
+        start = 40 * (len(chunks) - 1)
+        batcher.submit(Batch.from_columns({"x": chunks[-1]}, ids=np.arange(start, start + 40)))
+        if len(chunks) >= 100:
+            time.sleep(0.001)  # past the first 4,000 rows: leave the swapper room
     stop.set()
     t.join()
     batcher.close()
+    xs = np.concatenate(chunks)
     assert not dead
     got = Batch.concat(out)
     ids = got.ids
-    assert sorted(ids.tolist()) == list(range(4000))
+    assert sorted(ids.tolist()) == list(range(len(xs)))
     versions = np.array(got.pylist("model_version"))
     assert set(versions.tolist()) == {"1", "2"} and model.swaps >= 2
     for v, scale in (("1", 0.1), ("2", 0.2)):
