@@ -49,7 +49,7 @@ import msgspec
 import numpy.typing as npt
 import pyarrow as pa
 
-from aisp.connectors.kafka.client import CLIENT_SETTINGS
+from aisp.connectors.kafka.client import CLIENT_SETTINGS, error_code
 from aisp.connectors.kafka.local_copy import LocalCopies, LocalCopy, Rows, merge_tail
 from aisp.connectors.kafka.records import changes, record_sets, state_columns, to_checkpoint
 from aisp.connectors.kafka.standby import COVERS, END, LAYOUT, OFFSET_BEGINNING, ChangelogLog, Standby, ring
@@ -196,6 +196,7 @@ class ChangelogStates:
         }
 
     def _ensure(self, step: str) -> str:
+        from confluent_kafka import KafkaError
         from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 
         name = changelog_topic(self._group, self._topic, step)
@@ -206,7 +207,7 @@ class ChangelogStates:
             try:
                 f.result(30)
             except Exception as exc:
-                if "already exists" not in str(exc).lower() and "TOPIC_ALREADY_EXISTS" not in str(exc):
+                if error_code(exc) != KafkaError.TOPIC_ALREADY_EXISTS:
                     raise StateError(f"cannot create changelog topic {name!r}: {exc}") from exc
         self._created.add(name)
         return name

@@ -9,6 +9,9 @@ that waits for it never returns, its own timeout unchecked (librdkafka#5511 and 
 good, after the broker was back. The brokers a pipeline names are its bootstrap addresses, so
 re-bootstrapping finds nothing new; a client whose brokers move can set it back in ``options``.
 
+``error_code``: what a confluent-kafka exception says, as librdkafka's error code
+(``KafkaError.code()``), so that callers decide by the code, never by the message's text.
+
 ``bounded``: a call that may still hang (another librdkafka path, a broker that half answers)
 runs on a helper thread and is given up after its own timeout and a grace period: the caller
 gets a clear error, not a process that hangs for good.
@@ -20,13 +23,32 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["CLIENT_SETTINGS", "GRACE_S", "CallStuck", "bounded"]
+__all__ = ["CLIENT_SETTINGS", "GRACE_S", "CallStuck", "bounded", "error_code", "is_unknown_topic"]
 
 CLIENT_SETTINGS: dict[str, Any] = {"metadata.recovery.strategy": "none"}
 GRACE_S = 15.0
 """How long past its own timeout a call may take before it counts as stuck."""
 
 T = TypeVar("T")
+
+
+def error_code(exc: BaseException) -> int | None:
+    """The librdkafka error code ``exc`` carries (a ``KafkaException`` holding a ``KafkaError``,
+    as an admin future raises), or None for any other exception."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
+        return int(exc.args[0].code())
+    return None
+
+
+def is_unknown_topic(exc: BaseException) -> bool:
+    """Whether ``exc`` says a topic does not exist (by name or by id; the broker's or the
+    client's own code)."""
+    from confluent_kafka import KafkaError
+
+    unknown = (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_ID)
+    return error_code(exc) in unknown
 
 
 class CallStuck(Exception):

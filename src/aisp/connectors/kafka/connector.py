@@ -25,6 +25,7 @@ from aisp.connectors.base import (
     free_port,
     wait_for_port,
 )
+from aisp.connectors.kafka.client import is_unknown_topic
 from aisp.connectors.kafka.sink import KafkaSink
 from aisp.connectors.kafka.source import KafkaSource
 from aisp.connectors.url import Address, options
@@ -80,7 +81,7 @@ class KafkaConnector(Connector):
             try:
                 f.result(10)
             except Exception as exc:  # noqa: BLE001 - an unknown topic is already dropped
-                if "UNKNOWN_TOPIC" not in str(exc):
+                if not is_unknown_topic(exc):
                     raise ConfigError(
                         f"could not drop kafka topic {a.name!r} at {a.hostport}: {exc}"
                     ) from exc

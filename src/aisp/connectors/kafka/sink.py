@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from aisp.batch import Batch
-from aisp.connectors.kafka.client import CLIENT_SETTINGS, GRACE_S, CallStuck, bounded
+from aisp.connectors.kafka.client import CLIENT_SETTINGS, GRACE_S, CallStuck, bounded, error_code
 from aisp.errors import SinkError
 from aisp.sinks.base import RowEncoder, Sink, SinkPartition
 
@@ -153,7 +153,7 @@ class _InTransaction:
 
 class _KafkaWriter(SinkPartition):
     def __init__(self, cfg: KafkaSink, resume: dict[int, int] | None) -> None:
-        from confluent_kafka import Producer
+        from confluent_kafka import KafkaError, Producer
         from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
         self._cfg = cfg
@@ -164,7 +164,7 @@ class _KafkaWriter(SinkPartition):
                 try:
                     f.result(10)
                 except Exception as exc:
-                    if "already exists" not in str(exc).lower():
+                    if error_code(exc) != KafkaError.TOPIC_ALREADY_EXISTS:
                         raise SinkError(f"cannot create kafka topic {cfg.topic!r}: {exc}") from exc
         self._errors: list[str] = []
         self._producer = Producer(
