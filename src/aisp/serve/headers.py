@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from starlette.types import Scope
+
 from aisp.errors import BadRequest
 
 __all__ = [
@@ -47,7 +49,7 @@ class Headers(dict[str, str]):
     """An ASGI request's headers (``of(scope)``) by lower-case name, looked up in any case."""
 
     @classmethod
-    def of(cls, scope: Any) -> Headers:
+    def of(cls, scope: Scope) -> Headers:
         return cls({k.lower().decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]})
 
     def get(self, key: str, default: Any = None) -> Any:

@@ -20,11 +20,13 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
+from starlette.types import Receive, Scope, Send
 
 from aisp.admission.ratelimit import Limiter, RateLimits
 from aisp.admission.tiers import TIER_HEADER
 from aisp.errors import AispError, BadRequest, ConfigError, Forbidden, GraphError, NotFound
-from aisp.serve.auth import Scope, Tokens
+from aisp.serve.auth import Scope as TokenScope
+from aisp.serve.auth import Tokens
 from aisp.serve.headers import DEADLINE_HEADER, Headers
 from aisp.serve.http.errors import EXCEPTION_HANDLERS, guarded
 from aisp.serve.http.events import NDJSON, Events, EventsSocket
@@ -48,7 +50,7 @@ class _Auth:
     def __init__(self, app: Any, tokens: Tokens) -> None:
         self.app, self.tokens = app, tokens
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] not in ("http", "websocket")
             or not self.tokens.enabled
@@ -59,7 +61,7 @@ class _Auth:
         changes_policy = (
             scope["path"].endswith(("/anomaly", "/rollout", "/graph")) and scope.get("method") != "GET"
         )
-        needed: Scope = "admin" if scope["path"].startswith(_ADMIN_PATHS) or changes_policy else "infer"
+        needed: TokenScope = "admin" if scope["path"].startswith(_ADMIN_PATHS) or changes_policy else "infer"
         status = self.tokens.check(Headers.of(scope).get("authorization"), needed)
         if status == 200:
             await self.app(scope, receive, send)

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from aisp.admission.ratelimit import Limiter
 from aisp.errors import AispError, BadRequest, NotFound, PayloadTooLarge
@@ -39,7 +40,7 @@ as base64, and 64 KiB for the event's other fields."""
 log = logging.getLogger("aisp.serve")
 
 
-async def _pieces(receive: Any) -> AsyncIterator[tuple[bytes, bool]]:
+async def _pieces(receive: Receive) -> AsyncIterator[tuple[bytes, bool]]:
     """A request body's pieces as they arrive, each with whether more follow; a client that
     goes away raises ``ConnectionResetError``."""
     more = True
@@ -51,7 +52,7 @@ async def _pieces(receive: Any) -> AsyncIterator[tuple[bytes, bool]]:
         yield message.get("body", b""), more
 
 
-async def _body_whole(receive: Any) -> AsyncIterator[list[bytes]]:
+async def _body_whole(receive: Receive) -> AsyncIterator[list[bytes]]:
     """A raw pipeline's request: its whole body is one event (an image, an audio chunk)."""
     body = bytearray()
     async for data, _ in _pieces(receive):
@@ -61,7 +62,7 @@ async def _body_whole(receive: Any) -> AsyncIterator[list[bytes]]:
     yield [bytes(body)]
 
 
-async def _body_lines(receive: Any, chunk_rows: int, max_line_bytes: int) -> AsyncIterator[list[bytes]]:
+async def _body_lines(receive: Receive, chunk_rows: int, max_line_bytes: int) -> AsyncIterator[list[bytes]]:
     """Non-empty lines of a (possibly chunked, unbounded) request body, at most ``chunk_rows``
     at a time, as they arrive. A line longer than ``max_line_bytes`` raises ``PayloadTooLarge``.
     The pieces of a line that spans many are held apart and joined once, when it ends."""
@@ -161,7 +162,7 @@ class Events:
             return max(self.max_line_bytes, MEDIA_LINE_BYTES)
         return self.max_line_bytes
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
         async def tracked(message: Any) -> None:
@@ -179,7 +180,7 @@ class Events:
                 return
             await error_response(exc)(scope, receive, send)
 
-    async def _serve(self, scope: Any, receive: Any, send: Any) -> None:
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
         service = self.pipelines.get(scope["path_params"]["pipeline"])
         if service is None:
@@ -331,7 +332,7 @@ class _Out(Protocol):
 class _HttpOut:
     """A streamed NDJSON response."""
 
-    def __init__(self, send: Any) -> None:
+    def __init__(self, send: Send) -> None:
         self._send = send
 
     async def start(self) -> None:
@@ -361,7 +362,7 @@ class _SseOut(_HttpOut):
 class _SocketOut:
     """Text messages on an accepted WebSocket, each holding whole NDJSON result lines."""
 
-    def __init__(self, send: Any) -> None:
+    def __init__(self, send: Send) -> None:
         self._send = send
 
     async def start(self) -> None:
@@ -395,7 +396,7 @@ class EventsSocket:
     def __init__(self, events: Events) -> None:
         self.events = events
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (await receive())["type"] != "websocket.connect":
             return
         await send({"type": "websocket.accept"})
@@ -411,7 +412,7 @@ class EventsSocket:
             return
         await _close(send, 1000, "")
 
-    async def _serve(self, scope: Any, receive: Any, send: Any) -> None:
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         events = self.events
         name = scope["path_params"]["pipeline"]
         service = events.pipelines.get(name)
@@ -431,7 +432,7 @@ class EventsSocket:
 
 
 async def _socket_lines(
-    receive: Any, chunk_rows: int, max_bytes: int, *, raw: bool = False
+    receive: Receive, chunk_rows: int, max_bytes: int, *, raw: bool = False
 ) -> AsyncIterator[list[bytes]]:
     """The non-empty lines of each message, at most ``chunk_rows`` at a time (``raw``: each
     message is one event), until an empty message (the end of the input) or a disconnect."""
@@ -455,7 +456,7 @@ async def _socket_lines(
             yield lines[i : i + chunk_rows]
 
 
-async def _close(send: Any, code: int, reason: str) -> None:
+async def _close(send: Send, code: int, reason: str) -> None:
     reason_bytes = reason.encode()[:123]  # the protocol's limit for a close reason
     try:
         await send(

@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from aisp.admission.ratelimit import Limiter
 from aisp.admission.tiers import TIER_HEADER, parse_tier
@@ -113,7 +114,7 @@ class InferFastPath:
         self.app, self.routes = app, routes
         self._paths: dict[str, tuple[str, str | None] | None] = {}  # path -> (model, version)
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             path = scope["path"]
             target = self._paths[path] if path in self._paths else self._match(path)
@@ -133,7 +134,7 @@ class InferFastPath:
 
 
 async def _receive_body(
-    receive: Any, declared: str | None, limit: int, *, first: Mapping[str, Any] | None = None
+    receive: Receive, declared: str | None, limit: int, *, first: Mapping[str, Any] | None = None
 ) -> bytes:
     """The body from the ASGI ``receive`` channel (``first``: its first message, if already
     received; ``declared``: its Content-Length), refused with 413 as soon as it passes ``limit``
@@ -236,7 +237,9 @@ class ModelRoutes:
         cfg = self.models.served(request.path_params["model"], _version(request)).config
         return JSONResponse(config_json(cfg.message))
 
-    async def infer_asgi(self, scope: Any, receive: Any, send: Any, name: str, version: str | None) -> None:
+    async def infer_asgi(
+        self, scope: Scope, receive: Receive, send: Send, name: str, version: str | None
+    ) -> None:
         """The infer route as one plain ASGI call: no router, request or response objects."""
         started = time.perf_counter()
         models, limiter = self.models, self.limiter
@@ -385,7 +388,7 @@ class _RoutedInfer:
     def __init__(self, routes: ModelRoutes) -> None:
         self.routes = routes
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         version = scope["path_params"].get("version")
         name = scope["path_params"]["model"]
         await self.routes.infer_asgi(scope, receive, send, name, None if version is None else str(version))
