@@ -14,7 +14,7 @@ from aisp import CollectSink
 from aisp.transform.media.audio import AudioFeatures
 from benchmarks.workload import load_example
 from tests.support.serving import aisp_serve, wait_http
-from tests.unit.transform.test_audio import Features
+from tests.unit.transform.media.test_audio import Features
 
 VOICES = load_example("audio/voices.py", "aisp_example_audio_voices")
 EXAMPLE = load_example("audio/pipeline.py", "aisp_example_audio_pipeline")

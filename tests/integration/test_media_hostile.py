@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from tests.unit.transform.test_audio import signal, wav
-from tests.unit.transform.test_audio_limits import with_rate
-from tests.unit.transform.test_images import encode, hostile, picture
-from tests.unit.transform.test_images_real import asymmetric, pillow, progressive
-from tests.unit.transform.test_media_reasons import ADDRESS
+from tests.unit.transform.media.test_audio import signal, wav
+from tests.unit.transform.media.test_audio_limits import with_rate
+from tests.unit.transform.media.test_images import encode, hostile, picture
+from tests.unit.transform.media.test_images_real import asymmetric, pillow, progressive
+from tests.unit.transform.media.test_reasons import ADDRESS
 
 PIPELINE = """
 import msgspec

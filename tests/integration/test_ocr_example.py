@@ -17,7 +17,7 @@ import httpx
 from aisp import CollectSink
 from benchmarks.workload import load_example
 from tests.support.serving import aisp_serve, wait_http
-from tests.unit.transform.test_images import hostile
+from tests.unit.transform.media.test_images import hostile
 
 ROOT = Path(__file__).resolve().parents[2]
 PIPELINE = ROOT / "examples" / "ocr" / "pipeline.py"
