@@ -1,5 +1,5 @@
 """The live dashboard: a JSON state of a running pipeline and the page that draws it, served by
-``aisp run``'s observability server (``aisp.observe.export.server``) and mounted by ``aisp serve``.
+``aisp run``'s observability server (``aisp.observe.server``) and mounted by ``aisp serve``.
 
 Endpoints: ``/`` (or ``/dashboard``): the page (plain HTML and JavaScript in one file, no build
 step, nothing fetched from elsewhere); ``/dashboard/state``: the current state as JSON (with

@@ -350,7 +350,7 @@ def _observer_main(
 ) -> None:
     from aisp.ipc import worker_init
     from aisp.observe.export.metrics import metrics_registry
-    from aisp.observe.export.server import ObserveServer
+    from aisp.observe.server import ObserveServer
 
     worker_init(*parent_ends)
     _yield_cpu()

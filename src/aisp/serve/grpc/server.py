@@ -37,8 +37,8 @@ from aisp.infer.models.repository import check_model_name
 from aisp.serve.admission import admit_infer, infer_admitted
 from aisp.serve.auth import Scope, Tokens, api_key
 from aisp.serve.grpc.events import EVENTS_METHOD, PipelineStreams, status_of
-from aisp.serve.http.models import MODEL_CONTROL_OFF
 from aisp.serve.metrics import ServerMetrics
+from aisp.serve.models.control import MODEL_CONTROL_OFF
 from aisp.serve.models.server import ModelServer
 from aisp.serve.oip.grpc_codec import encode_response, parse_request
 from aisp.serve.oip.shm import CUDA_SHM_UNSUPPORTED, NO_REGIONS, SharedMemoryRegions

@@ -34,16 +34,13 @@ from aisp.serve.auth import api_key
 from aisp.serve.headers import DEADLINE_HEADER, parse_deadline_ms
 from aisp.serve.http.errors import error_response, guarded
 from aisp.serve.metrics import ServerMetrics
+from aisp.serve.models.control import MODEL_CONTROL_OFF
 from aisp.serve.models.server import ModelServer
 from aisp.serve.oip.http_codec import HEADER_LENGTH, encode_response, parse_request
 from aisp.serve.oip.shm import CUDA_SHM_UNSUPPORTED, NO_REGIONS, SharedMemoryRegions
 
-__all__ = ["MODEL_CONTROL_OFF", "InferFastPath", "ModelRoutes", "config_json"]
+__all__ = ["InferFastPath", "ModelRoutes", "config_json"]
 
-MODEL_CONTROL_OFF = (
-    "explicit model load / unload is not allowed: model control is off on this server"
-    " (start it with --allow-model-control, or configure admin tokens)"
-)
 _INT64 = {FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64}
 _SMALL_BODY = 4 << 20  # repository requests carry a few parameters
 _JSON = (b"content-type", b"application/json")

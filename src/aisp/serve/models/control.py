@@ -20,7 +20,13 @@ from aisp.serve.models.served import Served
 from aisp.serve.models.versions import ModelVersions, wanted_versions
 from aisp.serve.oip.request import Signature, TensorSignature
 
-__all__ = ["ModelControl"]
+__all__ = ["MODEL_CONTROL_OFF", "ModelControl"]
+
+MODEL_CONTROL_OFF = (
+    "explicit model load / unload is not allowed: model control is off on this server"
+    " (start it with --allow-model-control, or configure admin tokens)"
+)
+"""Why a load or unload is refused while model control is off (HTTP 403, gRPC PERMISSION_DENIED)."""
 
 
 class ModelControl:
