@@ -24,6 +24,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from aisp.batch import Batch
+from aisp.errors import BadRequest
 from aisp.transform.operators import OperatorContext
 
 __all__ = [
@@ -41,8 +42,9 @@ T = TypeVar("T")
 _OBJECT = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>|\b0x[0-9a-fA-F]{6,}\b")
 
 
-class MediaError(ValueError):
-    """An input that cannot be decoded; the message is the dead letter's reason."""
+class MediaError(BadRequest, ValueError):
+    """An input that cannot be decoded; the message is the dead letter's reason (a request that
+    carried it is answered 400). A ``ValueError`` too, as decoders' own errors are."""
 
 
 def plain(message: str) -> str:
