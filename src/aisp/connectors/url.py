@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlparse
 
@@ -50,8 +51,9 @@ class Address:
 
 
 def options(url: str, allowed: dict[str, type]) -> dict[str, object]:
-    """The query options of ``url``, typed (a ``bool`` is true/false, 1/0 or yes/no); an unknown
-    one is an error naming the known ones.
+    """The query options of ``url``, typed (a ``bool`` is true/false, 1/0 or yes/no; a ``float`` is
+    finite: no option is a duration or a size of nan or inf); an unknown one is an error naming
+    the known ones.
 
     >>> options("redis://h/s?group=g&retry_s=2&x=yes", {"group": str, "retry_s": float, "x": bool})
     {'group': 'g', 'retry_s': 2.0, 'x': True}
@@ -61,12 +63,21 @@ def options(url: str, allowed: dict[str, type]) -> dict[str, object]:
         if key not in allowed:
             raise ConfigError(f"{url!r}: unknown option {key!r}; options are {sorted(allowed)}")
         try:
-            out[key] = _flag(values[-1]) if allowed[key] is bool else allowed[key](values[-1])
+            out[key] = _typed(values[-1], allowed[key])
         except ValueError:
             raise ConfigError(
                 f"{url!r}: option {key}={values[-1]!r} is not a {allowed[key].__name__}"
             ) from None
     return out
+
+
+def _typed(text: str, kind: type) -> object:
+    if kind is bool:
+        return _flag(text)
+    value = kind(text)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(text)
+    return value
 
 
 def _flag(text: str) -> bool:
