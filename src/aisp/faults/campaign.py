@@ -1,15 +1,14 @@
-"""A seeded fault campaign: kill scenarios drawn at random over the shapes a deployment takes.
+"""A seeded fault campaign: fault scenarios drawn at random over the shapes a deployment takes.
 
-Each case is a ``kill_scenario`` with its own seed: a workload (a pipeline file, its data and the
-output key it is compared by), a connector (``file``, ``redis``, ``nats``, ``kafka``), for Kafka
+Each case is a ``kill_scenario`` (or an ``outage_scenario``) with its own seed: a workload (a
+pipeline file, its data and the output key it is compared by), a connector (``file``, ``redis``, ``nats``, ``kafka``), for Kafka
 1 to 8 input partitions keyed by user, a named consumer group or the default one, transactional
 or plain output and keyed state in changelog topics (with 0 or 1 standby) or in the process's
 checkpoints; then 1 to 8 SIGKILLs at random moments, or (through a broker, about one case in
 four) an outage of the path to the broker: connections refused, a blackhole, a slow, narrow or
 flaky link, 1 to 20 s long, struck 0 to 2 s after the run's second checkpoint (mid-run at
-the campaign's pace). Every case must
-end with each input output once and the same values as an uninterrupted run (state features
-included).
+the campaign's pace). Every case must end with each input output once and the same values as
+an uninterrupted run (state features included).
 
 ``draw_cases(seed, n)`` is deterministic: a failing case replays from its seed (``Case.seed``,
 printed in every report) with ``aisp chaos campaign --replay SEED``. ``run_campaign`` runs the
@@ -234,22 +233,12 @@ def run_case(
                 rate=rate, key=workload.key, work=work, mode=case.outage, shape=shape, extra=extra,
                 run_timeout_s=run_timeout_s,
             )  # fmt: skip
-            return CaseResult(case, report, "", time.monotonic() - started)
-        report = kill_scenario(
-            workload.pipeline,
-            workload.data,
-            via=case.via,
-            kills=case.kills,
-            seed=case.seed,
-            rate=rate,
-            key=workload.key,
-            work=work,
-            window_s=case.window_s,
-            bootstrap=bootstrap,
-            shape=shape,
-            extra=extra,
-            run_timeout_s=run_timeout_s,
-        )
+        else:
+            report = kill_scenario(
+                workload.pipeline, workload.data, via=case.via, kills=case.kills, seed=case.seed, rate=rate,
+                key=workload.key, work=work, window_s=case.window_s, bootstrap=bootstrap, shape=shape,
+                extra=extra, run_timeout_s=run_timeout_s,
+            )  # fmt: skip
     except (AispError, OSError, ValueError, TimeoutError, subprocess.SubprocessError) as exc:
         return CaseResult(
             case, None, "".join(traceback.format_exception_only(exc)).strip(), time.monotonic() - started
