@@ -1,14 +1,14 @@
 """A seeded fault campaign: fault scenarios drawn at random over the shapes a deployment takes.
 
 Each case is a ``kill_scenario`` (or an ``outage_scenario``) with its own seed: a workload (a
-pipeline file, its data and the output key it is compared by), a connector (``file``, ``redis``, ``nats``, ``kafka``), for Kafka
-1 to 8 input partitions keyed by user, a named consumer group or the default one, transactional
-or plain output and keyed state in changelog topics (with 0 or 1 standby) or in the process's
-checkpoints; then 1 to 8 SIGKILLs at random moments, or (through a broker, about one case in
-four) an outage of the path to the broker: connections refused, a blackhole, a slow, narrow or
-flaky link, 1 to 20 s long, struck 0 to 2 s after the run's second checkpoint (mid-run at
-the campaign's pace). Every case must end with each input output once and the same values as
-an uninterrupted run (state features included).
+pipeline file, its data and the output key it is compared by), a connector (``file``, ``redis``,
+``nats``, ``kafka``), for Kafka 1 to 8 input partitions keyed by user, a named consumer group or
+the default one, transactional or plain output and keyed state in changelog topics (with 0 or 1
+standby) or in the process's checkpoints; then 1 to 8 SIGKILLs at random moments, or (through a
+broker, about one case in four) an outage of the path to the broker: connections refused, a
+blackhole, a slow, narrow or flaky link, 1 to 20 s long, struck 0 to 2 s after the run's second
+checkpoint (mid-run at the campaign's pace). Every case must end with each input output once and
+the same values as an uninterrupted run (state features included).
 
 ``draw_cases(seed, n)`` is deterministic: a failing case replays from its seed (``Case.seed``,
 printed in every report) with ``aisp chaos campaign --replay SEED``. ``run_campaign`` runs the
