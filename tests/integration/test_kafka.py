@@ -4,6 +4,8 @@ random moments, restart, and the output topic holds each result once."""
 from __future__ import annotations
 
 import json
+import os
+import random
 import subprocess
 import sys
 import time
@@ -354,3 +356,51 @@ def test_a_rebalance_the_coordinator_never_completes_fails_the_input_clearly(bro
         assert time.monotonic() - started >= 7.0  # not before a rebalance may have completed
     finally:
         source.close()
+
+
+SEED = int(os.environ.get("AISP_TEST_SEED") or random.randrange(2**31))
+
+
+@pytest.mark.parametrize("draw", range(2))
+def test_an_input_behind_a_slow_link_does_not_end_before_it_is_read(draw: int) -> None:
+    """The link to the broker carries less than the topic in ``idle_stop_s``: a fetch reply takes
+    several times that long, and the input must not end in the quiet before it arrives (it ends
+    once a fetch reply said each partition is read to its end). Partitions, records, the idle
+    time and the link's speed are drawn from a seed printed here (AISP_TEST_SEED replays it)."""
+    from aisp.connectors.base import free_port
+    from aisp.connectors.kafka.source import KafkaSource
+    from aisp.faults import FaultProxy
+    from aisp.ingest.base import SourceContext
+
+    class Event(msgspec.Struct):
+        user: str
+        n: int
+
+    rng = random.Random(SEED + draw)
+    partitions, records, idle_s = rng.randint(1, 3), rng.randint(1_000, 4_000), rng.uniform(0.3, 0.8)
+    lines = [json.dumps({"user": f"u{i % 97}", "n": i, "pad": "x" * 40}).encode() for i in range(records)]
+    bandwidth = sum(map(len, lines)) / (rng.uniform(3, 6) * idle_s)  # the topic takes 3-6 idle times
+    print(f"seed {SEED} (AISP_TEST_SEED={SEED} replays it): {partitions} partitions, {records} records,"
+          f" idle {idle_s:.2f} s, {bandwidth / 1024:.0f} KiB/s")  # fmt: skip
+    port = free_port()
+    with (
+        FaultProxy(("127.0.0.1", port)) as proxy,
+        tansu_broker(port, advertised_port=proxy.port) as bootstrap,
+    ):
+        topic = f"slow-{uuid.uuid4().hex[:8]}"
+        fill_topic(bootstrap, topic, lines, partitions=partitions, key="user")
+        cfg = KafkaSource(
+            topic=topic, schema=Event, bootstrap=bootstrap, group=f"g-{topic}", stop_when_idle_s=idle_s
+        )
+        source = cfg.open(SourceContext("src", lambda records: None))
+        proxy.set(bandwidth_bytes_per_s=bandwidth)
+        seen: list[int] = []
+        try:
+            deadline = time.monotonic() + 120
+            while (batch := source.next_batch(10_000)) is not None:
+                seen += batch.numpy("n").tolist()
+                assert time.monotonic() < deadline, f"{len(seen)} of {records} read in 120 s"
+        finally:
+            proxy.clear()
+            source.close()
+    assert sorted(seen) == list(range(records)), f"seed {SEED}: read {len(seen)} of {records}"

@@ -76,8 +76,10 @@ class KafkaSource(Source):
     poll_timeout_s: float = 0.1
     retry_s: float = 30.0
     stop_when_idle_s: float | None = None
-    """End the input after this long without a record, once partitions are assigned (time the
-    engine spends on rows handed out, restores and rebalances does not count: ``IdleClock``).
+    """End the input after this long without a record, once partitions are assigned and a fetch
+    reply has said each one held is read to its end (a slow link's fetch can take longer than
+    this; time the engine spends on rows handed out, restores and rebalances does not count:
+    ``IdleClock``).
     While the consumer holds only part of the topic, it waits a session timeout longer: the rest
     may be held by a member that died (a killed predecessor) until the group drops it and
     rebalances."""
@@ -123,13 +125,16 @@ class KafkaSourcePartition(SourcePartition):
             "session.timeout.ms": 6000,
             "heartbeat.interval.ms": 1000,
             "max.poll.interval.ms": 60000,
-            "enable.partition.eof": False,
             **CLIENT_SETTINGS,
             **cfg.options,
+            # the end of the input is a fetch reply that says so, not a quiet spell: a fetch
+            # over a slow link can take longer than stop_when_idle_s
+            "enable.partition.eof": True,
         }
         self._owned: set[int] = set()  # partitions assigned now (and restored)
         self._restoring: set[int] = set()  # assigned, read only once the engine restored their state
         self._skipped: dict[int, int] = {}  # a restoring partition's first record fetched (dropped)
+        self._at_end: dict[int, int] = {}  # the offset a fetch reply last said a partition ends at
         self._committed: dict[int, int] = {}  # the highest offset committed (or started from)
         self._pending: dict[int, int] = {}  # commits asked for by other threads
         self._commit_lock = threading.Lock()
@@ -159,6 +164,8 @@ class KafkaSourcePartition(SourcePartition):
         self._joining_since = None
         self._assigned = True
         self._idle.reset()
+        for tp in partitions:
+            self._at_end.pop(tp.partition, None)
         if self._ctx.on_assign is not None:  # state moves with partitions: restored first
             # not paused: a pause next to an assignment can leave a partition paused for good
             # (librdkafka#5591), and a pause, seek and resume left some unread under load here
@@ -189,6 +196,7 @@ class KafkaSourcePartition(SourcePartition):
             start = offset if offset is not None else self._skipped.get(p)
             if start is not None:
                 self._consumer.seek(TopicPartition(self._cfg.topic, p, start))
+            self._at_end.pop(p, None)  # read again from where the state says
             with self._commit_lock:
                 self._restoring.discard(p)
                 self._skipped.pop(p, None)
@@ -215,6 +223,7 @@ class KafkaSourcePartition(SourcePartition):
                 self._in_callback = None
         with self._commit_lock:
             for p in revoked:  # no longer this consumer's to commit
+                self._at_end.pop(p, None)
                 self._restoring.discard(p)
                 self._skipped.pop(p, None)
                 self._owned.discard(p)
@@ -241,6 +250,8 @@ class KafkaSourcePartition(SourcePartition):
             self._commit_now(pending)
         if self._restoring:
             self._resume_restored()
+        from confluent_kafka import KafkaError
+
         msgs = self._consumer.consume(num_messages=max_rows, timeout=self._cfg.poll_timeout_s)
         if msgs:
             self._down_since = None
@@ -271,7 +282,9 @@ class KafkaSourcePartition(SourcePartition):
         records = []
         for m in msgs:
             err = m.error()
-            if err is None and m.partition() in self._restoring:  # read again once restored
+            if err is not None and err.code() == KafkaError._PARTITION_EOF:
+                self._at_end[m.partition() or 0] = m.offset() or 0
+            elif err is None and m.partition() in self._restoring:  # read again once restored
                 self._skipped.setdefault(m.partition() or 0, m.offset() or 0)
             elif err is None:
                 records.append(m)
@@ -306,8 +319,11 @@ class KafkaSourcePartition(SourcePartition):
         if now - self._said_at < 30:
             return
         self._said_at = now
+        behind = self._not_at_end()
         if not self._assigned:
             why = "the group has assigned this member no partition yet"
+        elif behind:
+            why = f"partitions {behind} have not been read to their end yet (a fetch under way)"
         else:
             held = sorted(self._owned | self._restoring)
             why = f"this member holds partitions {held}; it waits for the group to assign the rest"
@@ -316,9 +332,16 @@ class KafkaSourcePartition(SourcePartition):
             self._cfg.bootstrap, self._cfg.topic, self._idle.idle_s(), why,
         )  # fmt: skip
 
+    def _not_at_end(self) -> list[int]:
+        """The partitions held that a fetch reply has not yet said end where this consumer is."""
+        return sorted(p for p in self._owned if self._at_end.get(p, -1) < self._next.get(p, 0))
+
     def _may_stop(self, idle_s: float) -> bool:
-        """(Idle for ``idle_s``) whether the input may end: the consumer holds the whole topic, or
-        it has waited a session timeout more (a dead member's partitions come back by then)."""
+        """(Idle for ``idle_s``) whether the input may end: every partition held read to its end
+        (as a fetch reply said), and the consumer holds the whole topic or it has waited a
+        session timeout more (a dead member's partitions come back by then)."""
+        if self._restoring or self._not_at_end():
+            return False
         if self._idle.idle_s() >= idle_s + self._session_s:
             return True
         try:
