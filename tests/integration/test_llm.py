@@ -21,7 +21,7 @@ from aisp.infer.llm.client import LlmError
 from aisp.infer.llm.local import LocalLlama
 from aisp.infer.llm.server import llama_server
 from aisp.infer.llm.stage import LlmStage
-from aisp.infer.runtimes.remote import BreakerConfig, RetryPolicy
+from aisp.infer.runtimes.endpoints import BreakerConfig, RetryPolicy
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ import pytest
 
 from aisp import BatcherConfig, CollectSink, ExecutorOptions, Pipeline, RunOptions, WorkloadFSource, run
 from aisp.errors import ConfigError, ModelError
+from aisp.infer.runtimes.endpoints import BreakerConfig, RetryPolicy
 from aisp.infer.runtimes.pool import RemotePool
-from aisp.infer.runtimes.remote import BreakerConfig, RetryPolicy
 from tests.support.models import expected_score, fraud_repository
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,8 @@ import pytest
 from aisp import CollectSink, Pipeline, RunOptions, WorkloadFSource, run
 from aisp.errors import ModelError
 from aisp.faults import FaultProxy
-from aisp.infer.runtimes.remote import BreakerConfig, RemoteRuntime, RetryPolicy
+from aisp.infer.runtimes.endpoints import BreakerConfig, RetryPolicy
+from aisp.infer.runtimes.remote import RemoteRuntime
 from aisp.serve.grpc.server import GrpcServer
 from aisp.serve.models.server import ModelServer
 from tests.support.models import expected_score, fraud_repository

@@ -20,13 +20,13 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
 from aisp.errors import ConfigError, ModelError
-from aisp.infer.runtimes.remote import BreakerConfig, CircuitBreaker, RetryPolicy
+from aisp.infer.runtimes.endpoints import BreakerConfig, Endpoint, EndpointPool, RetryPolicy
 from aisp.retry import RETRIES
 
 if TYPE_CHECKING:
@@ -90,16 +90,6 @@ class LlmClient(Protocol):
     async def aclose(self) -> None: ...
 
 
-@dataclass
-class _Endpoint:
-    url: str
-    breaker: CircuitBreaker
-    outstanding: int = 0
-    requests: int = 0
-    failures: int = 0
-    http: httpx.AsyncClient | None = field(default=None, repr=False)
-
-
 class OpenAIClient:
     """Streaming generation from the OpenAI-compatible servers at ``urls``.
 
@@ -137,8 +127,6 @@ class OpenAIClient:
         name: str | None = None,
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
-        if not urls:
-            raise ConfigError("an LLM client needs at least one endpoint URL")
         if api not in ("chat", "completions"):
             raise ConfigError(f"api must be 'chat' or 'completions', got {api!r}")
         if concurrency < 1 or max_tokens < 1:
@@ -149,8 +137,10 @@ class OpenAIClient:
         self.concurrency = concurrency
         self.first_token_timeout_s, self.timeout_s = first_token_timeout_s, timeout_s
         self.retry = retry or RetryPolicy(attempts=3, base_ms=50.0, max_ms=1000.0)
-        breaker = breaker or BreakerConfig(failures=3, reset_s=2.0)
-        self._endpoints = [_Endpoint(u.rstrip("/"), CircuitBreaker(breaker)) for u in urls]
+        self._pool: EndpointPool[httpx.AsyncClient] = EndpointPool(
+            [u.rstrip("/") for u in urls], breaker or BreakerConfig(failures=3, reset_s=2.0),
+            what="an LLM client", slots=concurrency,
+        )  # fmt: skip
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.name = name or f"llm:{model or 'default'}"
         self.version = ""
@@ -160,14 +150,14 @@ class OpenAIClient:
     @property
     def capacity(self) -> int:
         """Requests in flight when every endpoint whose breaker is not open is busy."""
-        return self.concurrency * sum(1 for e in self._endpoints if e.breaker.state != "open") or 1
+        return self._pool.capacity
 
     def endpoints(self) -> list[dict[str, Any]]:
         """Each endpoint's state, requests in flight and counts (for status pages)."""
         return [
             {"url": e.url, "state": e.breaker.state, "outstanding": e.outstanding,
-             "requests": e.requests, "failures": e.failures}
-            for e in self._endpoints
+             "requests": e.calls + e.outstanding, "failures": e.failures}
+            for e in self._pool.endpoints
         ]  # fmt: skip
 
     # -- calls (the event loop) -----------------------------------------------------------------
@@ -187,17 +177,6 @@ class OpenAIClient:
         else:
             body["prompt"] = prompt
         return body
-
-    def _pick(self, tried: set[str]) -> _Endpoint | None:
-        """The least busy endpoint with room whose breaker lets a call through; one already
-        tried only when no other will do."""
-        best: _Endpoint | None = None
-        for e in sorted(self._endpoints, key=lambda e: (e.url in tried, e.outstanding, e.requests)):
-            if e.breaker.state == "open" and not e.breaker.allow():
-                continue
-            if best is None or (e.outstanding < self.concurrency <= best.outstanding):
-                best = e
-        return best
 
     async def generate(
         self,
@@ -219,7 +198,7 @@ class OpenAIClient:
         for attempt in range(self.retry.attempts):
             if attempt:
                 await asyncio.sleep(self.retry.backoff_s(attempt))
-            endpoint = self._pick(tried)
+            endpoint = self._pool.pick(tried)
             if endpoint is None:
                 last = LlmError("no LLM endpoint is available (every breaker is open)", retriable=True)
                 continue
@@ -238,28 +217,27 @@ class OpenAIClient:
         raise LlmError(f"{last} (after {self.retry.attempts} attempts)")
 
     async def _attempt(
-        self, e: _Endpoint, body: bytes, on_piece: Callable[[str], None], deadline_ns: int | None
+        self,
+        e: Endpoint[httpx.AsyncClient],
+        body: bytes,
+        on_piece: Callable[[str], None],
+        deadline_ns: int | None,
     ) -> Generation:
+        """One try on ``e`` (picked, its call counted, by the pool)."""
         import httpx  # (not at import: most pipelines have no LLM step)
 
-        if e.http is None:
-            e.http = httpx.AsyncClient(
-                base_url=e.url,
-                headers={"content-type": "application/json", **self._headers},
-                limits=httpx.Limits(
-                    max_connections=self.concurrency * 4, max_keepalive_connections=self.concurrency * 4
-                ),
-                timeout=httpx.Timeout(self.timeout_s, connect=5.0),
-            )
-        e.outstanding += 1
-        e.requests += 1
+        e.breaker.allow()  # an open breaker past its reset_s: this is its trial call
         state = _Stream(time.monotonic_ns(), e.url)
         end_s = time.monotonic() + self.timeout_s
         if deadline_ns is not None:
             end_s = min(end_s, deadline_ns / 1e9)
+        ok = False
         try:
+            if e.client is None:
+                e.client = self._http(e.url)
             async with asyncio.timeout_at(asyncio.get_running_loop().time() + (end_s - time.monotonic())):
-                await self._read(e.http, body, state, on_piece)
+                await self._read(e.client, body, state, on_piece)
+            ok = True
         except LlmError:
             self._failed(e, state)
             raise
@@ -276,19 +254,31 @@ class OpenAIClient:
                 f"{type(exc).__name__}: {e.url}: {exc}", tokens=state.pieces, retriable=not state.pieces
             ) from None
         finally:
-            e.outstanding -= 1
+            self._pool.end(e, failed=not ok)
         e.breaker.success()
         return state.finished()
 
+    def _http(self, url: str) -> httpx.AsyncClient:
+        import httpx
+
+        return httpx.AsyncClient(
+            base_url=url,
+            headers={"content-type": "application/json", **self._headers},
+            limits=httpx.Limits(
+                max_connections=self.concurrency * 4, max_keepalive_connections=self.concurrency * 4
+            ),
+            timeout=httpx.Timeout(self.timeout_s, connect=5.0),
+        )
+
     async def aclose(self) -> None:
         """Close the connections opened on the running loop (a later call opens new ones)."""
-        for e in self._endpoints:
-            if e.http is not None:
-                http, e.http = e.http, None
+        for e in self._pool.endpoints:
+            if e.client is not None:
+                http, e.client = e.client, None
                 await http.aclose()
 
-    def _failed(self, e: _Endpoint, state: _Stream) -> None:
-        e.failures += 1
+    @staticmethod
+    def _failed(e: Endpoint[httpx.AsyncClient], state: _Stream) -> None:
         if not state.pieces:  # a broken stream says little about the next request
             e.breaker.failure()
 

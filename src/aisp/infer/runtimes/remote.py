@@ -10,21 +10,19 @@ to the dead-letter sink with the cause) until a trial call after ``reset_s`` suc
 from __future__ import annotations
 
 import logging
-import random
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from aisp.errors import ConfigError, ModelError
+from aisp.errors import ModelError
 from aisp.infer.runtimes.base import TensorSpec, check_rows
+from aisp.infer.runtimes.endpoints import BreakerConfig, CircuitBreaker, RetryPolicy
 from aisp.retry import RETRIES, Backoff
 
-__all__ = ["BreakerConfig", "CircuitBreaker", "EndpointUnavailable", "RemoteRuntime", "RetryPolicy"]
+__all__ = ["EndpointUnavailable", "RemoteRuntime"]
 
 log = logging.getLogger("aisp.remote")
 
@@ -54,86 +52,6 @@ class EndpointUnavailable(ModelError):
         self.code = code
 
 
-@dataclass(frozen=True, kw_only=True)
-class RetryPolicy:
-    """``attempts`` tries in all; before try ``k`` (k >= 1) sleep uniform(0, min(max, base * 2**k)).
-
-    >>> RetryPolicy().backoff_s(3, rand=lambda: 1.0)
-    0.16
-    """
-
-    attempts: int = 4
-    base_ms: float = 20.0
-    max_ms: float = 1000.0
-
-    def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ConfigError(f"attempts must be >= 1, got {self.attempts}")
-
-    def backoff_s(self, attempt: int, rand: Callable[[], float] = random.random) -> float:
-        return Backoff(self.base_ms / 1000, self.max_ms / 1000).delay(attempt, rand)
-
-
-@dataclass(frozen=True, kw_only=True)
-class BreakerConfig:
-    """Open after ``failures`` consecutive failed attempts; try again after ``reset_s``."""
-
-    failures: int = 5
-    reset_s: float = 5.0
-
-
-class CircuitBreaker:
-    """closed -> (``failures`` in a row) -> open -> (``reset_s``) -> half-open -> one trial call.
-
-    >>> now = [0.0]
-    >>> b = CircuitBreaker(BreakerConfig(failures=2, reset_s=1.0), clock=lambda: now[0])
-    >>> b.failure(); b.failure(); b.state, b.allow()
-    ('open', False)
-    >>> now[0] = 1.5; b.allow(), b.state
-    (True, 'half-open')
-    >>> b.success(); b.state
-    'closed'
-    """
-
-    def __init__(self, config: BreakerConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        self.config = config
-        self._clock = clock
-        self._lock = threading.Lock()
-        self.state = "closed"
-        self._failures = 0
-        self._opened_at = 0.0
-        self.opened = 0
-
-    def ready(self) -> bool:
-        """Whether ``allow`` would let a call through now (without starting a trial)."""
-        with self._lock:
-            return self.state == "closed" or (
-                self.state == "open" and self._clock() - self._opened_at >= self.config.reset_s
-            )
-
-    def allow(self) -> bool:
-        with self._lock:
-            if self.state == "open" and self._clock() - self._opened_at >= self.config.reset_s:
-                self.state = "half-open"
-                return True
-            return self.state == "closed"
-
-    def success(self) -> None:
-        with self._lock:
-            self.state, self._failures = "closed", 0
-
-    def failure(self) -> None:
-        with self._lock:
-            self._failures += 1
-            if self.state == "half-open" or self._failures >= self.config.failures:
-                if self.state != "open":
-                    self.opened += 1
-                self.state, self._opened_at = "open", self._clock()
-
-    def retry_in_s(self) -> float:
-        return max(0.0, self.config.reset_s - (self._clock() - self._opened_at))
-
-
 class RemoteRuntime:
     """Model ``model`` on the OIP v2 gRPC server at ``url`` (``host:port``).
 
@@ -142,7 +60,7 @@ class RemoteRuntime:
         model: the model name there; ``version`` pins a version ("" = the server's choice).
         timeout_ms: per attempt.
         retry: attempts and backoff.
-        breaker: circuit breaker settings.
+        breaker: circuit breaker settings, or the breaker itself (an ``EndpointPool``'s).
         name: the name rows are tagged with (default: ``model``).
         connect_timeout_s: at start, how long to wait for the server to answer (one that is
             still starting is waited for, with backoff); then a clear ``ModelError``.
@@ -156,7 +74,7 @@ class RemoteRuntime:
         version: str = "",
         timeout_ms: float = 1000.0,
         retry: RetryPolicy | None = None,
-        breaker: BreakerConfig | None = None,
+        breaker: BreakerConfig | CircuitBreaker | None = None,
         name: str | None = None,
         connect_timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
@@ -170,7 +88,9 @@ class RemoteRuntime:
         self._version = version
         self.timeout_s = timeout_ms / 1000
         self.retry = retry or RetryPolicy()
-        self.breaker = CircuitBreaker(breaker or BreakerConfig(), clock)
+        if not isinstance(breaker, CircuitBreaker):
+            breaker = CircuitBreaker(breaker or BreakerConfig(), clock)
+        self.breaker = breaker
         self._sleep = sleep
         self.provider = f"remote:{url}"
         self.attempts = 0
@@ -209,7 +129,7 @@ class RemoteRuntime:
                     raise type(exc)(f"{exc} (waited {wait_s:g} s for the server at start)") from exc
                 RETRIES.note(f"remote model {self.model} at {self.url}", "starting")
                 self._sleep(next(pauses))
-                self.breaker = CircuitBreaker(self.breaker.config, clock)  # not open because of start-up
+                self.breaker.reset()  # not open because of start-up
                 self._client = self._connect()
 
     def _connect(self) -> Any:
