@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
+from typing import Any, TypeVar, get_args
 from urllib.parse import parse_qs, urlparse
+
+import msgspec
 
 from aisp.errors import ConfigError
 
-__all__ = ["Address", "file_path", "options", "scheme_of"]
+__all__ = ["Address", "UrlOptions", "file_path", "options", "scheme_of"]
 
 
 def scheme_of(url: str) -> str:
@@ -50,38 +54,59 @@ class Address:
         return f"{self.host}:{self.port}"
 
 
-def options(url: str, allowed: dict[str, type]) -> dict[str, object]:
-    """The query options of ``url``, typed (a ``bool`` is true/false, 1/0 or yes/no; a ``float`` is
-    finite: no option is a duration or a size of nan or inf); an unknown one is an error naming
-    the known ones.
+class UrlOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The query options one kind of URL takes (a connector's input, output, load target): a
+    subclass names each option and its type, in one place. An option left out of the URL is
+    ``UNSET``, and ``given()`` leaves it out, so the default is the one of the source or sink
+    it configures (``RedisStreamSource.group``, ...), not a second copy here."""
 
-    >>> options("redis://h/s?group=g&retry_s=2&x=yes", {"group": str, "retry_s": float, "x": bool})
+    def given(self) -> dict[str, Any]:
+        """The options the URL gave, by name."""
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not msgspec.UNSET}
+
+
+OptionsT = TypeVar("OptionsT", bound=UrlOptions)
+
+_FLAGS = {"yes": "true", "no": "false"}
+
+
+def options(url: str, kind: type[OptionsT]) -> OptionsT:
+    """The query options of ``url`` as ``kind`` (``msgspec.convert`` from text: a ``bool`` is
+    true/false, 1/0 or yes/no; a ``float`` is finite: no option is a duration or a size of nan
+    or inf); an unknown one is an error naming the known ones.
+
+    >>> class Opts(UrlOptions):
+    ...     group: str | msgspec.UnsetType = msgspec.UNSET
+    ...     retry_s: float | msgspec.UnsetType = msgspec.UNSET
+    ...     x: bool | msgspec.UnsetType = msgspec.UNSET
+    >>> options("redis://h/s?group=g&retry_s=2&x=yes", Opts).given()
     {'group': 'g', 'retry_s': 2.0, 'x': True}
     """
-    out: dict[str, object] = {}
-    for key, values in parse_qs(urlparse(url).query, strict_parsing=False).items():
-        if key not in allowed:
-            raise ConfigError(f"{url!r}: unknown option {key!r}; options are {sorted(allowed)}")
-        try:
-            out[key] = _typed(values[-1], allowed[key])
-        except ValueError:
-            raise ConfigError(
-                f"{url!r}: option {key}={values[-1]!r} is not a {allowed[key].__name__}"
-            ) from None
-    return out
-
-
-def _typed(text: str, kind: type) -> object:
-    if kind is bool:
-        return _flag(text)
-    value = kind(text)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(text)
+    fields = {f.name: _kind(f.type) for f in msgspec.structs.fields(kind)}
+    query = {key: values[-1] for key, values in parse_qs(urlparse(url).query, strict_parsing=False).items()}
+    for key, text in query.items():
+        if key not in fields:
+            raise ConfigError(f"{url!r}: unknown option {key!r}; options are {sorted(fields)}")
+        if fields[key] is bool:
+            query[key] = _FLAGS.get(text.strip().lower(), text.strip())
+    try:
+        value = msgspec.convert(query, kind, strict=False)
+    except msgspec.ValidationError as exc:
+        path = re.search(r"at `\$\.(\w+)`", str(exc))
+        key = path.group(1) if path else ""
+        raise ConfigError(_not_a(url, key, query.get(key, ""), fields.get(key))) from None
+    for key in query:
+        got = getattr(value, key)
+        if isinstance(got, float) and not math.isfinite(got):
+            raise ConfigError(_not_a(url, key, query[key], float))
     return value
 
 
-def _flag(text: str) -> bool:
-    value = text.strip().lower()
-    if value not in ("true", "1", "yes", "false", "0", "no"):
-        raise ValueError(text)
-    return value in ("true", "1", "yes")
+def _kind(annotation: Any) -> type:
+    """The type of an option, ``UNSET`` and None aside (``float | UnsetType`` -> float)."""
+    kinds = [t for t in get_args(annotation) if t not in (msgspec.UnsetType, type(None))]
+    return kinds[0] if kinds else annotation  # type: ignore[no-any-return]
+
+
+def _not_a(url: str, key: str, text: str, kind: type | None) -> str:
+    return f"{url!r}: option {key}={text!r} is not a {getattr(kind, '__name__', kind)}"

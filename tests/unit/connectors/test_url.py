@@ -9,18 +9,26 @@ from urllib.parse import quote
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from msgspec import UNSET, UnsetType
 
-from aisp.connectors.url import Address, file_path, options, scheme_of
+from aisp.connectors.url import Address, UrlOptions, file_path, options, scheme_of
 from aisp.errors import ConfigError
 
 ALLOWED: dict[str, type] = {"group": str, "partitions": int, "retry_s": float, "compact": bool}
+
+
+class Opts(UrlOptions):
+    group: str | UnsetType = UNSET
+    partitions: int | UnsetType = UNSET
+    retry_s: float | UnsetType = UNSET
+    compact: bool | UnsetType = UNSET
 
 
 @given(st.sampled_from(sorted(ALLOWED)), st.text(max_size=12))
 def test_any_option_value_is_typed_or_refused_naming_the_option(name: str, value: str) -> None:
     url = f"kafka://h:1/t?{name}={quote(value, safe='')}"
     try:
-        got = options(url, ALLOWED)
+        got = options(url, Opts).given()
     except ConfigError as exc:
         assert f"option {name}=" in str(exc) and ALLOWED[name] is not str
         return
@@ -36,14 +44,14 @@ def test_an_unknown_option_is_refused_naming_the_known_ones(name: str) -> None:
     if name in ALLOWED:
         return
     with pytest.raises(ConfigError, match="unknown option") as info:
-        options(f"redis://h/s?{name}=1", ALLOWED)
+        options(f"redis://h/s?{name}=1", Opts)
     assert str(sorted(ALLOWED)) in str(info.value)
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN", "1e999"])
 def test_non_finite_numbers_are_refused(value: str) -> None:
     with pytest.raises(ConfigError, match="retry_s"):
-        options(f"nats://h/s?retry_s={value}", ALLOWED)
+        options(f"nats://h/s?retry_s={value}", Opts)
 
 
 def test_addresses_take_defaults_and_name_what_is_missing() -> None:

@@ -14,9 +14,9 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from aisp.connectors.base import (
     DEFAULT_SHAPE,
@@ -29,7 +29,7 @@ from aisp.connectors.base import (
 from aisp.connectors.kafka.client import is_unknown_topic
 from aisp.connectors.kafka.sink import KafkaSink
 from aisp.connectors.kafka.source import KafkaSource
-from aisp.connectors.url import Address, options
+from aisp.connectors.url import Address, UrlOptions, options
 from aisp.errors import ConfigError
 from aisp.ingest.base import Source
 from aisp.sinks.base import Sink
@@ -37,6 +37,24 @@ from aisp.sinks.base import Sink
 __all__ = ["KafkaConnector", "fill_topic", "read_topic", "tansu_broker"]
 
 _PORT = 9092
+
+
+class KafkaInput(UrlOptions):
+    """``kafka://HOST:PORT/TOPIC?...`` as an input (defaults: ``KafkaSource``'s)."""
+
+    group: str | UnsetType = UNSET
+    idle_stop_s: float | UnsetType = UNSET
+    """End the input after that long without a record, once read to its end (default: never)."""
+    retry_s: float | UnsetType = UNSET
+
+
+class KafkaOutput(UrlOptions):
+    """``kafka://HOST:PORT/TOPIC?...`` as an output (defaults: ``KafkaSink``'s)."""
+
+    partitions: int | UnsetType = UNSET
+    retry_s: float | UnsetType = UNSET
+    transactional_id: str | UnsetType = UNSET
+    compact: bool | UnsetType = UNSET
 
 
 def _address(url: str) -> Address:
@@ -48,15 +66,13 @@ class KafkaConnector(Connector):
 
     def source(self, url: str, schema: type[msgspec.Struct]) -> Source:
         a = _address(url)
-        opts: dict[str, Any] = options(url, {"group": str, "idle_stop_s": float, "retry_s": float})
+        opts = options(url, KafkaInput).given()
         idle = opts.pop("idle_stop_s", None)
         return KafkaSource(topic=a.name, schema=schema, bootstrap=a.hostport, stop_when_idle_s=idle, **opts)
 
     def sink(self, url: str, columns: Sequence[str] | None) -> Sink:
         a = _address(url)
-        opts: dict[str, Any] = options(
-            url, {"partitions": int, "retry_s": float, "transactional_id": str, "compact": bool}
-        )
+        opts = options(url, KafkaOutput).given()
         return KafkaSink(topic=a.name, bootstrap=a.hostport, columns=columns, **opts)
 
     def scenario_urls(self, address: str, tag: str, shape: ScenarioShape = DEFAULT_SHAPE) -> tuple[str, str]:

@@ -14,9 +14,10 @@ import asyncio
 from collections.abc import Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from aisp.connectors.base import (
     DEFAULT_SHAPE,
@@ -30,7 +31,7 @@ from aisp.connectors.base import (
 )
 from aisp.connectors.nats.sink import JetStreamSink, ensure_stream
 from aisp.connectors.nats.source import JetStreamSource
-from aisp.connectors.url import Address, options
+from aisp.connectors.url import Address, UrlOptions, options
 from aisp.errors import ConfigError
 from aisp.ingest.base import Source
 from aisp.sinks.base import Sink
@@ -39,6 +40,38 @@ __all__ = ["NatsConnector"]
 
 T = TypeVar("T")
 _PORT = 4222
+
+
+class NatsInput(UrlOptions):
+    """``nats://HOST:PORT/STREAM?...`` as an input (defaults: ``JetStreamSource``'s)."""
+
+    durable: str | UnsetType = UNSET
+    subject: str | UnsetType = UNSET
+    idle_stop_s: float | UnsetType = UNSET
+    """End the input after that long without a message (default: never)."""
+    retry_s: float | UnsetType = UNSET
+
+
+class NatsOutput(UrlOptions):
+    """``nats://HOST:PORT/STREAM?...`` as an output (defaults: ``JetStreamSink``'s)."""
+
+    subject: str | UnsetType = UNSET
+    duplicate_window_s: float | UnsetType = UNSET
+    retry_s: float | UnsetType = UNSET
+
+
+class NatsRecords(UrlOptions):
+    """``nats://HOST:PORT/STREAM?subject=S`` for dead letters and alerts."""
+
+    subject: str | None = None
+
+
+class NatsLoad(UrlOptions):
+    """``nats://HOST:PORT/IN?output=OUT[&subject=S&output_subject=S]`` as an ``aisp bench`` target."""
+
+    output: str = ""
+    subject: str = ""
+    output_subject: str = ""
 
 
 def _address(url: str) -> Address:
@@ -68,9 +101,7 @@ class NatsConnector(Connector):
 
     def source(self, url: str, schema: type[msgspec.Struct]) -> Source:
         a = _address(url)
-        opts: dict[str, Any] = options(
-            url, {"durable": str, "subject": str, "idle_stop_s": float, "retry_s": float}
-        )
+        opts = options(url, NatsInput).given()
         idle = opts.pop("idle_stop_s", None)
         return JetStreamSource(
             stream=a.name, schema=schema, servers=_servers(a), stop_when_idle_s=idle, **opts
@@ -78,13 +109,12 @@ class NatsConnector(Connector):
 
     def sink(self, url: str, columns: Sequence[str] | None) -> Sink:
         a = _address(url)
-        opts: dict[str, Any] = options(url, {"subject": str, "duplicate_window_s": float, "retry_s": float})
+        opts = options(url, NatsOutput).given()
         return JetStreamSink(stream=a.name, servers=_servers(a), columns=columns, **opts)
 
     def record_sink(self, url: str) -> Sink:
         a = _address(url)
-        subject = cast(str | None, options(url, {"subject": str}).get("subject"))
-        return JetStreamSink(stream=a.name, servers=_servers(a), subject=subject)
+        return JetStreamSink(stream=a.name, servers=_servers(a), subject=options(url, NatsRecords).subject)
 
     def scenario_urls(self, address: str, tag: str, shape: ScenarioShape = DEFAULT_SHAPE) -> tuple[str, str]:
         self._one_partition(shape)
@@ -160,12 +190,12 @@ class _JetStreamLoad(LoadClient):
 
     def __init__(self, url: str) -> None:
         self.address = _address(url)
-        opts = cast(dict[str, str], options(url, {"output": str, "subject": str, "output_subject": str}))
-        if not opts.get("output"):
+        opts = options(url, NatsLoad)
+        if not opts.output:
             raise ConfigError(f"{url!r}: give the output stream, as nats://HOST:PORT/IN?output=OUT")
-        self.stream, self.output = self.address.name, opts["output"]
-        self.subject = opts.get("subject", f"{self.stream}.bench")
-        self.output_subject = opts.get("output_subject", f"{self.output}.out")
+        self.stream, self.output = self.address.name, opts.output
+        self.subject = opts.subject or f"{self.stream}.bench"
+        self.output_subject = opts.output_subject or f"{self.output}.out"
         self._nc: Any = None
         self._sub: Any = None
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from aisp.connectors.base import (
     DEFAULT_SHAPE,
@@ -28,7 +29,7 @@ from aisp.connectors.base import (
 )
 from aisp.connectors.redis.sink import RedisStreamSink
 from aisp.connectors.redis.source import RedisStreamSource
-from aisp.connectors.url import Address, options
+from aisp.connectors.url import Address, UrlOptions, options
 from aisp.errors import ConfigError
 from aisp.ingest.base import Source
 from aisp.sinks.base import Sink
@@ -36,6 +37,39 @@ from aisp.sinks.base import Sink
 __all__ = ["RedisConnector"]
 
 _PORT = 6379
+
+
+class RedisInput(UrlOptions):
+    """``redis://HOST:PORT/STREAM?...`` as an input (defaults: ``RedisStreamSource``'s)."""
+
+    group: str | UnsetType = UNSET
+    consumer: str | UnsetType = UNSET
+    field: str | UnsetType = UNSET
+    claim_idle_ms: int | UnsetType = UNSET
+    idle_stop_s: float | UnsetType = UNSET
+    """End the input after that long without an entry (default: never)."""
+    retry_s: float | UnsetType = UNSET
+
+
+class RedisOutput(UrlOptions):
+    """``redis://HOST:PORT/STREAM?...`` as an output (defaults: ``RedisStreamSink``'s)."""
+
+    field: str | UnsetType = UNSET
+    dedupe_ttl_s: int | UnsetType = UNSET
+    retry_s: float | UnsetType = UNSET
+
+
+class RedisRecords(UrlOptions):
+    """``redis://HOST:PORT/STREAM?field=F`` for dead letters and alerts."""
+
+    field: str = "data"
+
+
+class RedisLoad(UrlOptions):
+    """``redis://HOST:PORT/IN?output=OUT[&field=F]`` as an ``aisp bench`` target."""
+
+    output: str = ""
+    field: str = "data"
 
 
 def _address(url: str) -> Address:
@@ -61,15 +95,7 @@ class RedisConnector(Connector):
 
     def source(self, url: str, schema: type[msgspec.Struct]) -> Source:
         a = _address(url)
-        allowed = {
-            "group": str,
-            "consumer": str,
-            "field": str,
-            "claim_idle_ms": int,
-            "idle_stop_s": float,
-            "retry_s": float,
-        }
-        opts: dict[str, Any] = options(url, allowed)
+        opts = options(url, RedisInput).given()
         idle = opts.pop("idle_stop_s", None)
         return RedisStreamSource(
             stream=a.name, schema=schema, host=a.host, port=a.port, stop_when_idle_s=idle, **opts
@@ -77,13 +103,14 @@ class RedisConnector(Connector):
 
     def sink(self, url: str, columns: Sequence[str] | None) -> Sink:
         a = _address(url)
-        opts: dict[str, Any] = options(url, {"field": str, "dedupe_ttl_s": int, "retry_s": float})
+        opts = options(url, RedisOutput).given()
         return RedisStreamSink(stream=a.name, host=a.host, port=a.port, columns=columns, **opts)
 
     def record_sink(self, url: str) -> Sink:
         a = _address(url)
-        field = cast(str, options(url, {"field": str}).get("field", "data"))
-        return RedisStreamSink(stream=a.name, host=a.host, port=a.port, field=field)
+        return RedisStreamSink(
+            stream=a.name, host=a.host, port=a.port, field=options(url, RedisRecords).field
+        )
 
     def scenario_urls(self, address: str, tag: str, shape: ScenarioShape = DEFAULT_SHAPE) -> tuple[str, str]:
         self._one_partition(shape)
@@ -134,11 +161,11 @@ class _RedisLoad(LoadClient):
 
     def __init__(self, url: str) -> None:
         a = _address(url)
-        opts = cast(dict[str, str], options(url, {"output": str, "field": str}))
-        if not opts.get("output"):
+        opts = options(url, RedisLoad)
+        if not opts.output:
             raise ConfigError(f"{url!r}: give the output stream, as redis://HOST:PORT/IN?output=OUT")
-        self.host, self.port, self.stream, self.output = a.host, a.port, a.name, opts["output"]
-        self.field = opts.get("field", "data")
+        self.host, self.port, self.stream, self.output = a.host, a.port, a.name, opts.output
+        self.field = opts.field
         self._r: Any = None
         self._last: Any = b"0-0"
 
