@@ -96,7 +96,11 @@ class LocalStore:
     """Answers (bytes) by 64-bit key in this process: each kept ``ttl_s``, the least recently
     used out past ``max_bytes``; ``bloom`` holds the keys stored (built again when the keys
     evicted since it was last built outnumber those kept: it would mostly say "maybe" for
-    nothing)."""
+    nothing).
+
+    Written here on an ``OrderedDict`` rather than taken from ``cachetools.TTLCache`` (which
+    does the same with ``getsizeof=len``): that was several times slower per put and get in
+    ``benchmarks/bench_library_choices.py cache`` (see BENCHMARKS.md), and a lookup is per row."""
 
     def __init__(self, max_bytes: int, ttl_s: float, bloom: BloomFilter, clock: Callable[[], float]) -> None:
         self.max_bytes, self.ttl_s, self._bloom, self._clock = max_bytes, ttl_s, bloom, clock
