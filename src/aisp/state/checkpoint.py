@@ -83,20 +83,23 @@ class CheckpointStore:
         corrupt both, so it gets a clear error instead. A POSIX record lock: forked workers do
         not inherit it, so none can keep it after a SIGKILL of the pipeline."""
         path = (self.root / ".lock").resolve()
+        if str(path) in _LOCKED:  # record locks are per process: this process holds it already
+            # (and it must not open the file to say so: closing any of its descriptors of the
+            # file would drop the lock it holds)
+            raise AispError(
+                f"checkpoint directory {self.root} is in use by another pipeline of this process"
+                f" (pid {os.getpid()}); give each pipeline its own --checkpoint-dir"
+            )
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        held = str(path) in _LOCKED  # record locks are per process: check this process too
-        if not held:
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except (BlockingIOError, PermissionError):
-                held = True
-        if held:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
+            os.close(fd)  # this process holds no lock on it: nothing to drop
             raise AispError(
                 f"checkpoint directory {self.root} is in use by another process (pid {holder});"
                 " give each pipeline process its own --checkpoint-dir"
-            )
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         _LOCKED.add(str(path))

@@ -16,10 +16,13 @@ _MAX_PACKED_BYTES = 7  # strings up to 7 bytes pack, with their length, into one
 
 
 def pack_keys(keys: pa.Array) -> tuple[str, npt.NDArray[np.uint64]] | None:
-    """Integer keys, or strings of at most 7 bytes, as distinct uint64 values (vectorised).
+    """Integer keys, or strings of at most 7 bytes, as distinct uint64 values (vectorised); the
+    kind (``int``, ``uint`` for uint64 columns, ``str``) says how to read them back.
 
     Returns ``(kind, packed)`` or ``None`` when the column cannot be packed losslessly.
     """
+    if pa.types.is_uint64(keys.type):  # its own kind: cast to int64, 2**64 - 1 would meet -1
+        return "uint", keys.to_numpy(zero_copy_only=False).astype(np.uint64)
     if pa.types.is_integer(keys.type):
         return "int", keys.to_numpy(zero_copy_only=False).astype(np.int64).view(np.uint64)
     if not pa.types.is_string(keys.type):
@@ -46,6 +49,8 @@ def unpack_arrow(kind: str, packed: npt.NDArray[np.uint64]) -> pa.Array:
     """``_unpack`` straight to an Arrow array, vectorised (no Python object per key)."""
     if kind == "int":
         return pa.array(packed.view(np.int64))
+    if kind == "uint":
+        return pa.array(packed)
     raw = packed.view(np.uint8).reshape(-1, 8)
     lengths = raw[:, 7].astype(np.int32)
     offsets = np.zeros(raw.shape[0] + 1, dtype=np.int32)
@@ -57,6 +62,8 @@ def unpack_arrow(kind: str, packed: npt.NDArray[np.uint64]) -> pa.Array:
 def unpack(kind: str, packed: npt.NDArray[np.uint64]) -> list[Any]:
     if kind == "int":
         return packed.view(np.int64).tolist()  # type: ignore[no-any-return]
+    if kind == "uint":
+        return packed.tolist()  # type: ignore[no-any-return]
     raw = packed.view(np.uint8).reshape(-1, 8)
     return [bytes(row[: row[7]]).decode() for row in raw]
 
@@ -146,6 +153,7 @@ class SortedRuns:
 
     def add(self, values: npt.NDArray[np.uint64]) -> None:
         run = np.unique(values)
+        run = run[~self.contains(run)]  # the runs stay disjoint: len counts each value once
         while self._runs and self._runs[-1].shape[0] <= 2 * run.shape[0]:
             run = np.union1d(self._runs.pop(), run)
         if run.size:

@@ -61,5 +61,7 @@ def test_an_unreadable_config_is_a_clear_error(tmp_path: Path) -> None:
 @given(TOKEN, st.ip_addresses().map(str))
 def test_a_rate_limit_counts_against_the_token_never_its_text(token: str, peer: str) -> None:
     key = api_key(f"Bearer {token}", peer)
-    assert key == api_key(f"Bearer {token}", "another peer") and token not in key and len(key) == 16
+    assert key == api_key(f"Bearer {token}", "another peer") and len(key) == 16
+    # a digest, not the text: a token of a few hex characters may turn up in it by chance
+    assert token not in key or len(token) < 6
     assert api_key(None, peer) == peer and api_key(f"Basic {token}", peer) == peer

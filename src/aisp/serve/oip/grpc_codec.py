@@ -137,7 +137,11 @@ def _typed(t: Any, shape: tuple[int, ...], filled: list[str], model: str) -> npt
             except UnicodeDecodeError:
                 raise BadRequest(f"input {t.name!r}: element {k} is not UTF-8 text") from None
         return out.reshape(shape)
-    wide = np.asarray(values)
+    # integers read as the field's own width and sign: numpy's guess would make a mix of uint64
+    # values from 2**63 and smaller ones float64, losing the low bits
+    wide = np.asarray(
+        values, dtype=(np.uint64 if field.startswith("uint") else np.int64) if dtype.kind in "iu" else None
+    )
     if dtype.kind in "iu" and wide.size:
         info = np.iinfo(dtype)
         if wide.min() < info.min or wide.max() > info.max:
@@ -193,9 +197,10 @@ def encode_response(
     wanted = req.outputs or [RequestedOutput(n) for n in sig.output_names if n in outputs]
     response = pb.ModelInferResponse(model_name=sig.model, model_version=version, id=req.id or "")
     for o in wanted:
+        shape = list(np.shape(outputs[o.name]))  # before ascontiguousarray, which makes a 0-d array 1-d
         arr = np.ascontiguousarray(outputs[o.name])
         datatype = datatype_of(arr.dtype)
-        tensor = response.outputs.add(name=o.name, datatype=datatype, shape=list(arr.shape))
+        tensor = response.outputs.add(name=o.name, datatype=datatype, shape=shape)
         raw = encode_bytes(arr) if datatype == "BYTES" else arr.tobytes()
         if o.shm is None:
             response.raw_output_contents.append(raw)
