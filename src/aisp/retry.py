@@ -80,9 +80,12 @@ def call_with_retry(
     error: type[AispError] = AispError,
     base_s: float = 0.05,
     max_s: float = 2.0,
+    final: Callable[[BaseException], str | None] | None = None,
 ) -> T:
     """``fn(*args)``; on ``retry_on`` sleep uniform(0, min(max_s, base_s * 2**k)) and try again,
-    until ``give_up_after_s`` passed: then raise ``error`` naming ``what``.
+    until ``give_up_after_s`` passed: then raise ``error`` naming ``what``. ``final(exc)``: the
+    reason an error will not pass by waiting (authentication refused, a certificate not
+    trusted), raised as ``error`` at once; None to retry it.
 
     >>> calls = []
     >>> def flaky() -> str:
@@ -99,6 +102,9 @@ def call_with_retry(
         try:
             return fn(*args)
         except retry_on as exc:
+            reason = final(exc) if final is not None else None
+            if reason is not None:
+                raise error(f"{what}: {reason}: {exc}") from exc
             if time.monotonic() >= deadline:
                 raise error(f"{what} unreachable for {give_up_after_s:g} s: {exc}") from exc
             RETRIES.note(what, type(exc).__name__)

@@ -1,8 +1,8 @@
 """One registry of connectors by URL scheme, and what the rest of AISP resolves through it.
 
 The built-in schemes load on first use (a run that reads a file imports no broker client):
-``file`` (also a plain path, and ``null:``), ``kafka``, ``nats``, ``redis``. ``register`` adds a
-scheme, or replaces one.
+``file`` (also a plain path, and ``null:``), ``kafka``, ``nats``, ``redis`` (``rediss``: with
+TLS). ``register`` adds a scheme, or replaces one.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ _BUILTIN = {
     "kafka": "aisp.connectors.kafka",
     "nats": "aisp.connectors.nats",
     "redis": "aisp.connectors.redis",
+    "rediss": "aisp.connectors.redis",  # redis with TLS
 }
 _LOADED: dict[str, Connector] = {}
 _LOCK = threading.Lock()

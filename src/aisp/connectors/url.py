@@ -1,18 +1,38 @@
-"""What every connector parses out of its URLs: ``SCHEME://HOST:PORT/NAME?OPTION=VALUE&...``."""
+"""What every connector parses out of its URLs: ``SCHEME://[USER[:PASSWORD]@]HOST:PORT/NAME?OPTION=VALUE&...``.
+
+A URL may hold a secret (a password, a token), so what this module says about one, in an error
+or anywhere else, is ``mask(url)``: the secret replaced by ``***``."""
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, get_args
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 import msgspec
 
 from aisp.errors import ConfigError
 
-__all__ = ["Address", "UrlOptions", "file_path", "options", "scheme_of"]
+__all__ = ["Address", "UrlOptions", "file_path", "mask", "options", "scheme_of"]
+
+_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<info>[^@/?#]*)@")
+
+
+def mask(url: str) -> str:
+    """``url`` with its secret replaced by ``***``: the password of ``USER:PASSWORD@``, or the
+    whole of a ``TOKEN@`` (a user name alone is a token to NATS).
+
+    >>> mask("redis://app:s3cret@h:6379/s"), mask("nats://tok@h/S"), mask("kafka://h:9092/t")
+    ('redis://app:***@h:6379/s', 'nats://***@h/S', 'kafka://h:9092/t')
+    """
+    m = _USERINFO.match(url)
+    if m is None:
+        return url
+    user, colon, _ = m.group("info").partition(":")
+    info = f"{user}:***" if colon else "***"
+    return f"{m.group('scheme')}{info}@{url[m.end() :]}"
 
 
 def scheme_of(url: str) -> str:
@@ -29,12 +49,15 @@ def file_path(url: str) -> str:
 
 @dataclass(frozen=True)
 class Address:
-    """``SCHEME://HOST:PORT/NAME``: the broker (host and port, defaults filled in) and the name of
-    the stream or topic."""
+    """``SCHEME://[USER[:PASSWORD]@]HOST:PORT/NAME``: the broker (host and port, defaults filled
+    in), the name of the stream or topic, and the credentials the URL holds (percent-decoded;
+    ``user`` alone is a token to NATS)."""
 
     host: str
     port: int
     name: str
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
 
     @classmethod
     def parse(cls, url: str, default_port: int, what: str) -> Address:
@@ -42,12 +65,16 @@ class Address:
         parsed = urlparse(url)
         name = parsed.path.lstrip("/")
         if not name:
-            raise ConfigError(f"{url!r}: name the {what}, as {parsed.scheme}://HOST:PORT/{what.upper()}")
+            raise ConfigError(
+                f"{mask(url)!r}: name the {what}, as {parsed.scheme}://HOST:PORT/{what.upper()}"
+            )
         try:
             port = parsed.port or default_port
         except ValueError as exc:
-            raise ConfigError(f"{url!r}: {exc}") from None
-        return cls(parsed.hostname or "127.0.0.1", port, name)
+            raise ConfigError(f"{mask(url)!r}: {exc}") from None
+        user = unquote(parsed.username) if parsed.username is not None else None
+        password = unquote(parsed.password) if parsed.password is not None else None
+        return cls(parsed.hostname or "127.0.0.1", port, name, user or None, password)
 
     @property
     def hostport(self) -> str:
@@ -86,7 +113,7 @@ def options(url: str, kind: type[OptionsT]) -> OptionsT:
     query = {key: values[-1] for key, values in parse_qs(urlparse(url).query, strict_parsing=False).items()}
     for key, text in query.items():
         if key not in fields:
-            raise ConfigError(f"{url!r}: unknown option {key!r}; options are {sorted(fields)}")
+            raise ConfigError(f"{mask(url)!r}: unknown option {key!r}; options are {sorted(fields)}")
         if fields[key] is bool:
             query[key] = _FLAGS.get(text.strip().lower(), text.strip())
     try:
@@ -109,4 +136,4 @@ def _kind(annotation: Any) -> type:
 
 
 def _not_a(url: str, key: str, text: str, kind: type | None) -> str:
-    return f"{url!r}: option {key}={text!r} is not a {getattr(kind, '__name__', kind)}"
+    return f"{mask(url)!r}: option {key}={text!r} is not a {getattr(kind, '__name__', kind)}"

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from aisp.connectors.access import Access, SecuredOptions, access_of
 from aisp.connectors.base import (
     DEFAULT_SHAPE,
     Connector,
@@ -27,9 +28,10 @@ from aisp.connectors.base import (
     broker_process,
     free_port,
 )
+from aisp.connectors.redis.client import redis_client, redis_kwargs
 from aisp.connectors.redis.sink import RedisStreamSink
 from aisp.connectors.redis.source import RedisStreamSource
-from aisp.connectors.url import Address, UrlOptions, options
+from aisp.connectors.url import Address, mask, options
 from aisp.errors import ConfigError
 from aisp.ingest.base import Source
 from aisp.sinks.base import Sink
@@ -39,7 +41,13 @@ __all__ = ["RedisConnector"]
 _PORT = 6379
 
 
-class RedisInput(UrlOptions):
+def _plain(opts: SecuredOptions) -> dict[str, Any]:
+    """The options ``opts`` gave, less those of access (credentials, TLS)."""
+    access = set(SecuredOptions.__struct_fields__)
+    return {k: v for k, v in opts.given().items() if k not in access}
+
+
+class RedisInput(SecuredOptions):
     """``redis://HOST:PORT/STREAM?...`` as an input (defaults: ``RedisStreamSource``'s)."""
 
     group: str | UnsetType = UNSET
@@ -51,7 +59,7 @@ class RedisInput(UrlOptions):
     retry_s: float | UnsetType = UNSET
 
 
-class RedisOutput(UrlOptions):
+class RedisOutput(SecuredOptions):
     """``redis://HOST:PORT/STREAM?...`` as an output (defaults: ``RedisStreamSink``'s)."""
 
     field: str | UnsetType = UNSET
@@ -59,13 +67,13 @@ class RedisOutput(UrlOptions):
     retry_s: float | UnsetType = UNSET
 
 
-class RedisRecords(UrlOptions):
+class RedisRecords(SecuredOptions):
     """``redis://HOST:PORT/STREAM?field=F`` for dead letters and alerts."""
 
     field: str = "data"
 
 
-class RedisLoad(UrlOptions):
+class RedisLoad(SecuredOptions):
     """``redis://HOST:PORT/IN?output=OUT[&field=F]`` as an ``aisp bench`` target."""
 
     output: str = ""
@@ -76,12 +84,17 @@ def _address(url: str) -> Address:
     return Address.parse(url, _PORT, "stream")
 
 
+def _access(url: str, opts: SecuredOptions) -> Access:
+    """Credentials and TLS of ``url`` (``rediss://``: TLS)."""
+    return access_of(url, _address(url), opts, tls=url.startswith("rediss:"))
+
+
 def _client(url: str) -> Any:
     """A synchronous client of ``url``'s server, checked to answer."""
     import redis
 
     a = _address(url)
-    r = redis.Redis(host=a.host, port=a.port)
+    r = redis_client(a.host, a.port, _access(url, options(url, SecuredOptions)))
     try:
         r.ping()
     except redis.ConnectionError as exc:
@@ -95,21 +108,31 @@ class RedisConnector(Connector):
 
     def source(self, url: str, schema: type[msgspec.Struct]) -> Source:
         a = _address(url)
-        opts = options(url, RedisInput).given()
+        given = options(url, RedisInput)
+        opts = _plain(given)
         idle = opts.pop("idle_stop_s", None)
         return RedisStreamSource(
-            stream=a.name, schema=schema, host=a.host, port=a.port, stop_when_idle_s=idle, **opts
-        )
+            stream=a.name, schema=schema, host=a.host, port=a.port, stop_when_idle_s=idle,
+            access=_access(url, given), **opts,
+        )  # fmt: skip
 
     def sink(self, url: str, columns: Sequence[str] | None) -> Sink:
         a = _address(url)
-        opts = options(url, RedisOutput).given()
-        return RedisStreamSink(stream=a.name, host=a.host, port=a.port, columns=columns, **opts)
+        given = options(url, RedisOutput)
+        return RedisStreamSink(
+            stream=a.name,
+            host=a.host,
+            port=a.port,
+            columns=columns,
+            access=_access(url, given),
+            **_plain(given),
+        )
 
     def record_sink(self, url: str) -> Sink:
         a = _address(url)
+        given = options(url, RedisRecords)
         return RedisStreamSink(
-            stream=a.name, host=a.host, port=a.port, field=options(url, RedisRecords).field
+            stream=a.name, host=a.host, port=a.port, field=given.field, access=_access(url, given)
         )
 
     def scenario_urls(self, address: str, tag: str, shape: ScenarioShape = DEFAULT_SHAPE) -> tuple[str, str]:
@@ -163,16 +186,17 @@ class _RedisLoad(LoadClient):
         a = _address(url)
         opts = options(url, RedisLoad)
         if not opts.output:
-            raise ConfigError(f"{url!r}: give the output stream, as redis://HOST:PORT/IN?output=OUT")
+            raise ConfigError(f"{mask(url)!r}: give the output stream, as redis://HOST:PORT/IN?output=OUT")
         self.host, self.port, self.stream, self.output = a.host, a.port, a.name, opts.output
         self.field = opts.field
+        self._access = _access(url, opts)
         self._r: Any = None
         self._last: Any = b"0-0"
 
     async def connect(self) -> None:
         import redis.asyncio as redis
 
-        self._r = redis.Redis(host=self.host, port=self.port)
+        self._r = redis.Redis(host=self.host, port=self.port, **redis_kwargs(self._access))
         last = await self._r.xrevrange(self.output, count=1)
         self._last = last[0][0] if last else b"0-0"
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from aisp.batch import Batch
+from aisp.connectors.access import Access
+from aisp.connectors.redis.client import call_redis, redis_client
 from aisp.errors import SinkError
-from aisp.retry import call_with_retry
 from aisp.sinks.base import RowEncoder, Sink, SinkPartition
 
 __all__ = ["RedisStreamSink"]
@@ -58,6 +59,8 @@ class RedisStreamSink(Sink):
     """Key prefix of the idempotency keys (default ``aisp:dedupe:{stream}:``)."""
     chunk_rows: int = 1000
     retry_s: float = 30.0
+    access: Access = Access()
+    """Credentials and TLS (``aisp.connectors.access``)."""
 
     def open(self) -> SinkPartition:
         return _RedisStreamWriter(self)
@@ -72,7 +75,7 @@ class _RedisStreamWriter(SinkPartition):
 
         self._cfg = cfg
         self._errors = (redis.ConnectionError, redis.TimeoutError)
-        self._r: Any = redis.Redis(host=cfg.host, port=cfg.port, socket_timeout=10)
+        self._r: Any = redis_client(cfg.host, cfg.port, cfg.access, socket_timeout=10)
         self._script = self._r.register_script(_ADD_ONCE)
         self._traced_script = self._r.register_script(_ADD_ONCE_TRACED)
         self._prefix = cfg.dedupe_prefix or f"aisp:dedupe:{cfg.stream}:"
@@ -108,9 +111,9 @@ class _RedisStreamWriter(SinkPartition):
 
     def _call(self, fn: Any, *args: Any) -> Any:
         cfg = self._cfg
-        return call_with_retry(
-            fn, *args, retry_on=self._errors, give_up_after_s=cfg.retry_s,
-            what=f"redis at {cfg.host}:{cfg.port}", error=SinkError,
+        return call_redis(
+            fn, *args, retry_on=self._errors, retry_s=cfg.retry_s, what=f"redis at {cfg.host}:{cfg.port}",
+            error=SinkError,
         )  # fmt: skip
 
     def close(self) -> None:

@@ -28,10 +28,11 @@ import msgspec
 import numpy as np
 
 from aisp.batch import Batch
+from aisp.connectors.access import Access
+from aisp.connectors.redis.client import call_redis, redis_client
 from aisp.errors import SourceError
 from aisp.ingest.base import IdleClock, Source, SourceContext, SourcePartition
 from aisp.ingest.messages import MessageDecoder
-from aisp.retry import call_with_retry
 
 __all__ = ["RedisStreamSource", "entry_id_to_int"]
 
@@ -69,6 +70,8 @@ class RedisStreamSource(Source):
     retry_s: float = 30.0
     stop_when_idle_s: float | None = None
     """End the input after this long without a new entry (None: read for ever)."""
+    access: Access = Access()
+    """Credentials and TLS (``aisp.connectors.access``)."""
     decode_heavy: ClassVar[bool] = False
 
     def open(self, ctx: SourceContext, resume_from: Any = None) -> SourcePartition:
@@ -85,11 +88,12 @@ class _RedisStreamPartition(SourcePartition):
         self._cfg, self._ctx = cfg, ctx
         self._errors = (redis.ConnectionError, redis.TimeoutError)
         self._connects = 0  # (re)connections so far: a read that spans one may have lost its reply
-        self._r: Any = redis.Redis(
-            host=cfg.host,
-            port=cfg.port,
+        self._r: Any = redis_client(
+            cfg.host,
+            cfg.port,
+            cfg.access,
             socket_timeout=max(5.0, cfg.block_ms / 500),
-            redis_connect_func=self._on_connect,  # type: ignore[arg-type]  # called with the connection
+            redis_connect_func=self._on_connect,  # called with the connection
         )
         self._messages = MessageDecoder(cfg.schema, ctx)
         self._empty = self._messages.empty  # nothing new yet
@@ -106,9 +110,9 @@ class _RedisStreamPartition(SourcePartition):
 
     def _call(self, fn: Any, *args: Any) -> Any:
         cfg = self._cfg
-        return call_with_retry(
-            fn, *args, retry_on=self._errors, give_up_after_s=cfg.retry_s,
-            what=f"redis at {cfg.host}:{cfg.port}", error=SourceError,
+        return call_redis(
+            fn, *args, retry_on=self._errors, retry_s=cfg.retry_s, what=f"redis at {cfg.host}:{cfg.port}",
+            error=SourceError,
         )  # fmt: skip
 
     def _setup(self) -> None:

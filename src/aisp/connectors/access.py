@@ -1,0 +1,96 @@
+"""How a connector reaches a secured broker: credentials and TLS, from a URL.
+
+    SCHEME://USER:PASSWORD@HOST:PORT/NAME?tls=1&ca=PATH[&cert=PATH&key=PATH]
+
+The password may come from the URL, from ``password_env=NAME`` (an environment variable: what a
+Kubernetes secret gives) or from ``password_file=PATH`` (what a vault agent writes; one trailing
+newline is dropped), one of them at most. ``Access`` holds the result; its ``repr`` and
+everything this module raises leave the secret out (``url.mask``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from msgspec import UNSET, UnsetType
+
+from aisp.connectors.url import Address, UrlOptions, mask
+from aisp.errors import ConfigError
+
+__all__ = ["Access", "SecuredOptions", "access_of"]
+
+
+class SecuredOptions(UrlOptions):
+    """The options of a URL to a broker that may ask for credentials and TLS."""
+
+    password_env: str | UnsetType = UNSET
+    """The environment variable that holds the password."""
+    password_file: str | UnsetType = UNSET
+    """The file that holds the password."""
+    tls: bool | UnsetType = UNSET
+    """Connect with TLS (the server's certificate verified against ``ca``, else the system's)."""
+    ca: str | UnsetType = UNSET
+    """The CA certificate file (PEM) the server's certificate must chain to."""
+    cert: str | UnsetType = UNSET
+    """This client's certificate (PEM), for mutual TLS; with ``key``."""
+    key: str | UnsetType = UNSET
+    """This client's private key (PEM), for mutual TLS; with ``cert``."""
+
+
+@dataclass(frozen=True)
+class Access:
+    """Credentials and TLS settings for one broker connection (none: a plain connection)."""
+
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls: bool = False
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    @property
+    def secret(self) -> bool:
+        """Whether there is a password or token to keep out of what is printed."""
+        return self.password is not None
+
+
+def access_of(url: str, address: Address, opts: SecuredOptions, *, tls: bool = False) -> Access:
+    """The ``Access`` that ``url`` (parsed as ``address`` and ``opts``) asks for; ``tls``: the
+    scheme implies it (``rediss://``). A password given twice, a variable not set, a file not
+    readable, a certificate without its key or a TLS file that does not exist is an error naming
+    the option, never the secret."""
+    sources = [
+        name
+        for name, given in (
+            ("the URL", address.password is not None),
+            ("password_env", opts.password_env is not UNSET),
+            ("password_file", opts.password_file is not UNSET),
+        )
+        if given
+    ]
+    if len(sources) > 1:
+        raise ConfigError(f"{mask(url)!r}: the password comes from {' and '.join(sources)}: give one")
+    password = address.password
+    if isinstance(opts.password_env, str):
+        password = os.environ.get(opts.password_env)
+        if password is None:
+            raise ConfigError(f"{mask(url)!r}: password_env={opts.password_env}: the variable is not set")
+    if isinstance(opts.password_file, str):
+        try:
+            password = Path(opts.password_file).read_text().removesuffix("\n")
+        except OSError as exc:
+            raise ConfigError(
+                f"{mask(url)!r}: password_file={opts.password_file}: {exc.strerror or exc}"
+            ) from None
+    ca, cert, key = (v if isinstance(v, str) else None for v in (opts.ca, opts.cert, opts.key))
+    if (cert is None) != (key is None):
+        raise ConfigError(f"{mask(url)!r}: a client certificate needs both cert= and key=")
+    for name, path in (("ca", ca), ("cert", cert), ("key", key)):
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"{mask(url)!r}: {name}={path}: no such file")
+    if opts.tls is False and (ca is not None or cert is not None):
+        raise ConfigError(f"{mask(url)!r}: ca=, cert= and key= are TLS settings, but tls=0")
+    wants_tls = tls or opts.tls is True or any(v is not None for v in (ca, cert))
+    return Access(address.user, password, wants_tls, ca, cert, key)
