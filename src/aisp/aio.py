@@ -9,7 +9,6 @@ client's own background tasks, with every wait bounded.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Coroutine
 from concurrent.futures import Future
@@ -18,10 +17,9 @@ from typing import Any, TypeVar
 
 from anyio.from_thread import BlockingPortal
 
-__all__ = ["LoopThread", "connect_nats"]
+__all__ = ["LoopThread"]
 
 T = TypeVar("T")
-log = logging.getLogger("aisp.nats")
 
 
 class LoopThread:
@@ -99,25 +97,3 @@ class LoopThread:
 
 async def _wait_for(coro: Coroutine[Any, Any, T]) -> T:
     return await coro
-
-
-async def connect_nats(servers: str) -> Any:
-    """A NATS connection as the connectors use it: reconnecting for ever, quickly (the
-    connectors bound how long they wait, with their own ``retry_s``); a lost connection is
-    logged as one line, not the client's traceback per reconnect attempt."""
-    import nats
-
-    async def error(exc: Exception) -> None:
-        log.warning("NATS at %s: %s: %s", servers, type(exc).__name__, exc)
-
-    async def disconnected() -> None:
-        log.info("NATS at %s: disconnected, reconnecting", servers)
-
-    return await nats.connect(
-        servers,
-        connect_timeout=2,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.2,
-        error_cb=error,
-        disconnected_cb=disconnected,
-    )

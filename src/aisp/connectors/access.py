@@ -11,6 +11,7 @@ everything this module raises leave the secret out (``url.mask``).
 from __future__ import annotations
 
 import os
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,11 +50,23 @@ class Access:
     ca: str | None = None
     cert: str | None = None
     key: str | None = None
+    creds: str | None = None
+    """A NATS credentials file (JWT and NKey seed)."""
 
     @property
     def secret(self) -> bool:
         """Whether there is a password or token to keep out of what is printed."""
         return self.password is not None
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The client's TLS context (the server verified against ``ca``, else the system's CAs;
+        ``cert`` and ``key`` presented for mutual TLS); None without TLS."""
+        if not self.tls:
+            return None
+        context = ssl.create_default_context(cafile=self.ca)
+        if self.cert is not None:
+            context.load_cert_chain(self.cert, self.key)
+        return context
 
 
 def access_of(url: str, address: Address, opts: SecuredOptions, *, tls: bool = False) -> Access:

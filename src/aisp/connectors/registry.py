@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from aisp.connectors.base import Connector, Pipeline
-from aisp.connectors.url import scheme_of
+from aisp.connectors.url import mask, scheme_of
 from aisp.errors import ConfigError
 from aisp.ingest.base import Source
 from aisp.sinks.base import Sink
@@ -63,7 +63,9 @@ def connector_for(url: str) -> Connector:
         connector = _LOADED.get(scheme)
     if connector is None:
         known = ", ".join(f"{s}://…" for s in schemes() if s not in ("file", "null"))
-        raise ConfigError(f"unsupported URL {url!r}; supported: a file path, file://PATH, {known}, null:")
+        raise ConfigError(
+            f"unsupported URL {mask(url)!r}; supported: a file path, file://PATH, {known}, null:"
+        )
     return connector
 
 

@@ -14,25 +14,9 @@ from urllib.parse import parse_qs, unquote, urlparse
 import msgspec
 
 from aisp.errors import ConfigError
+from aisp.secrets import mask
 
 __all__ = ["Address", "UrlOptions", "file_path", "mask", "options", "scheme_of"]
-
-_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<info>[^@/?#]*)@")
-
-
-def mask(url: str) -> str:
-    """``url`` with its secret replaced by ``***``: the password of ``USER:PASSWORD@``, or the
-    whole of a ``TOKEN@`` (a user name alone is a token to NATS).
-
-    >>> mask("redis://app:s3cret@h:6379/s"), mask("nats://tok@h/S"), mask("kafka://h:9092/t")
-    ('redis://app:***@h:6379/s', 'nats://***@h/S', 'kafka://h:9092/t')
-    """
-    m = _USERINFO.match(url)
-    if m is None:
-        return url
-    user, colon, _ = m.group("info").partition(":")
-    info = f"{user}:***" if colon else "***"
-    return f"{m.group('scheme')}{info}@{url[m.end() :]}"
 
 
 def scheme_of(url: str) -> str:

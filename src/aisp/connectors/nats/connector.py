@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Coroutine, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from aisp.connectors.access import Access, SecuredOptions, access_of
 from aisp.connectors.base import (
     DEFAULT_SHAPE,
     Connector,
@@ -29,9 +31,10 @@ from aisp.connectors.base import (
     broker_process,
     free_port,
 )
+from aisp.connectors.nats.client import connect_nats
 from aisp.connectors.nats.sink import JetStreamSink, ensure_stream
 from aisp.connectors.nats.source import JetStreamSource
-from aisp.connectors.url import Address, UrlOptions, options
+from aisp.connectors.url import Address, mask, options
 from aisp.errors import ConfigError
 from aisp.ingest.base import Source
 from aisp.sinks.base import Sink
@@ -42,7 +45,24 @@ T = TypeVar("T")
 _PORT = 4222
 
 
-class NatsInput(UrlOptions):
+class NatsOptions(SecuredOptions):
+    """What every NATS URL may add to the secured options: a credentials file."""
+
+    creds: str | UnsetType = UNSET
+    """An NKey/JWT credentials file (``nsc`` makes them)."""
+
+
+def _access(url: str, opts: NatsOptions) -> Access:
+    access = access_of(url, _address(url), opts)
+    return replace(access, creds=opts.creds) if isinstance(opts.creds, str) else access
+
+
+def _plain(opts: NatsOptions) -> dict[str, Any]:
+    """The options ``opts`` gave, less those of access (credentials, TLS)."""
+    return {k: v for k, v in opts.given().items() if k not in NatsOptions.__struct_fields__}
+
+
+class NatsInput(NatsOptions):
     """``nats://HOST:PORT/STREAM?...`` as an input (defaults: ``JetStreamSource``'s)."""
 
     durable: str | UnsetType = UNSET
@@ -52,7 +72,7 @@ class NatsInput(UrlOptions):
     retry_s: float | UnsetType = UNSET
 
 
-class NatsOutput(UrlOptions):
+class NatsOutput(NatsOptions):
     """``nats://HOST:PORT/STREAM?...`` as an output (defaults: ``JetStreamSink``'s)."""
 
     subject: str | UnsetType = UNSET
@@ -60,13 +80,13 @@ class NatsOutput(UrlOptions):
     retry_s: float | UnsetType = UNSET
 
 
-class NatsRecords(UrlOptions):
+class NatsRecords(NatsOptions):
     """``nats://HOST:PORT/STREAM?subject=S`` for dead letters and alerts."""
 
     subject: str | None = None
 
 
-class NatsLoad(UrlOptions):
+class NatsLoad(NatsOptions):
     """``nats://HOST:PORT/IN?output=OUT[&subject=S&output_subject=S]`` as an ``aisp bench`` target."""
 
     output: str = ""
@@ -89,10 +109,19 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
         raise ConfigError(f"NATS is not reachable: {exc}") from exc
 
 
-async def _connect(a: Address) -> Any:
-    import nats
+async def _connect(url: str) -> Any:
+    """A connection for the scenario tools: one try, credentials and TLS as ``url`` says (the
+    options of inputs and outputs alike: only those of access count here)."""
+    access = _access(url, options(url.split("?")[0] + _access_query(url), NatsOptions))
+    return await connect_nats(_servers(_address(url)), access, reconnect=False)
 
-    return await nats.connect(_servers(a), connect_timeout=2, max_reconnect_attempts=0)
+
+def _access_query(url: str) -> str:
+    """The query of ``url`` less the options that are not about access."""
+    from urllib.parse import parse_qsl, urlencode, urlparse
+
+    kept = [(k, v) for k, v in parse_qsl(urlparse(url).query) if k in NatsOptions.__struct_fields__]
+    return f"?{urlencode(kept)}" if kept else ""
 
 
 class NatsConnector(Connector):
@@ -101,20 +130,27 @@ class NatsConnector(Connector):
 
     def source(self, url: str, schema: type[msgspec.Struct]) -> Source:
         a = _address(url)
-        opts = options(url, NatsInput).given()
+        given = options(url, NatsInput)
+        opts = _plain(given)
         idle = opts.pop("idle_stop_s", None)
         return JetStreamSource(
-            stream=a.name, schema=schema, servers=_servers(a), stop_when_idle_s=idle, **opts
-        )
+            stream=a.name, schema=schema, servers=_servers(a), stop_when_idle_s=idle,
+            access=_access(url, given), **opts,
+        )  # fmt: skip
 
     def sink(self, url: str, columns: Sequence[str] | None) -> Sink:
         a = _address(url)
-        opts = options(url, NatsOutput).given()
-        return JetStreamSink(stream=a.name, servers=_servers(a), columns=columns, **opts)
+        given = options(url, NatsOutput)
+        return JetStreamSink(
+            stream=a.name, servers=_servers(a), columns=columns, access=_access(url, given), **_plain(given)
+        )
 
     def record_sink(self, url: str) -> Sink:
         a = _address(url)
-        return JetStreamSink(stream=a.name, servers=_servers(a), subject=options(url, NatsRecords).subject)
+        given = options(url, NatsRecords)
+        return JetStreamSink(
+            stream=a.name, servers=_servers(a), subject=given.subject, access=_access(url, given)
+        )
 
     def scenario_urls(self, address: str, tag: str, shape: ScenarioShape = DEFAULT_SHAPE) -> tuple[str, str]:
         self._one_partition(shape)
@@ -124,12 +160,13 @@ class NatsConnector(Connector):
 
     def fill(self, url: str, lines: Sequence[bytes], shape: ScenarioShape = DEFAULT_SHAPE) -> None:
         self._one_partition(shape)
-        _run(self._fill(_address(url), lines))
+        _run(self._fill(url, lines))
 
-    async def _fill(self, a: Address, lines: Sequence[bytes]) -> None:
+    async def _fill(self, url: str, lines: Sequence[bytes]) -> None:
         from nats.js.api import StreamConfig
 
-        nc = await _connect(a)
+        a = _address(url)
+        nc = await _connect(url)
         js = nc.jetstream()
         await js.add_stream(StreamConfig(name=a.name, subjects=[f"{a.name}.>"]))
         for i in range(0, len(lines), 1000):
@@ -137,13 +174,14 @@ class NatsConnector(Connector):
         await nc.close()
 
     def read(self, url: str) -> list[bytes]:
-        return _run(self._read(_address(url)))
+        return _run(self._read(url))
 
-    async def _read(self, a: Address) -> list[bytes]:
+    async def _read(self, url: str) -> list[bytes]:
         import nats
         from nats.js.api import AckPolicy, ConsumerConfig
 
-        nc = await _connect(a)
+        a = _address(url)
+        nc = await _connect(url)
         js = nc.jetstream()
         sub = await js.pull_subscribe("", stream=a.name, config=ConsumerConfig(ack_policy=AckPolicy.NONE))
         out: list[bytes] = []
@@ -156,12 +194,13 @@ class NatsConnector(Connector):
         return out
 
     def drop(self, url: str) -> None:
-        _run(self._drop(_address(url)))
+        _run(self._drop(url))
 
-    async def _drop(self, a: Address) -> None:
+    async def _drop(self, url: str) -> None:
         import nats
 
-        nc = await _connect(a)
+        a = _address(url)
+        nc = await _connect(url)
         try:
             await nc.jetstream().delete_stream(a.name)
         except nats.js.errors.NotFoundError:
@@ -192,18 +231,18 @@ class _JetStreamLoad(LoadClient):
         self.address = _address(url)
         opts = options(url, NatsLoad)
         if not opts.output:
-            raise ConfigError(f"{url!r}: give the output stream, as nats://HOST:PORT/IN?output=OUT")
+            raise ConfigError(f"{mask(url)!r}: give the output stream, as nats://HOST:PORT/IN?output=OUT")
         self.stream, self.output = self.address.name, opts.output
         self.subject = opts.subject or f"{self.stream}.bench"
         self.output_subject = opts.output_subject or f"{self.output}.out"
+        self._access = _access(url, opts)
         self._nc: Any = None
         self._sub: Any = None
 
     async def connect(self) -> None:
-        import nats
         from nats.js.api import DeliverPolicy, StreamConfig
 
-        self._nc = await nats.connect(_servers(self.address), connect_timeout=5)
+        self._nc = await connect_nats(_servers(self.address), self._access, reconnect=False)
         js = self._nc.jetstream()
         for name, subjects in ((self.stream, [f"{self.stream}.>"]), (self.output, [self.output_subject])):
             await ensure_stream(js, StreamConfig(name=name, subjects=subjects))

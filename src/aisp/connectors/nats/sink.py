@@ -15,8 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aisp.aio import LoopThread, connect_nats
+from aisp.aio import LoopThread
 from aisp.batch import Batch
+from aisp.connectors.access import Access
+from aisp.connectors.nats.client import connect_nats
 from aisp.errors import SinkError
 from aisp.retry import call_with_retry
 from aisp.sinks.base import RowEncoder, Sink, SinkPartition
@@ -49,6 +51,8 @@ class JetStreamSink(Sink):
     columns: Sequence[str] | None = None
     duplicate_window_s: float = 3600.0
     retry_s: float = 30.0
+    access: Access = Access()
+    """Credentials, TLS, a creds file (``aisp.connectors.access``)."""
     ack_timeout_s: float = 2.0
     """How long one publish waits for its stream ack before it is retried."""
 
@@ -74,7 +78,7 @@ class _JetStreamWriter(SinkPartition):
         from nats.js.api import StreamConfig
 
         cfg = self._cfg
-        self._nc = await connect_nats(cfg.servers)
+        self._nc = await connect_nats(cfg.servers, cfg.access)
         self._js = self._nc.jetstream()
         await ensure_stream(
             self._js,

@@ -27,8 +27,10 @@ from typing import Any, ClassVar, TypeVar
 import msgspec
 import numpy as np
 
-from aisp.aio import LoopThread, connect_nats
+from aisp.aio import LoopThread
 from aisp.batch import Batch
+from aisp.connectors.access import Access
+from aisp.connectors.nats.client import connect_nats
 from aisp.errors import SourceError
 from aisp.ingest.base import IdleClock, Source, SourceContext, SourcePartition
 from aisp.ingest.messages import MessageDecoder
@@ -53,6 +55,8 @@ class JetStreamSource(Source):
     fetch_timeout_s: float = 0.1
     max_ack_pending: int = 1_000_000
     retry_s: float = 30.0
+    access: Access = Access()
+    """Credentials, TLS, a creds file (``aisp.connectors.access``)."""
     stop_when_idle_s: float | None = None
     """End the input after this long without a new message (None: read for ever)."""
     decode_heavy: ClassVar[bool] = False
@@ -82,7 +86,7 @@ class _JetStreamPartition(SourcePartition):
 
     async def _connect(self) -> None:
         cfg = self._cfg
-        self._nc = await connect_nats(cfg.servers)
+        self._nc = await connect_nats(cfg.servers, cfg.access)
         self._js = self._nc.jetstream()
         await self._js.stream_info(cfg.stream)  # fails clearly if the stream does not exist
         await self._subscribe(None if self._last is None else self._last + 1)

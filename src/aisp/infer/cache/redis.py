@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from aisp.errors import ConfigError
+from aisp.secrets import mask
 
 __all__ = ["RedisStore"]
 
@@ -75,7 +76,7 @@ def _client(url: str) -> Any:
 
     parts = urlsplit(url)
     if parts.scheme != "redis" or not parts.hostname:
-        raise ConfigError(f"a response cache in Redis needs redis://HOST:PORT[/DB], got {url!r}")
+        raise ConfigError(f"a response cache in Redis needs redis://HOST:PORT[/DB], got {mask(url)!r}")
     db = int(parts.path.strip("/") or 0)
     return redis.Redis(host=parts.hostname, port=parts.port or 6379, db=db, socket_timeout=10)
 
@@ -98,7 +99,7 @@ class RedisStore:
         try:
             self._r.ping()
         except Exception as exc:  # redis's connection and auth errors
-            raise ConfigError(f"response cache: cannot reach Redis at {url}: {exc}") from exc
+            raise ConfigError(f"response cache: cannot reach Redis at {mask(url)}: {exc}") from exc
 
     def refresh(self) -> None:
         """Reload the shared Bloom bitmap when it is older than ``refresh_s`` here."""

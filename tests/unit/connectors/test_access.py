@@ -1,0 +1,75 @@
+"""Credentials and TLS from a connector URL: where the password comes from (the URL, a variable, a
+file; one of them), TLS settings that go together, and no secret in any error or repr."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aisp.connectors.access import Access, SecuredOptions, access_of
+from aisp.connectors.url import Address, mask, options
+from aisp.errors import ConfigError
+
+# (marked, so that no user name or host holds one by chance)
+SECRETS = st.text(st.characters(min_codepoint=33, max_codepoint=0x2FF), min_size=1).map(lambda s: f"pw!{s}")
+
+
+def resolve(url: str) -> Access:
+    return access_of(url, Address.parse(url, 6379, "stream"), options(url, SecuredOptions))
+
+
+@given(st.text(st.characters(min_codepoint=97, max_codepoint=122), min_size=1, max_size=8), SECRETS)
+def test_a_password_in_the_url_is_read_back_exactly_and_never_shown(user: str, secret: str) -> None:
+    url = f"redis://{user}:{quote(secret, safe='')}@h:1/s"
+    access = resolve(url)
+    assert (access.user, access.password, access.tls) == (user, secret, False)
+    assert quote(secret, safe="") not in mask(url) and mask(url) == f"redis://{user}:***@h:1/s"
+    assert secret not in repr(access) and secret not in repr(Address.parse(url, 6379, "stream"))
+    with pytest.raises(ConfigError) as info:
+        options(f"{url}?nope=1", SecuredOptions)
+    assert quote(secret, safe="") not in str(info.value) and secret not in str(info.value)
+
+
+def test_a_token_alone_is_masked_whole() -> None:
+    assert mask("nats://s3cret-token@h:4222/S") == "nats://***@h:4222/S"
+    assert mask("nats://h:4222/S?x=1") == "nats://h:4222/S?x=1"
+    assert mask("/a/path@with/at") == "/a/path@with/at"
+
+
+def test_the_password_comes_from_a_variable_or_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AISP_T_PW", "from-env")
+    assert resolve("redis://u@h:1/s?password_env=AISP_T_PW").password == "from-env"
+    secret = tmp_path / "pw"
+    secret.write_text("from-file\n")  # what a vault agent writes: one trailing newline dropped
+    assert resolve(f"redis://u@h:1/s?password_file={secret}").password == "from-file"
+    with pytest.raises(ConfigError, match="comes from the URL and password_env: give one") as info:
+        resolve("redis://u:inline-secret@h:1/s?password_env=AISP_T_PW")
+    assert "inline-secret" not in str(info.value) and "from-env" not in str(info.value)
+    with pytest.raises(ConfigError, match="AISP_T_UNSET: the variable is not set"):
+        resolve("redis://u@h:1/s?password_env=AISP_T_UNSET")
+    with pytest.raises(ConfigError, match="password_file=.*missing"):
+        resolve(f"redis://u@h:1/s?password_file={tmp_path / 'missing'}")
+
+
+def test_tls_settings_go_together(tmp_path: Path) -> None:
+    ca, cert, key = (tmp_path / n for n in ("ca.pem", "c.pem", "c.key"))
+    for f in (ca, cert, key):
+        f.write_text("x")
+    assert resolve(f"redis://h:1/s?tls=1&ca={ca}") == Access(tls=True, ca=str(ca))
+    assert resolve(f"redis://h:1/s?ca={ca}").tls  # a CA alone means TLS
+    full = resolve(f"redis://h:1/s?tls=yes&ca={ca}&cert={cert}&key={key}")
+    assert (full.cert, full.key) == (str(cert), str(key))
+    with pytest.raises(ConfigError, match="needs both cert= and key="):
+        resolve(f"redis://h:1/s?tls=1&cert={cert}")
+    with pytest.raises(ConfigError, match="but tls=0"):
+        resolve(f"redis://h:1/s?tls=0&ca={ca}")
+    with pytest.raises(ConfigError, match="ca=.*nope.pem: no such file"):
+        resolve(f"redis://h:1/s?tls=1&ca={tmp_path / 'nope.pem'}")
+    plain = Address.parse("rediss://h:1/s", 6379, "stream")
+    assert access_of("rediss://h:1/s", plain, options("rediss://h:1/s", SecuredOptions), tls=True).tls
