@@ -404,3 +404,21 @@ def test_an_input_behind_a_slow_link_does_not_end_before_it_is_read(draw: int) -
             proxy.clear()
             source.close()
     assert sorted(seen) == list(range(records)), f"seed {SEED}: read {len(seen)} of {records}"
+
+
+def test_an_output_broker_that_is_not_there_is_retried_then_named_in_one_line(tmp_path: Path) -> None:
+    """No broker at the output's address: retried for the URL's retry_s, then one line that names
+    the broker; librdkafka's own reconnect messages (one per try) are not printed."""
+    from aisp.connectors.base import free_port
+
+    data = tmp_path / "events.jsonl"
+    write_events(data, 10, seed=1)
+    url = f"kafka://127.0.0.1:{free_port()}/t?retry_s=3"
+    cmd = [sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--no-live", "--input", str(data)]
+    started = time.monotonic()
+    res = subprocess.run([*cmd, "--output", url], env=ENV, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert time.monotonic() - started >= 3  # retried for retry_s, not given up at once
+    stderr = " ".join(res.stderr.split())  # (a console may wrap the line)
+    assert f"kafka at {url[8:].split('/')[0]} unreachable for 3 s" in stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and "rdkafka" not in res.stderr, res.stderr[-2000:]

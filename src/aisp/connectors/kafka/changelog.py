@@ -127,7 +127,7 @@ class ChangelogStates:
         self.bootstrap, self._group, self._topic, self._pipeline = bootstrap, group, topic, pipeline
         self._restore_timeout_s = restore_timeout_s
         self._prefix = f"{group}-{topic}-"
-        self._admin = AdminClient({"bootstrap.servers": bootstrap})
+        self._admin = AdminClient({"bootstrap.servers": bootstrap, **CLIENT_SETTINGS})
         meta = self._admin.list_topics(topic, timeout=30).topics.get(topic)
         if meta is None or meta.error is not None or not meta.partitions:
             raise ConfigError(f"changelog state needs the input topic {topic!r} at {bootstrap} to exist")
@@ -145,7 +145,12 @@ class ChangelogStates:
         )
         self._records: Records = self._producer
         self._offsets = Consumer(  # reads the group's committed offsets; never joins the group
-            {"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False}
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": group,
+                "enable.auto.commit": False,
+                **CLIENT_SETTINGS,
+            }
         )
         self._reader = Consumer(  # reads changelogs at takeovers (connected once: a new one takes ~0.5 s)
             {
@@ -155,6 +160,7 @@ class ChangelogStates:
                 "isolation.level": "read_uncommitted",  # see the module docstring
                 "fetch.max.bytes": 64 << 20,
                 "fetch.wait.max.ms": 20,  # the end marker is there: no wait for more to come
+                **CLIENT_SETTINGS,
             }
         )
         self._created: set[str] = set()

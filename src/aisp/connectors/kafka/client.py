@@ -9,6 +9,11 @@ that waits for it never returns, its own timeout unchecked (librdkafka#5511 and 
 good, after the broker was back. The brokers a pipeline names are its bootstrap addresses, so
 re-bootstrapping finds nothing new; a client whose brokers move can set it back in ``options``.
 
+``logger``: librdkafka's own log lines (a refused connection is logged by every client at every
+reconnect, hundreds of lines a minute) go to the ``aisp.kafka.librdkafka`` logger at DEBUG: AISP
+reports broker trouble itself, once, with the broker's address (retries counted in
+``aisp_retries_total``, then a clear error); ``AISP_LOG_LEVEL=DEBUG`` shows them.
+
 ``error_code``: what a confluent-kafka exception says, as librdkafka's error code
 (``KafkaError.code()``), so that callers decide by the code, never by the message's text.
 
@@ -19,13 +24,34 @@ gets a clear error, not a process that hangs for good.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["CLIENT_SETTINGS", "GRACE_S", "CallStuck", "bounded", "error_code", "is_unknown_topic"]
+__all__ = [
+    "CLIENT_SETTINGS",
+    "GRACE_S",
+    "CallStuck",
+    "bounded",
+    "error_code",
+    "final_reason",
+    "is_unknown_topic",
+]
 
-CLIENT_SETTINGS: dict[str, Any] = {"metadata.recovery.strategy": "none"}
+
+class _AtDebug(logging.Filter):
+    """Every record at DEBUG, whatever level librdkafka gave it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+LIBRDKAFKA_LOG = logging.getLogger("aisp.kafka.librdkafka")
+LIBRDKAFKA_LOG.addFilter(_AtDebug())
+
+CLIENT_SETTINGS: dict[str, Any] = {"metadata.recovery.strategy": "none", "logger": LIBRDKAFKA_LOG}
 GRACE_S = 15.0
 """How long past its own timeout a call may take before it counts as stuck."""
 
@@ -49,6 +75,25 @@ def is_unknown_topic(exc: BaseException) -> bool:
 
     unknown = (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_ID)
     return error_code(exc) in unknown
+
+
+def final_reason(exc: BaseException) -> str | None:
+    """Why ``exc`` will not pass by waiting: the broker refused the login, its certificate, or
+    the operation (an ACL); None for an outage (retry it)."""
+    from confluent_kafka import KafkaError
+
+    code = error_code(exc)
+    if code in (KafkaError.SASL_AUTHENTICATION_FAILED, KafkaError._AUTHENTICATION):
+        return "authentication failed"
+    if code == KafkaError._SSL:
+        return "TLS handshake failed (or the broker's certificate is not trusted)"
+    denied = (
+        KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.GROUP_AUTHORIZATION_FAILED,
+        KafkaError.CLUSTER_AUTHORIZATION_FAILED, KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+    )  # fmt: skip
+    if code in denied:
+        return "not permitted (the broker's ACLs refuse it)"
+    return None
 
 
 class CallStuck(Exception):

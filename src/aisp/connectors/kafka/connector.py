@@ -26,7 +26,7 @@ from aisp.connectors.base import (
     free_port,
     wait_for_port,
 )
-from aisp.connectors.kafka.client import is_unknown_topic
+from aisp.connectors.kafka.client import CLIENT_SETTINGS, is_unknown_topic
 from aisp.connectors.kafka.sink import KafkaSink
 from aisp.connectors.kafka.source import KafkaSource
 from aisp.connectors.url import Address, UrlOptions, options
@@ -93,7 +93,9 @@ class KafkaConnector(Connector):
         from confluent_kafka.admin import AdminClient
 
         a = _address(url)
-        admin = AdminClient({"bootstrap.servers": a.hostport})  # alive until the futures are done
+        admin = AdminClient(
+            {"bootstrap.servers": a.hostport, **CLIENT_SETTINGS}
+        )  # alive until the futures are done
         for f in admin.delete_topics([a.name]).values():
             try:
                 f.result(10)
@@ -127,10 +129,12 @@ def fill_topic(
     from confluent_kafka import Producer
     from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient({"bootstrap.servers": bootstrap, **CLIENT_SETTINGS})
     for f in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
         f.result(10)
-    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 5})
+    producer = Producer(
+        {"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 5, **CLIENT_SETTINGS}
+    )
     for line in lines:
         p = zlib.crc32(_field(line, key)) % partitions if partitions > 1 else 0
         while True:
@@ -161,7 +165,9 @@ def read_topic(bootstrap: str, topic: str, partition: int = 0, *, timeout_s: flo
     from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
     group = f"aisp-read-{uuid.uuid4().hex}"
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.partition.eof": True})
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": group, "enable.partition.eof": True, **CLIENT_SETTINGS}
+    )
     out: list[bytes] = []
     deadline = time.monotonic() + timeout_s
     try:

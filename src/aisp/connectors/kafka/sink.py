@@ -50,8 +50,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from aisp.batch import Batch
-from aisp.connectors.kafka.client import CLIENT_SETTINGS, GRACE_S, CallStuck, bounded, error_code
+from aisp.connectors.kafka.client import (
+    CLIENT_SETTINGS,
+    GRACE_S,
+    CallStuck,
+    bounded,
+    error_code,
+    final_reason,
+)
 from aisp.errors import SinkError
+from aisp.retry import call_with_retry
 from aisp.sinks.base import RowEncoder, Sink, SinkPartition
 
 if TYPE_CHECKING:
@@ -96,35 +104,42 @@ class KafkaSink(Sink):
 
 
 def _keys_after(
-    bootstrap: str, topic: str, partition: int, start: int, *, keys: bool, idle_s: float = 2.0
+    bootstrap: str, topic: str, partition: int, start: int, *, keys: bool, timeout_s: float = 60.0
 ) -> tuple[int, Counter[int]]:
     """The records in ``topic``/``partition`` from offset ``start`` to the end, and (``keys``:
     after a restart; a first start skips nothing) how often each key, an engine id, occurs
-    among them, by reading them until nothing comes for ``idle_s``
-    (Tansu's high watermarks are per record batch, so they cannot be used; a short idle time
-    undercounts on a loaded machine)."""
-    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+    among them, read until a fetch reply says the partition ends there (Tansu's high watermarks
+    are per record batch, so they cannot be used; a quiet spell is no proof either: a loaded
+    machine or a slow link holds replies back and would undercount). Not at the end within
+    ``timeout_s``: a ``SinkError``."""
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
     c = Consumer(
         {
+            **CLIENT_SETTINGS,
             "bootstrap.servers": bootstrap,
             "group.id": "aisp-count",
             "enable.auto.commit": False,
+            "enable.partition.eof": True,
             "isolation.level": "read_committed",
         }
     )
     try:
         c.assign([TopicPartition(topic, partition, start if start > 0 else OFFSET_BEGINNING)])
-        n, found, last = 0, Counter[int](), time.monotonic()
-        while time.monotonic() - last < idle_s:
+        n, found, deadline = 0, Counter[int](), time.monotonic() + timeout_s
+        while True:
             msgs = c.consume(num_messages=10_000, timeout=0.1)
             good = [m for m in msgs if m.error() is None]
-            if good:
-                n += len(good)
-                if keys:
-                    found.update(int(m.key() or 0) for m in good)
-                last = time.monotonic()
-        return n, found
+            n += len(good)
+            if keys:
+                found.update(int(m.key() or 0) for m in good)
+            if msgs and (err := msgs[-1].error()) is not None and err.code() == KafkaError._PARTITION_EOF:
+                return n, found
+            if time.monotonic() > deadline:
+                raise SinkError(
+                    f"kafka topic {topic!r} partition {partition} at {bootstrap}: not read to its end"
+                    f" in {timeout_s:g} s (to find the records a replay must skip)"
+                )
     finally:
         c.close()
 
@@ -153,12 +168,17 @@ class _InTransaction:
 
 class _KafkaWriter(SinkPartition):
     def __init__(self, cfg: KafkaSink, resume: dict[int, int] | None) -> None:
-        from confluent_kafka import KafkaError, Producer
+        from confluent_kafka import KafkaError, KafkaException, Producer
         from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
         self._cfg = cfg
-        admin = AdminClient({"bootstrap.servers": cfg.bootstrap})
-        if cfg.topic not in admin.list_topics(timeout=10).topics:
+        admin = AdminClient({"bootstrap.servers": cfg.bootstrap, **CLIENT_SETTINGS, **cfg.options})
+        topics = call_with_retry(
+            lambda: admin.list_topics(timeout=5).topics, retry_on=(KafkaException,),
+            give_up_after_s=cfg.retry_s, what=f"kafka at {cfg.bootstrap}", error=SinkError,
+            final=final_reason,
+        )  # fmt: skip
+        if cfg.topic not in topics:
             config = {"cleanup.policy": "compact"} if cfg.compact else {}
             for f in admin.create_topics([NewTopic(cfg.topic, cfg.partitions, 1, config=config)]).values():
                 try:
@@ -196,7 +216,9 @@ class _KafkaWriter(SinkPartition):
             if cfg.compact:  # replays are written again, under the same keys
                 self._next[p] = start
                 continue
-            found, keys = _keys_after(cfg.bootstrap, cfg.topic, p, start, keys=resume is not None)
+            found, keys = _keys_after(
+                cfg.bootstrap, cfg.topic, p, start, keys=resume is not None, timeout_s=max(60.0, cfg.retry_s)
+            )
             self._next[p] = start + found
             if resume is not None and keys:
                 self._skip[p] = keys  # produced after the checkpoint: the replay makes them again

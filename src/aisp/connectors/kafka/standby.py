@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from aisp.connectors.kafka.client import CLIENT_SETTINGS
+
 __all__ = ["ChangelogLog", "Standby", "ring"]
 
 log = logging.getLogger("aisp.changelog")
@@ -173,7 +175,7 @@ class Standby(threading.Thread):
     def _run(self) -> None:
         from confluent_kafka import Consumer, TopicPartition
 
-        common = {"bootstrap.servers": self._servers, "enable.auto.commit": False}
+        common = {"bootstrap.servers": self._servers, "enable.auto.commit": False, **CLIENT_SETTINGS}
         # uncommitted records too: a dead worker's open transaction must not hold the copy back
         uncommitted = {"isolation.level": "read_uncommitted"}
         reader = Consumer({**common, **uncommitted, "group.id": f"{self._group}-standby"})
