@@ -29,8 +29,12 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from aisp.connectors.access import Access
+
 __all__ = [
     "CLIENT_SETTINGS",
+    "SASL_MECHANISMS",
+    "security_settings",
     "GRACE_S",
     "CallStuck",
     "bounded",
@@ -75,6 +79,38 @@ def is_unknown_topic(exc: BaseException) -> bool:
 
     unknown = (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_ID)
     return error_code(exc) in unknown
+
+
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+
+
+def security_settings(access: Access, sasl: str | None) -> dict[str, Any]:
+    """librdkafka's settings for ``access`` and the SASL mechanism ``sasl``: ``security.protocol``
+    SASL_SSL, SASL_PLAINTEXT, SSL or PLAINTEXT, the login and the TLS files.
+
+    >>> sorted(security_settings(Access("u", "p", tls=True, ca="ca.pem"), "SCRAM-SHA-256").items())
+    ... # doctest: +NORMALIZE_WHITESPACE
+    [('sasl.mechanism', 'SCRAM-SHA-256'), ('sasl.password', 'p'), ('sasl.username', 'u'),
+     ('security.protocol', 'SASL_SSL'), ('ssl.ca.location', 'ca.pem')]
+    """
+    out: dict[str, Any] = {}
+    if sasl is not None:
+        out.update(
+            {
+                "sasl.mechanism": sasl,
+                "sasl.username": access.user or "",
+                "sasl.password": access.password or "",
+            }
+        )
+    out["security.protocol"] = ("SASL_" if sasl else "") + ("SSL" if access.tls else "PLAINTEXT")
+    if out["security.protocol"] == "PLAINTEXT":
+        return {}
+    files = {
+        "ssl.ca.location": access.ca,
+        "ssl.certificate.location": access.cert,
+        "ssl.key.location": access.key,
+    }
+    return {**out, **{k: v for k, v in files.items() if access.tls and v is not None}}
 
 
 def final_reason(exc: BaseException) -> str | None:

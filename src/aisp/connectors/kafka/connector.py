@@ -14,10 +14,12 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from aisp.connectors.access import SecuredOptions, access_of
 from aisp.connectors.base import (
     DEFAULT_SHAPE,
     Connector,
@@ -26,10 +28,10 @@ from aisp.connectors.base import (
     free_port,
     wait_for_port,
 )
-from aisp.connectors.kafka.client import CLIENT_SETTINGS, is_unknown_topic
+from aisp.connectors.kafka.client import CLIENT_SETTINGS, SASL_MECHANISMS, is_unknown_topic
 from aisp.connectors.kafka.sink import KafkaSink
 from aisp.connectors.kafka.source import KafkaSource
-from aisp.connectors.url import Address, UrlOptions, options
+from aisp.connectors.url import Address, mask, options
 from aisp.errors import ConfigError
 from aisp.ingest.base import Source
 from aisp.sinks.base import Sink
@@ -39,7 +41,33 @@ __all__ = ["KafkaConnector", "fill_topic", "read_topic", "tansu_broker"]
 _PORT = 9092
 
 
-class KafkaInput(UrlOptions):
+class KafkaOptions(SecuredOptions):
+    """What every Kafka URL may add to the secured options: the SASL mechanism of its login."""
+
+    sasl: str | UnsetType = UNSET
+    """``PLAIN``, ``SCRAM-SHA-256`` or ``SCRAM-SHA-512`` (with ``USER:PASSWORD@`` in the URL)."""
+
+
+def _secured(url: str, opts: KafkaOptions) -> dict[str, Any]:
+    """``access`` and ``sasl`` for a source or sink: a login needs its mechanism, and the
+    mechanism a login."""
+    access = access_of(url, _address(url), opts)
+    sasl = opts.sasl if isinstance(opts.sasl, str) else None
+    if sasl is not None and sasl.upper() not in SASL_MECHANISMS:
+        raise ConfigError(f"{mask(url)!r}: sasl={sasl}: give one of {', '.join(SASL_MECHANISMS)}")
+    if sasl is None and (access.user or access.password):
+        raise ConfigError(f"{mask(url)!r}: a login needs its mechanism: add sasl={'|'.join(SASL_MECHANISMS)}")
+    if sasl is not None and not (access.user and access.password):
+        raise ConfigError(f"{mask(url)!r}: sasl={sasl} needs a user and a password (USER:PASSWORD@HOST)")
+    return {"access": access, "sasl": sasl.upper() if sasl else None}
+
+
+def _plain(opts: KafkaOptions) -> dict[str, Any]:
+    """The options ``opts`` gave, less those of access (credentials, TLS, SASL)."""
+    return {k: v for k, v in opts.given().items() if k not in KafkaOptions.__struct_fields__}
+
+
+class KafkaInput(KafkaOptions):
     """``kafka://HOST:PORT/TOPIC?...`` as an input (defaults: ``KafkaSource``'s)."""
 
     group: str | UnsetType = UNSET
@@ -48,7 +76,7 @@ class KafkaInput(UrlOptions):
     retry_s: float | UnsetType = UNSET
 
 
-class KafkaOutput(UrlOptions):
+class KafkaOutput(KafkaOptions):
     """``kafka://HOST:PORT/TOPIC?...`` as an output (defaults: ``KafkaSink``'s)."""
 
     partitions: int | UnsetType = UNSET
@@ -66,13 +94,15 @@ class KafkaConnector(Connector):
 
     def source(self, url: str, schema: type[msgspec.Struct]) -> Source:
         a = _address(url)
-        opts = options(url, KafkaInput).given()
+        given = options(url, KafkaInput)
+        opts = {**_plain(given), **_secured(url, given)}
         idle = opts.pop("idle_stop_s", None)
         return KafkaSource(topic=a.name, schema=schema, bootstrap=a.hostport, stop_when_idle_s=idle, **opts)
 
     def sink(self, url: str, columns: Sequence[str] | None) -> Sink:
         a = _address(url)
-        opts = options(url, KafkaOutput).given()
+        given = options(url, KafkaOutput)
+        opts = {**_plain(given), **_secured(url, given)}
         return KafkaSink(topic=a.name, bootstrap=a.hostport, columns=columns, **opts)
 
     def scenario_urls(self, address: str, tag: str, shape: ScenarioShape = DEFAULT_SHAPE) -> tuple[str, str]:
@@ -119,21 +149,29 @@ class KafkaConnector(Connector):
 
 
 def fill_topic(
-    bootstrap: str, topic: str, lines: Sequence[bytes], *, partitions: int = 1, key: str = "user"
-) -> None:
+    bootstrap: str, topic: str, lines: Sequence[bytes], *, partitions: int = 1, key: str = "user",
+    settings: dict[str, Any] | None = None,
+) -> None:  # fmt: skip
     """Create ``topic`` with ``partitions`` partitions and fill it: with one, in the input's order;
     with more, each line to the partition of its ``key`` field's CRC-32 (a line without it, or
-    not JSON, to partition 0), in the input's order within a partition."""
+    not JSON, to partition 0), in the input's order within a partition. ``settings``: more
+    librdkafka settings (a login, TLS: ``client.security_settings``)."""
     import zlib
 
     from confluent_kafka import Producer
     from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-    admin = AdminClient({"bootstrap.servers": bootstrap, **CLIENT_SETTINGS})
+    admin = AdminClient({"bootstrap.servers": bootstrap, **CLIENT_SETTINGS, **(settings or {})})
     for f in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
         f.result(10)
     producer = Producer(
-        {"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 5, **CLIENT_SETTINGS}
+        {
+            "bootstrap.servers": bootstrap,
+            "enable.idempotence": True,
+            "linger.ms": 5,
+            **CLIENT_SETTINGS,
+            **(settings or {}),
+        }
     )
     for line in lines:
         p = zlib.crc32(_field(line, key)) % partitions if partitions > 1 else 0
@@ -156,7 +194,14 @@ def _field(line: bytes, key: str) -> bytes:
     return str(value).encode()
 
 
-def read_topic(bootstrap: str, topic: str, partition: int = 0, *, timeout_s: float = 60) -> list[bytes]:
+def read_topic(
+    bootstrap: str,
+    topic: str,
+    partition: int = 0,
+    *,
+    timeout_s: float = 60,
+    settings: dict[str, Any] | None = None,
+) -> list[bytes]:
     """Every record of ``partition`` of ``topic`` that a read_committed reader sees, in order: read
     until a fetch reply says the partition ends there (a quiet spell is no proof: a busy machine
     or a slow link can hold a reply back), at most ``timeout_s``."""
@@ -166,7 +211,13 @@ def read_topic(bootstrap: str, topic: str, partition: int = 0, *, timeout_s: flo
 
     group = f"aisp-read-{uuid.uuid4().hex}"
     consumer = Consumer(
-        {"bootstrap.servers": bootstrap, "group.id": group, "enable.partition.eof": True, **CLIENT_SETTINGS}
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": group,
+            "enable.partition.eof": True,
+            **CLIENT_SETTINGS,
+            **(settings or {}),
+        }
     )
     out: list[bytes] = []
     deadline = time.monotonic() + timeout_s

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from aisp.batch import Batch
+from aisp.connectors.access import Access
 from aisp.connectors.kafka.client import (
     CLIENT_SETTINGS,
     GRACE_S,
@@ -57,6 +58,7 @@ from aisp.connectors.kafka.client import (
     bounded,
     error_code,
     final_reason,
+    security_settings,
 )
 from aisp.errors import SinkError
 from aisp.retry import call_with_retry
@@ -92,6 +94,10 @@ class KafkaSink(Sink):
     key collapse. For several workers of a group writing one topic (each replaying what another
     wrote), where counting records after a position cannot tell whose they are."""
     options: Mapping[str, Any] = field(default_factory=dict)
+    access: Access = Access()
+    """Credentials and TLS (``aisp.connectors.access``)."""
+    sasl: str | None = None
+    """The SASL mechanism of the login (``PLAIN``, ``SCRAM-SHA-256``, ``SCRAM-SHA-512``)."""
 
     def open(self) -> SinkPartition:
         return _KafkaWriter(self, None)
@@ -104,8 +110,9 @@ class KafkaSink(Sink):
 
 
 def _keys_after(
-    bootstrap: str, topic: str, partition: int, start: int, *, keys: bool, timeout_s: float = 60.0
-) -> tuple[int, Counter[int]]:
+    bootstrap: str, topic: str, partition: int, start: int, *, keys: bool, timeout_s: float = 60.0,
+    settings: dict[str, Any] | None = None,
+) -> tuple[int, Counter[int]]:  # fmt: skip
     """The records in ``topic``/``partition`` from offset ``start`` to the end, and (``keys``:
     after a restart; a first start skips nothing) how often each key, an engine id, occurs
     among them, read until a fetch reply says the partition ends there (Tansu's high watermarks
@@ -117,6 +124,7 @@ def _keys_after(
     c = Consumer(
         {
             **CLIENT_SETTINGS,
+            **(settings or {}),
             "bootstrap.servers": bootstrap,
             "group.id": "aisp-count",
             "enable.auto.commit": False,
@@ -172,7 +180,8 @@ class _KafkaWriter(SinkPartition):
         from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
         self._cfg = cfg
-        admin = AdminClient({"bootstrap.servers": cfg.bootstrap, **CLIENT_SETTINGS, **cfg.options})
+        secured = {**CLIENT_SETTINGS, **security_settings(cfg.access, cfg.sasl), **cfg.options}
+        admin = AdminClient({"bootstrap.servers": cfg.bootstrap, **secured})
         topics = call_with_retry(
             lambda: admin.list_topics(timeout=5).topics, retry_on=(KafkaException,),
             give_up_after_s=cfg.retry_s, what=f"kafka at {cfg.bootstrap}", error=SinkError,
@@ -193,9 +202,8 @@ class _KafkaWriter(SinkPartition):
                 "enable.idempotence": True,
                 "linger.ms": 5,
                 "message.timeout.ms": int(cfg.retry_s * 1000),  # then a clear error, not a hang
-                **CLIENT_SETTINGS,
                 **({"transactional.id": cfg.transactional_id} if cfg.transactional_id else {}),
-                **cfg.options,
+                **secured,
             }
         )
         self._stuck = False  # a call never returned: the producer is not touched again
@@ -217,7 +225,13 @@ class _KafkaWriter(SinkPartition):
                 self._next[p] = start
                 continue
             found, keys = _keys_after(
-                cfg.bootstrap, cfg.topic, p, start, keys=resume is not None, timeout_s=max(60.0, cfg.retry_s)
+                cfg.bootstrap,
+                cfg.topic,
+                p,
+                start,
+                keys=resume is not None,
+                timeout_s=max(60.0, cfg.retry_s),
+                settings=secured,
             )
             self._next[p] = start + found
             if resume is not None and keys:

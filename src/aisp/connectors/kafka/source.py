@@ -44,7 +44,8 @@ import numpy as np
 import numpy.typing as npt
 
 from aisp.batch import Batch
-from aisp.connectors.kafka.client import CLIENT_SETTINGS
+from aisp.connectors.access import Access
+from aisp.connectors.kafka.client import CLIENT_SETTINGS, final_reason, security_settings
 from aisp.errors import SourceError
 from aisp.ingest.base import IdleClock, Source, SourceContext, SourcePartition
 from aisp.ingest.messages import MessageDecoder
@@ -85,6 +86,10 @@ class KafkaSource(Source):
     rebalances."""
     options: Mapping[str, Any] = field(default_factory=dict)
     """Extra librdkafka settings."""
+    access: Access = Access()
+    """Credentials and TLS (``aisp.connectors.access``)."""
+    sasl: str | None = None
+    """The SASL mechanism of the login (``PLAIN``, ``SCRAM-SHA-256``, ``SCRAM-SHA-512``)."""
     decode_heavy: ClassVar[bool] = False
 
     def open(self, ctx: SourceContext, resume_from: Any = None) -> SourcePartition:
@@ -114,6 +119,7 @@ class KafkaSourcePartition(SourcePartition):
         self._idle = IdleClock()
         self._failing_since: float | None = None
         self._down_since: float | None = None  # all brokers unreachable since then
+        self._refused: str | None = None  # the broker refused the login or the certificate
         self._probed_at = -math.inf  # when a broker was last asked whether it answers
         self._said_at = -math.inf  # when the input last said why it does not end
         settings = {
@@ -126,6 +132,7 @@ class KafkaSourcePartition(SourcePartition):
             "heartbeat.interval.ms": 1000,
             "max.poll.interval.ms": 60000,
             **CLIENT_SETTINGS,
+            **security_settings(cfg.access, cfg.sasl),
             **cfg.options,
             # the end of the input is a fetch reply that says so, not a quiet spell: a fetch
             # over a slow link can take longer than stop_when_idle_s
@@ -151,7 +158,7 @@ class KafkaSourcePartition(SourcePartition):
         self._consumer.subscribe([cfg.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
 
     def _on_error(self, err: Any) -> None:
-        from confluent_kafka import KafkaError
+        from confluent_kafka import KafkaError, KafkaException
 
         # a lost connection starts the clock, and only proof that a broker answers stops it (a
         # record, or metadata at the deadline): librdkafka reports "all brokers down" once, or not
@@ -159,6 +166,9 @@ class KafkaSourcePartition(SourcePartition):
         down = (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT)
         if err.code() in down and self._down_since is None:
             self._down_since = time.monotonic()
+        reason = final_reason(KafkaException(err))
+        if reason is not None and self._refused is None:  # raised by the next read: final
+            self._refused = f"{reason}: {err.str()}"
 
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
         self._joining_since = None
@@ -253,6 +263,8 @@ class KafkaSourcePartition(SourcePartition):
         from confluent_kafka import KafkaError
 
         msgs = self._consumer.consume(num_messages=max_rows, timeout=self._cfg.poll_timeout_s)
+        if self._refused is not None:
+            raise SourceError(f"kafka at {self._cfg.bootstrap}: {self._refused}")
         if msgs:
             self._down_since = None
         elif self._down_since is not None:  # the brokers are away: not the end of the input
