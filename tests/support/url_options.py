@@ -25,7 +25,7 @@ def check_options_reach(options: type[UrlOptions], build: Any, base_url: str, bu
     defaults = {f.name: f.default for f in dataclasses.fields(built_type)}
     bare = build(base_url)
     for field in msgspec.structs.fields(options):
-        if field.name in (*SecuredOptions.__struct_fields__, "creds", "sasl"):
+        if field.name in (*SecuredOptions.__struct_fields__, *getattr(options, "ACCESS", ())):
             continue  # they make the built one's ``access`` (tests/unit/connectors/test_access.py)
         name = RENAMED.get(field.name, field.name)
         assert name in defaults, f"{options.__name__}.{field.name} has no field {name} on {built_type}"

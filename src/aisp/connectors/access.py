@@ -14,6 +14,7 @@ import os
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar
 
 from msgspec import UNSET, UnsetType
 
@@ -38,6 +39,15 @@ class SecuredOptions(UrlOptions):
     """This client's certificate (PEM), for mutual TLS; with ``key``."""
     key: str | UnsetType = UNSET
     """This client's private key (PEM), for mutual TLS; with ``cert``."""
+
+    ACCESS: ClassVar[tuple[str, ...]] = ()
+    """A broker's own options about access (``creds``, ``sasl``), in its subclass."""
+
+    def plain(self) -> dict[str, Any]:
+        """The options the URL gave, less those about access: what a source or sink takes as
+        it is (access goes to it as an ``Access``)."""
+        access = {*SecuredOptions.__struct_fields__, *self.ACCESS}
+        return {k: v for k, v in self.given().items() if k not in access}
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -47,6 +47,8 @@ class KafkaOptions(SecuredOptions):
     sasl: str | UnsetType = UNSET
     """``PLAIN``, ``SCRAM-SHA-256`` or ``SCRAM-SHA-512`` (with ``USER:PASSWORD@`` in the URL)."""
 
+    ACCESS: ClassVar[tuple[str, ...]] = ("sasl",)
+
 
 def _secured(url: str, opts: KafkaOptions) -> dict[str, Any]:
     """``access`` and ``sasl`` for a source or sink: a login needs its mechanism, and the
@@ -60,11 +62,6 @@ def _secured(url: str, opts: KafkaOptions) -> dict[str, Any]:
     if sasl is not None and not (access.user and access.password):
         raise ConfigError(f"{mask(url)!r}: sasl={sasl} needs a user and a password (USER:PASSWORD@HOST)")
     return {"access": access, "sasl": sasl.upper() if sasl else None}
-
-
-def _plain(opts: KafkaOptions) -> dict[str, Any]:
-    """The options ``opts`` gave, less those of access (credentials, TLS, SASL)."""
-    return {k: v for k, v in opts.given().items() if k not in KafkaOptions.__struct_fields__}
 
 
 class KafkaInput(KafkaOptions):
@@ -95,14 +92,14 @@ class KafkaConnector(Connector):
     def source(self, url: str, schema: type[msgspec.Struct]) -> Source:
         a = _address(url)
         given = options(url, KafkaInput)
-        opts = {**_plain(given), **_secured(url, given)}
+        opts = {**given.plain(), **_secured(url, given)}
         idle = opts.pop("idle_stop_s", None)
         return KafkaSource(topic=a.name, schema=schema, bootstrap=a.hostport, stop_when_idle_s=idle, **opts)
 
     def sink(self, url: str, columns: Sequence[str] | None) -> Sink:
         a = _address(url)
         given = options(url, KafkaOutput)
-        opts = {**_plain(given), **_secured(url, given)}
+        opts = {**given.plain(), **_secured(url, given)}
         return KafkaSink(topic=a.name, bootstrap=a.hostport, columns=columns, **opts)
 
     def scenario_urls(self, address: str, tag: str, shape: ScenarioShape = DEFAULT_SHAPE) -> tuple[str, str]:

@@ -15,7 +15,7 @@ from collections.abc import Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -51,15 +51,12 @@ class NatsOptions(SecuredOptions):
     creds: str | UnsetType = UNSET
     """An NKey/JWT credentials file (``nsc`` makes them)."""
 
+    ACCESS: ClassVar[tuple[str, ...]] = ("creds",)
+
 
 def _access(url: str, opts: NatsOptions) -> Access:
     access = access_of(url, _address(url), opts)
     return replace(access, creds=opts.creds) if isinstance(opts.creds, str) else access
-
-
-def _plain(opts: NatsOptions) -> dict[str, Any]:
-    """The options ``opts`` gave, less those of access (credentials, TLS)."""
-    return {k: v for k, v in opts.given().items() if k not in NatsOptions.__struct_fields__}
 
 
 class NatsInput(NatsOptions):
@@ -131,7 +128,7 @@ class NatsConnector(Connector):
     def source(self, url: str, schema: type[msgspec.Struct]) -> Source:
         a = _address(url)
         given = options(url, NatsInput)
-        opts = _plain(given)
+        opts = given.plain()
         idle = opts.pop("idle_stop_s", None)
         return JetStreamSource(
             stream=a.name, schema=schema, servers=_servers(a), stop_when_idle_s=idle,
@@ -142,7 +139,7 @@ class NatsConnector(Connector):
         a = _address(url)
         given = options(url, NatsOutput)
         return JetStreamSink(
-            stream=a.name, servers=_servers(a), columns=columns, access=_access(url, given), **_plain(given)
+            stream=a.name, servers=_servers(a), columns=columns, access=_access(url, given), **given.plain()
         )
 
     def record_sink(self, url: str) -> Sink:

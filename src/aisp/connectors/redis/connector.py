@@ -41,12 +41,6 @@ __all__ = ["RedisConnector"]
 _PORT = 6379
 
 
-def _plain(opts: SecuredOptions) -> dict[str, Any]:
-    """The options ``opts`` gave, less those of access (credentials, TLS)."""
-    access = set(SecuredOptions.__struct_fields__)
-    return {k: v for k, v in opts.given().items() if k not in access}
-
-
 class RedisInput(SecuredOptions):
     """``redis://HOST:PORT/STREAM?...`` as an input (defaults: ``RedisStreamSource``'s)."""
 
@@ -109,7 +103,7 @@ class RedisConnector(Connector):
     def source(self, url: str, schema: type[msgspec.Struct]) -> Source:
         a = _address(url)
         given = options(url, RedisInput)
-        opts = _plain(given)
+        opts = given.plain()
         idle = opts.pop("idle_stop_s", None)
         return RedisStreamSource(
             stream=a.name, schema=schema, host=a.host, port=a.port, stop_when_idle_s=idle,
@@ -125,7 +119,7 @@ class RedisConnector(Connector):
             port=a.port,
             columns=columns,
             access=_access(url, given),
-            **_plain(given),
+            **given.plain(),
         )
 
     def record_sink(self, url: str) -> Sink:

@@ -20,8 +20,6 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
-from hypothesis.extra.numpy import array_shapes
 from tritonclient.grpc import service_pb2 as pb
 
 from aisp.errors import BadRequest
@@ -34,11 +32,10 @@ from aisp.serve.oip.request import (
     Signature,
     TensorSignature,
     array_from_bytes,
-    encode_bytes,
 )
 from aisp.serve.oip.shm import SharedMemoryRegions, ShmRef
+from tests.support.oip_tensors import DATATYPE_NAMES, raw_of, tensors
 
-DATATYPE_NAMES = sorted(DATATYPES)
 TYPED_NAMES = sorted(CONTENTS_FIELD)  # every datatype but FP16
 SIG = Signature(
     "m",
@@ -49,40 +46,6 @@ SIG = Signature(
 
 
 # -- helpers -----------------------------------------------------------------------------------------
-def values_of(datatype: str, *, typed: bool = False) -> st.SearchStrategy[Any]:
-    dtype = DATATYPES[datatype]
-    if datatype == "BOOL":
-        return st.booleans()
-    if datatype == "BYTES":
-        return st.text(max_size=6)
-    if dtype.kind in "iu":
-        info = np.iinfo(dtype)
-        return st.integers(int(info.min), int(info.max))
-    return st.floats(width=8 * dtype.itemsize, allow_nan=False, allow_infinity=False)  # type: ignore[arg-type]
-
-
-def array_of(datatype: str, values: list[Any], shape: tuple[int, ...]) -> npt.NDArray[Any]:
-    if datatype == "BYTES":
-        out = np.empty(len(values), dtype=object)
-        out[:] = values
-        return out.reshape(shape)
-    return np.array(values, dtype=DATATYPES[datatype]).reshape(shape)
-
-
-@st.composite
-def tensors(
-    draw: st.DrawFn, names: list[str], typed: bool = False, min_dims: int = 0
-) -> tuple[str, npt.NDArray[Any]]:
-    """A datatype of ``names`` and an array of it: at most 125 elements, sides from 0."""
-    datatype = draw(st.sampled_from(names))
-    shape = draw(array_shapes(min_dims=min_dims, max_dims=3, min_side=0, max_side=5))
-    n = int(np.prod(shape))
-    values = draw(st.lists(values_of(datatype, typed=typed), min_size=n, max_size=n))
-    return datatype, array_of(datatype, values, shape)
-
-
-def raw_of(datatype: str, arr: npt.NDArray[Any]) -> bytes:
-    return encode_bytes(arr) if datatype == "BYTES" else np.ascontiguousarray(arr).tobytes()
 
 
 def raw_request(*named: tuple[str, str, npt.NDArray[Any]]) -> Any:
@@ -134,7 +97,7 @@ def test_raw_input_contents_round_trip_every_datatype(
 
 
 @settings(max_examples=100, deadline=None)
-@given(tensors(TYPED_NAMES, typed=True))
+@given(tensors(TYPED_NAMES))
 def test_typed_contents_round_trip_and_agree_with_raw(tensor: tuple[str, npt.NDArray[Any]]) -> None:
     datatype, arr = tensor
     [typed] = parse_request(typed_request(("x", datatype, arr)), SIG).inputs

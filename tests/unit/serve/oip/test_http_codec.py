@@ -21,12 +21,10 @@ import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.extra.numpy import array_shapes
 
 from aisp.errors import BadRequest
 from aisp.serve.oip.http_codec import HEADER_LENGTH, MAX_TIMEOUT_US, encode_response, parse_request
 from aisp.serve.oip.request import (
-    DATATYPES,
     InferRequest,
     RequestedOutput,
     Signature,
@@ -35,8 +33,8 @@ from aisp.serve.oip.request import (
     encode_bytes,
 )
 from aisp.serve.oip.shm import SharedMemoryRegions, ShmRef
+from tests.support.oip_tensors import array_of, raw_of, tensors
 
-DATATYPE_NAMES = sorted(DATATYPES)
 SIG = Signature(
     "m",
     8,
@@ -47,37 +45,6 @@ Named = tuple[str, str, npt.NDArray[Any]]
 
 
 # -- helpers -----------------------------------------------------------------------------------------
-def values_of(datatype: str) -> st.SearchStrategy[Any]:
-    dtype = DATATYPES[datatype]
-    if datatype == "BOOL":
-        return st.booleans()
-    if datatype == "BYTES":
-        return st.text(max_size=6)
-    if dtype.kind in "iu":
-        info = np.iinfo(dtype)
-        return st.integers(int(info.min), int(info.max))
-    return st.floats(width=8 * dtype.itemsize, allow_nan=False, allow_infinity=False)  # type: ignore[arg-type]
-
-
-def array_of(datatype: str, values: list[Any], shape: tuple[int, ...]) -> npt.NDArray[Any]:
-    if datatype == "BYTES":
-        out = np.empty(len(values), dtype=object)
-        out[:] = values
-        return out.reshape(shape)
-    return np.array(values, dtype=DATATYPES[datatype]).reshape(shape)
-
-
-@st.composite
-def tensors(draw: st.DrawFn, min_dims: int = 0) -> tuple[str, npt.NDArray[Any]]:
-    """A datatype and an array of it: at most 125 elements, sides from 0."""
-    datatype = draw(st.sampled_from(DATATYPE_NAMES))
-    shape = draw(array_shapes(min_dims=min_dims, max_dims=3, min_side=0, max_side=5))
-    n = int(np.prod(shape))
-    return datatype, array_of(datatype, draw(st.lists(values_of(datatype), min_size=n, max_size=n)), shape)
-
-
-def raw_of(datatype: str, arr: npt.NDArray[Any]) -> bytes:
-    return encode_bytes(arr) if datatype == "BYTES" else np.ascontiguousarray(arr).tobytes()
 
 
 def json_body(*named: Named, nested: bool = False, **extra: Any) -> bytes:

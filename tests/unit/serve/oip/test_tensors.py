@@ -34,6 +34,7 @@ from aisp.serve.oip.tensors import (
     shape_groups,
     tensor_batch,
 )
+from tests.support.oip_tensors import DATATYPE_NAMES, array_of, values_of
 
 
 class FakeModel:
@@ -49,26 +50,6 @@ def model(*names: str) -> ServedModel:
 
 def gathered(req: int, rows: int, tier: int = 0, deadline_ns: int | None = None, **inputs: Any) -> Gathered:
     return Gathered(req, inputs, rows, tier, deadline_ns, 0)
-
-
-def values_of(datatype: str) -> st.SearchStrategy[Any]:
-    dtype = DATATYPES[datatype]
-    if datatype == "BOOL":
-        return st.booleans()
-    if datatype == "BYTES":
-        return st.text(max_size=6)
-    if dtype.kind in "iu":
-        info = np.iinfo(dtype)
-        return st.integers(int(info.min), int(info.max))
-    return st.floats(width=8 * dtype.itemsize, allow_nan=False, allow_infinity=False)  # type: ignore[arg-type]
-
-
-def array_of(datatype: str, values: list[Any], shape: tuple[int, ...]) -> npt.NDArray[Any]:
-    if datatype == "BYTES":
-        out = np.empty(len(values), dtype=object)
-        out[:] = values
-        return out.reshape(shape)
-    return np.array(values, dtype=DATATYPES[datatype]).reshape(shape)
 
 
 def read_back(batch: Batch, name: str) -> npt.NDArray[Any]:
@@ -183,9 +164,6 @@ def test_request_batch_keeps_the_models_input_order_and_every_input() -> None:
     assert batch.column_names[:2] == ["a", "b"]
     assert batch.numpy("a").tolist() == ["x", "y", "zz"]
     assert batch.numpy("b").tolist() == [[1.5], [2.5], [3.5]]
-
-
-DATATYPE_NAMES = sorted(DATATYPES)
 
 
 @st.composite
