@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -180,7 +181,8 @@ def test_a_worker_that_dies_fails_the_run_clearly(tmp_path: Path) -> None:
 def test_metrics_and_the_dashboard_sum_the_workers(tmp_path: Path) -> None:
     data, out = tmp_path / "events.jsonl", tmp_path / "out.jsonl"
     write_events(data, 60_000, seed=2)
-    cmd = aisp_run(data, out, "--workers", "2", "--rate", "10000", "--metrics-port", "0", "--dashboard")
+    # paced to last ~12 s: the metrics and the dashboard are read while it runs (they go with it)
+    cmd = aisp_run(data, out, "--workers", "2", "--rate", "5000", "--metrics-port", "0", "--dashboard")
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
@@ -191,9 +193,11 @@ def test_metrics_and_the_dashboard_sum_the_workers(tmp_path: Path) -> None:
                 break
         assert url, "no metrics address announced"
         by_worker: dict[str, float] = {}
+        state: dict[str, Any] = {}
         deadline = time.monotonic() + 30
-        while len(by_worker) < 2 and time.monotonic() < deadline:
-            time.sleep(0.5)
+        while (len(by_worker) < 2 or not state.get("events_out")) and time.monotonic() < deadline:
+            time.sleep(0.5)  # both read in one round, while the run is on
+            state = json.loads(urllib.request.urlopen(f"{url}/dashboard/state?history=1", timeout=5).read())
             text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
             by_worker = {
                 m.group(1): float(m.group(2))
@@ -203,9 +207,8 @@ def test_metrics_and_the_dashboard_sum_the_workers(tmp_path: Path) -> None:
         assert set(by_worker) == {"0", "1"}, "each worker's events are shown"
         total = re.search(r'aisp_events_total\{direction="out"\} (\S+)', text)
         assert total is not None and float(total.group(1)) >= sum(by_worker.values()) > 0
-        state = json.loads(urllib.request.urlopen(f"{url}/dashboard/state?history=1", timeout=5).read())
         assert state["events_out"] > 0 and [s["id"] for s in state["stages"]][0] == "events"
-        proc.communicate(timeout=60)
+        proc.communicate(timeout=120)
     finally:  # a failed assertion must not leave the run behind
         if proc.poll() is None:
             proc.kill()
