@@ -14,14 +14,15 @@ import os
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlparse
 
 from msgspec import UNSET, UnsetType
 
-from aisp.connectors.url import Address, UrlOptions, mask
+from aisp.connectors.url import Address, UrlOptions, mask, options
 from aisp.errors import ConfigError
 
-__all__ = ["Access", "SecuredOptions", "access_of"]
+__all__ = ["Access", "SecuredOptions", "access_of", "access_options"]
 
 
 class SecuredOptions(UrlOptions):
@@ -117,3 +118,15 @@ def access_of(url: str, address: Address, opts: SecuredOptions, *, tls: bool = F
         raise ConfigError(f"{mask(url)!r}: ca=, cert= and key= are TLS settings, but tls=0")
     wants_tls = tls or opts.tls is True or any(v is not None for v in (ca, cert))
     return Access(address.user, password, wants_tls, ca, cert, key)
+
+
+S = TypeVar("S", bound=SecuredOptions)
+
+
+def access_options(url: str, kind: type[S]) -> S:
+    """The options of ``url`` about access only, as ``kind`` (the others, whatever they are, left
+    out): for the tools that reach a broker by any of its URLs, an input's or an output's."""
+    parsed = urlparse(url)
+    wanted = {*SecuredOptions.__struct_fields__, *kind.ACCESS}
+    kept = [(k, v) for k, v in parse_qsl(parsed.query) if k in wanted]
+    return options(parsed._replace(query=urlencode(kept)).geturl(), kind)

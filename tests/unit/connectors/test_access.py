@@ -73,3 +73,14 @@ def test_tls_settings_go_together(tmp_path: Path) -> None:
         resolve(f"redis://h:1/s?tls=1&ca={tmp_path / 'nope.pem'}")
     plain = Address.parse("rediss://h:1/s", 6379, "stream")
     assert access_of("rediss://h:1/s", plain, options("rediss://h:1/s", SecuredOptions), tls=True).tls
+
+
+def test_the_tools_reach_a_broker_by_any_of_its_urls(tmp_path: Path) -> None:
+    """An input's or an output's URL, whatever else it says: only its access options count."""
+    from aisp.connectors.access import access_options
+
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    url = f"redis://u:pw@h:1/s?group=g&idle_stop_s=2&ca={ca}&dedupe_ttl_s=5"
+    opts = access_options(url, SecuredOptions)
+    assert access_of(url, Address.parse(url, 6379, "stream"), opts) == Access("u", "pw", tls=True, ca=str(ca))

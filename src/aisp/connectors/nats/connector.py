@@ -20,7 +20,7 @@ from typing import Any, ClassVar, TypeVar
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from aisp.connectors.access import Access, SecuredOptions, access_of
+from aisp.connectors.access import Access, SecuredOptions, access_of, access_options
 from aisp.connectors.base import (
     DEFAULT_SHAPE,
     Connector,
@@ -107,18 +107,10 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 async def _connect(url: str) -> Any:
-    """A connection for the scenario tools: one try, credentials and TLS as ``url`` says (the
-    options of inputs and outputs alike: only those of access count here)."""
-    access = _access(url, options(url.split("?")[0] + _access_query(url), NatsOptions))
-    return await connect_nats(_servers(_address(url)), access, reconnect=False)
-
-
-def _access_query(url: str) -> str:
-    """The query of ``url`` less the options that are not about access."""
-    from urllib.parse import parse_qsl, urlencode, urlparse
-
-    kept = [(k, v) for k, v in parse_qsl(urlparse(url).query) if k in NatsOptions.__struct_fields__]
-    return f"?{urlencode(kept)}" if kept else ""
+    """A connection for the scenario tools: one try, credentials and TLS as ``url`` says."""
+    return await connect_nats(
+        _servers(_address(url)), _access(url, access_options(url, NatsOptions)), reconnect=False
+    )
 
 
 class NatsConnector(Connector):

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from aisp.connectors.access import Access, SecuredOptions, access_of
+from aisp.connectors.access import Access, SecuredOptions, access_of, access_options
 from aisp.connectors.base import (
     DEFAULT_SHAPE,
     Connector,
@@ -88,7 +88,7 @@ def _client(url: str) -> Any:
     import redis
 
     a = _address(url)
-    r = redis_client(a.host, a.port, _access(url, options(url, SecuredOptions)))
+    r = redis_client(a.host, a.port, _access(url, access_options(url, SecuredOptions)))
     try:
         r.ping()
     except redis.ConnectionError as exc:
