@@ -5,7 +5,7 @@
 The password may come from the URL, from ``password_env=NAME`` (an environment variable: what a
 Kubernetes secret gives) or from ``password_file=PATH`` (what a vault agent writes; one trailing
 newline is dropped), one of them at most. ``Access`` holds the result; its ``repr`` and
-everything this module raises leave the secret out (``url.mask``).
+everything this module raises leave the secret out (``aisp.secrets.mask``).
 """
 
 from __future__ import annotations
@@ -63,11 +63,6 @@ class Access:
     key: str | None = None
     creds: str | None = None
     """A NATS credentials file (JWT and NKey seed)."""
-
-    @property
-    def secret(self) -> bool:
-        """Whether there is a password or token to keep out of what is printed."""
-        return self.password is not None
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """The client's TLS context (the server verified against ``ca``, else the system's CAs;
