@@ -44,6 +44,7 @@ def per_partition_reference(rows: list[dict[str, Any]]) -> tuple[dict[Any, dict[
     return windows, sorted(late)
 
 
+@pytest.mark.slow  # `make chaos` (a minute: the fast suite stays under 20 minutes on 2 cores)
 def test_windows_move_with_their_partitions_across_a_kill_a_join_and_a_return(
     broker: str, tmp_path: Path
 ) -> None:

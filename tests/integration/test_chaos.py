@@ -23,7 +23,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("via", ["redis", "nats"])
+@pytest.mark.parametrize("via", ["redis", pytest.param("nats", marks=pytest.mark.slow)])
 def test_sigkills_through_a_broker_lose_nothing_and_write_nothing_twice(
     data: Path, tmp_path: Path, via: str
 ) -> None:
@@ -38,11 +38,11 @@ def test_sigkills_through_a_broker_lose_nothing_and_write_nothing_twice(
     ("via", "mode", "down_s", "after_s"),
     [
         ("redis", "refuse", 2.5, 0.3),
-        ("nats", "blackhole", 2.5, 0.3),
+        pytest.param("nats", "blackhole", 2.5, 0.3, marks=pytest.mark.slow),
         pytest.param("redis", "slow", 2.5, 0.3, marks=pytest.mark.slow),
         # longer than the consumer's session, struck once the input is read: librdkafka
         # re-bootstrapped and its transactional producer hung for good (librdkafka#5511)
-        ("kafka", "blackhole", 10.0, 3.0),
+        pytest.param("kafka", "blackhole", 10.0, 3.0, marks=pytest.mark.slow),
         pytest.param("nats", "flaky", 2.5, 0.3, marks=pytest.mark.slow),
     ],  # slow (`make chaos`): the campaign draws every mode, 1-20 s long, in `make test` too
 )
@@ -66,7 +66,7 @@ def test_the_command_line_reports_and_exits_0_when_it_holds(data: Path, tmp_path
     assert '"passed": true' in out.read_text() and "pass" in res.stdout
 
 
-@pytest.mark.parametrize("via", ["nats", "redis"])
+@pytest.mark.parametrize("via", [pytest.param("nats", marks=pytest.mark.slow), "redis"])
 def test_a_broker_killed_and_restarted_mid_run_is_resumed_by_itself(
     data: Path, tmp_path: Path, via: str
 ) -> None:

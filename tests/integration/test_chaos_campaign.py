@@ -58,7 +58,12 @@ def test_kafka_three_partitions_plain_output_repeated_kills_exactly_once(
 
 @pytest.mark.parametrize(
     ("vias", "outage_share"),
-    [(("kafka",), 0.0), (("file", "redis", "nats"), 0.0), (("redis", "nats", "kafka"), 1.0)],
+    # the drawn Kafka kill case in `make chaos` (the fixed one above runs here): the fast suite's time
+    [
+        pytest.param(("kafka",), 0.0, marks=pytest.mark.slow),
+        (("file", "redis", "nats"), 0.0),
+        (("redis", "nats", "kafka"), 1.0),
+    ],
     ids=["kafka", "other", "outage"],
 )
 def test_a_case_drawn_from_the_printed_seed_holds(

@@ -65,7 +65,7 @@ def broker() -> Iterator[str]:
 # (plain output, repeated kills); this one runs in `make chaos`
 @pytest.mark.parametrize(
     "transactions",
-    [pytest.param(False, marks=pytest.mark.slow), True],
+    [pytest.param(False, marks=pytest.mark.slow), pytest.param(True, marks=pytest.mark.slow)],
     ids=["idempotent", "transactional"],
 )
 def test_kafka_in_and_out_exactly_once_across_sigkills(
@@ -204,6 +204,7 @@ def test_a_transactional_sink_commits_outputs_with_the_source_offsets_at_the_bar
     source.close()
 
 
+@pytest.mark.slow  # `make chaos`; the changelog tests move state between processes in the fast suite
 def test_keyed_state_moves_with_partitions_between_the_processes_of_a_group(
     broker: str, tmp_path: Path
 ) -> None:

@@ -64,7 +64,7 @@ def _case(kafka: SecuredKafka, mechanism: str, tls: bool) -> tuple[str, str, dic
     [
         ("PLAIN", False),
         ("SCRAM-SHA-256", True),
-        ("SCRAM-SHA-512", False),
+        pytest.param("SCRAM-SHA-512", False, marks=pytest.mark.slow),
         pytest.param("PLAIN", True, marks=pytest.mark.slow),
         pytest.param("SCRAM-SHA-256", False, marks=pytest.mark.slow),
         pytest.param("SCRAM-SHA-512", True, marks=pytest.mark.slow),
