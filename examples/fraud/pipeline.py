@@ -20,6 +20,7 @@ import msgspec
 import numpy as np
 
 from aisp import Batch, BatcherConfig, NullSink, OnnxRuntime, Pipeline, ServedModel, WorkloadFSource
+from aisp.infer.runtimes.endpoints import EndpointAccess
 from aisp.infer.runtimes.pool import RemotePool
 from aisp.infer.runtimes.remote import RemoteRuntime
 
@@ -68,20 +69,26 @@ def build(
     model: str | Path = MODEL,
     model_repository: str | Path | None = None,
     model_url: str | None = None,
+    model_api_key_env: str | None = None,
+    model_ca: str | None = None,
 ) -> Pipeline:
     """Workload F.
 
     With ``model_repository`` the model is ``fraud`` from that Triton-style repository (swapped
     to a newer version when one appears) and rows also carry ``model`` and ``model_version``.
+    With ``model_url`` (``HOST:PORT``, or several joined by commas for a pool) the model is
+    ``fraud`` on those OIP v2 gRPC servers, reached with the bearer token in the variable
+    ``model_api_key_env`` and over TLS against the CA file ``model_ca`` when given.
     """
     runtime: OnnxRuntime | ServedModel | RemoteRuntime | RemotePool
+    access = EndpointAccess.of(api_key_env=model_api_key_env, ca=model_ca)
     if model_url is not None and "," in model_url:  # a pool of servers, up to 2 batches in flight each
         urls = model_url.split(",")
-        runtime = RemotePool(urls, "fraud")
+        runtime = RemotePool(urls, "fraud", access=access)
         batcher = BatcherConfig(max_batch_size=512, max_queue_delay_ms=1.0, instances=2 * len(urls))
         columns = OUTPUT_COLUMNS
     elif model_url is not None:  # the model on an OIP v2 gRPC server (`aisp serve`, Triton, ...)
-        runtime = RemoteRuntime(model_url, "fraud")
+        runtime = RemoteRuntime(model_url, "fraud", access=access)
         batcher = BatcherConfig(max_batch_size=512, max_queue_delay_ms=1.0)
         columns = OUTPUT_COLUMNS
     elif model_repository is not None:

@@ -17,6 +17,7 @@ import pytest
 
 from aisp.connectors.access import Access
 from aisp.connectors.base import free_port
+from aisp.connectors.kafka.changelog import changelog_topic
 from aisp.connectors.kafka.client import security_settings
 from aisp.connectors.kafka.connector import fill_topic, read_topic, tansu_broker
 from tests.integration.test_redis_security import SECRET, _run
@@ -120,3 +121,33 @@ def test_a_refused_login_or_an_untrusted_broker_ends_the_run_at_once_and_says_so
     stderr = " ".join(res.stderr.split())
     assert says in stderr and address in stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr and SECRET not in res.stdout + res.stderr
+
+
+def test_state_in_changelog_topics_logs_in_as_the_input_does(
+    kafka: SecuredKafka, reference: tuple[list[bytes], list[str], int], tmp_path: Path
+) -> None:
+    """``--partition-state changelog``: the changelogs' admin, producer and readers reach the
+    input's broker with its login and TLS (every connection without it is closed by the broker),
+    every event once, and no checkpoint file holds the password."""
+    events, expected, _ = reference
+    address, query, settings = _case(kafka, "SCRAM-SHA-256", True)
+    tag = uuid.uuid4().hex[:8]
+    source, output, group = f"in-{tag}", f"out-{tag}", f"g-{tag}"
+    fill_topic(address, source, events, settings=settings)
+    before = len(kafka.tls.logins)
+    base = f"kafka://app:{SECRET}@{address}"
+    chk = tmp_path / "chk"
+    res = _run(
+        "--input", f"{base}/{source}?{query}&idle_stop_s=2&group={group}",
+        "--output", f"{base}/{output}?{query}",
+        "--dead-letter", str(tmp_path / "dl.jsonl"), "--checkpoint-dir", str(chk),
+        "--partition-state", "changelog", "--checkpoint-interval-s", "0.25",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(line.decode() for line in read_topic(address, output, settings=settings)) == expected
+    changelog = changelog_topic(group, source, "user_stats")
+    assert read_topic(address, changelog, settings=settings), "the keyed state went to its changelog"
+    logins = kafka.tls.logins[before:]
+    assert len(logins) > 4 and all(ok for *_, ok in logins)  # the run's clients and the changelogs'
+    files = b"".join(f.read_bytes() for f in chk.rglob("*") if f.is_file())
+    assert SECRET.encode() not in files and SECRET not in res.stdout + res.stderr

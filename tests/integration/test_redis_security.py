@@ -165,3 +165,75 @@ def test_a_bad_url_is_refused_with_its_secret_masked(redis: SecuredRedis, tmp_pa
                  "--output", str(tmp_path / "o.jsonl"))  # fmt: skip
     assert again.returncode != 0 and "AISP_NOT_SET_ANYWHERE: the variable is not set" in again.stderr
     assert json.dumps(SECRET) not in again.stderr
+
+
+def test_aisp_serve_with_dead_letters_behind_a_refused_login_fails_at_start(
+    redis: SecuredRedis, tmp_path: Path
+) -> None:
+    """A served pipeline whose dead letters go to a broker that refuses the login does not start:
+    one line names the broker and the refusal, at once, no traceback, no secret."""
+    url = f"redis://app:{SECRET}x@127.0.0.1:{redis.port}/dl"
+    cmd = [sys.executable, "-m", "aisp.cli", "serve", str(PIPELINE), "--http-port", "0", "--grpc-port", "-1",
+           "--no-decode-process", "--dead-letter", url]  # fmt: skip
+    started = time.monotonic()
+    res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and time.monotonic() - started < 60, res.stderr[-2000:]
+    stderr = " ".join(res.stderr.split())
+    assert "authentication failed" in stderr and f"127.0.0.1:{redis.port}" in stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and SECRET not in res.stdout + res.stderr
+
+
+def test_no_status_page_or_checkpoint_holds_the_password(
+    redis: SecuredRedis, reference: tuple[list[bytes], list[str], int], tmp_path: Path
+) -> None:
+    """While a run reads and writes through a login: /metrics, the dashboard's page and its state,
+    and afterwards the checkpoints (manifests and state files) and the summary, never hold the
+    password; the run still gives every event once."""
+    import urllib.request
+
+    events, expected, _ = reference
+    tag = uuid.uuid4().hex[:8]
+    base = f"redis://app:{SECRET}@127.0.0.1:{redis.port}"
+    connector = RedisConnector()
+    connector.fill(f"{base}/in-{tag}", events)
+    chk, summary = tmp_path / "chk", tmp_path / "summary.json"
+    cmd = [
+        sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--no-live",
+        "--input", f"{base}/in-{tag}?idle_stop_s=2", "--output", f"{base}/out-{tag}",
+        "--dead-letter", f"{base}/dl-{tag}", "--rate", str(len(events) // 6),  # ~6 s: pages read meanwhile
+        "--metrics-port", "0", "--dashboard", "--checkpoint-dir", str(chk), "--summary-json", str(summary),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pages: list[str] = []
+    lines: list[str] = []
+    try:
+        assert proc.stderr is not None
+        url = ""
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("metrics http://"):
+                url = line.split()[1].removesuffix("/metrics")
+                break
+        assert url, "no metrics address announced: " + "".join(lines)[-2000:]
+        state: dict[str, object] = {}
+        while not state.get("events_out"):
+            assert proc.poll() is None, "the run ended before its pages were read"
+            time.sleep(0.3)
+            for path in ("/metrics", "/dashboard", "/dashboard/state?history=1"):
+                pages.append(urllib.request.urlopen(url + path, timeout=30).read().decode())
+            state = json.loads(pages[-1])
+        out, err = proc.communicate(timeout=240)
+    finally:  # a failed assertion must not leave the run behind
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert sorted(x.decode() for x in connector.read(f"{base}/out-{tag}")) == expected
+    assert any("aisp_events_total" in page for page in pages)
+    printed = "".join(pages) + out + "".join(lines) + err + summary.read_text()
+    assert SECRET not in printed
+    files = [f for f in chk.rglob("*") if f.is_file()]
+    assert any(f.name == "manifest.json" for f in files)
+    assert not [f for f in files if SECRET.encode() in f.read_bytes()]
+    for stream in ("in", "out", "dl"):
+        connector.drop(f"{base}/{stream}-{tag}")

@@ -95,7 +95,11 @@ def serve(
         float, typer.Option(help="How long a new request may wait for room before a 429.")
     ] = 0.0,
     dead_letter: Annotated[
-        str | None, typer.Option("--dead-letter", help="JSONL file for a pipeline's dead letters.")
+        str | None,
+        typer.Option(
+            "--dead-letter",
+            help="Where a pipeline's dead letters go: a JSONL file, or a redis:// or nats:// stream.",
+        ),
     ] = None,
     decode_process: Annotated[
         bool, typer.Option(help="Decode a pipeline's incoming JSON in a worker process (another core).")

@@ -27,6 +27,7 @@ import numpy.typing as npt
 
 from aisp.errors import ConfigError
 from aisp.observe.clock import wall_ms
+from aisp.secrets import mask
 
 __all__ = ["DriftConfig", "DriftMonitor", "alert_sink", "ks_statistic", "local_alert", "psi"]
 
@@ -108,26 +109,48 @@ def alert_sink(target: str | Callable[[dict[str, Any]], None]) -> Callable[[dict
     if target == "log":
         return lambda alert: log.warning("drift alert: %s", json.dumps(alert))
     if target.startswith(("http://", "https://")):
+        url, headers = _webhook(target)
+        shown = mask(target)
 
         def post(alert: dict[str, Any]) -> None:
             def send() -> None:
                 import urllib.request  # only a webhook needs it (~30 ms to import)
 
                 req = urllib.request.Request(  # noqa: S310 - the user's own webhook URL
-                    target, data=json.dumps(alert).encode(), headers={"Content-Type": "application/json"}
+                    url, data=json.dumps(alert).encode(), headers=headers
                 )
                 try:
                     urllib.request.urlopen(req, timeout=5).close()  # noqa: S310
                 except OSError as exc:
-                    log.warning("drift alert webhook %s failed: %s", target, exc)
+                    log.warning("drift alert webhook %s failed: %s", shown, mask(str(exc)))
 
             threading.Thread(target=send, name="aisp-drift-webhook", daemon=True).start()
 
         return post
     raise ConfigError(
         "drift alert must be 'log', an http(s):// URL, a redis:// or nats:// stream or a callable,"
-        f" got {target!r}"
+        f" got {mask(target)!r}"
     )
+
+
+def _webhook(target: str) -> tuple[str, dict[str, str]]:
+    """The webhook's URL without its ``USER:PASSWORD@``, and the headers of a POST to it: the
+    credentials go as HTTP basic authentication (as curl sends them), never in a log line.
+
+    >>> _webhook("https://ops:pw@h/hook?x=1")
+    ('https://h/hook?x=1', {'Content-Type': 'application/json', 'Authorization': 'Basic b3BzOnB3'})
+    """
+    import base64
+    from urllib.parse import unquote, urlsplit
+
+    parts = urlsplit(target)
+    headers = {"Content-Type": "application/json"}
+    if parts.username is None:
+        return target, headers
+    pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+    headers["Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=host).geturl(), headers
 
 
 class DriftMonitor:

@@ -84,3 +84,36 @@ def test_the_tools_reach_a_broker_by_any_of_its_urls(tmp_path: Path) -> None:
     url = f"redis://u:pw@h:1/s?group=g&idle_stop_s=2&ca={ca}&dedupe_ttl_s=5"
     opts = access_options(url, SecuredOptions)
     assert access_of(url, Address.parse(url, 6379, "stream"), opts) == Access("u", "pw", tls=True, ca=str(ca))
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://app:{s}@127.0.0.1:1/st", "rediss://:{s}@127.0.0.1:1/st", "nats://app:{s}@127.0.0.1:1/ST",
+        "nats://{s}@127.0.0.1:1/ST", "kafka://app:{s}@127.0.0.1:1/t?sasl=SCRAM-SHA-512",
+    ],
+)  # fmt: skip
+def test_what_a_secured_url_builds_shows_no_secret(url: str) -> None:
+    """The parts a URL builds (its source, sink and dead-letter sink, as ``aisp run`` and a
+    pipeline file make them) and everything that describes them (``describe``, which the run
+    summary, the dashboard and metrics labels show; ``repr``; the graph's rendering, which
+    ``aisp topology`` prints) leave the secret out. Building connects to nothing."""
+    import msgspec
+
+    from aisp import Pipeline
+    from aisp.connectors import connector_for, dead_letter_sink
+
+    class Event(msgspec.Struct):
+        id: int
+
+    secret = "pw-9f1c2e"
+    url = url.format(s=secret)
+    connector = connector_for(url)
+    parts: list[object] = [connector.source(url, Event), connector.sink(url, ["id"])]
+    p = Pipeline("secured", output_columns=["id"])
+    p.source("in", parts[0], schema=Event).sink("out", parts[1])
+    if not url.startswith("kafka"):  # dead letters go to streams that store each record once
+        parts.append(dead_letter_sink(url))
+    shown = [p.build().render(), *(repr(x) for x in parts)]
+    shown += [x.describe() for x in parts if hasattr(x, "describe")]
+    assert all(secret not in text for text in shown), shown

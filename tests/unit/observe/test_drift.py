@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import base64
+import json
+import logging
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -9,7 +14,7 @@ import pytest
 
 from aisp import Batch, CollectSink, Pipeline, PythonRuntime, WorkloadFSource, run
 from aisp.errors import ConfigError, GraphError
-from aisp.observe.drift import DriftConfig, DriftMonitor, ks_statistic, psi
+from aisp.observe.drift import DriftConfig, DriftMonitor, alert_sink, ks_statistic, psi
 
 
 def test_psi_and_ks_grow_with_the_shift() -> None:
@@ -106,3 +111,45 @@ def test_a_bad_alert_target_fails_when_the_pipeline_is_built(alert: str) -> None
             "score", model, inputs={"x": "x"}, outputs={"y": "y"}, drift=DriftConfig(alert=alert)
         )
     assert info.value.step == "score"
+
+
+def test_a_webhook_with_credentials_gets_basic_auth_and_no_log_line_holds_the_password(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import http.server
+    import queue
+
+    from aisp.connectors.base import free_port
+
+    seen: queue.Queue[tuple[str, str | None, bytes]] = queue.Queue()
+
+    class Hook(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            seen.put((self.path, self.headers.get("Authorization"), body))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        alert_sink(f"http://ops:s3cr%40t@127.0.0.1:{server.server_port}/hook?team=risk")({"feature": 3})
+        path, auth, body = seen.get(timeout=10)
+    finally:
+        server.shutdown()
+    assert path == "/hook?team=risk" and json.loads(body) == {"feature": 3}
+    assert auth == "Basic " + base64.b64encode(b"ops:s3cr@t").decode()
+    closed = free_port()
+    with caplog.at_level(logging.WARNING, logger="aisp.drift"):
+        alert_sink(f"http://ops:s3cr%40t@127.0.0.1:{closed}/hook")({"feature": 3})
+        deadline = time.monotonic() + 10
+        while "webhook" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert f"http://ops:***@127.0.0.1:{closed}/hook failed" in caplog.text
+    assert "s3cr" not in caplog.text
+    with pytest.raises(ConfigError) as bad:
+        alert_sink("ftp://ops:s3cret@h/x")
+    assert "s3cret" not in str(bad.value)

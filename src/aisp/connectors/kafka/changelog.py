@@ -120,14 +120,18 @@ class ChangelogStates:
         restore_timeout_s: float = 300.0,
         local_dir: str | Path | None = None,
         options: dict[str, Any] | None = None,
+        security: dict[str, Any] | None = None,
     ) -> None:
+        """``security``: librdkafka's login and TLS settings of the input's broker
+        (``aisp.connectors.kafka.client.security_settings``), for every client of the changelogs."""
         from confluent_kafka import Consumer, Producer
         from confluent_kafka.admin import AdminClient
 
         self.bootstrap, self._group, self._topic, self._pipeline = bootstrap, group, topic, pipeline
         self._restore_timeout_s = restore_timeout_s
         self._prefix = f"{group}-{topic}-"
-        self._admin = AdminClient({"bootstrap.servers": bootstrap, **CLIENT_SETTINGS})
+        secured = dict(security or {})
+        self._admin = AdminClient({"bootstrap.servers": bootstrap, **CLIENT_SETTINGS, **secured})
         meta = self._admin.list_topics(topic, timeout=30).topics.get(topic)
         if meta is None or meta.error is not None or not meta.partitions:
             raise ConfigError(f"changelog state needs the input topic {topic!r} at {bootstrap} to exist")
@@ -140,6 +144,7 @@ class ChangelogStates:
                 "linger.ms": 5,
                 "error_cb": lambda err: None,  # delivery reports say what failed
                 **CLIENT_SETTINGS,
+                **secured,
                 **(options or {}),
             }
         )
@@ -150,6 +155,7 @@ class ChangelogStates:
                 "group.id": group,
                 "enable.auto.commit": False,
                 **CLIENT_SETTINGS,
+                **secured,
             }
         )
         self._reader = Consumer(  # reads changelogs at takeovers (connected once: a new one takes ~0.5 s)
@@ -161,6 +167,7 @@ class ChangelogStates:
                 "fetch.max.bytes": 64 << 20,
                 "fetch.wait.max.ms": 20,  # the end marker is there: no wait for more to come
                 **CLIENT_SETTINGS,
+                **secured,
             }
         )
         self._created: set[str] = set()
@@ -178,7 +185,7 @@ class ChangelogStates:
         self._standby_replicas = standby_replicas
         self._standby: Standby | None = None
         if standby_replicas > 0:
-            self._standby = Standby(bootstrap, group, topic, self._topics)
+            self._standby = Standby(bootstrap, group, topic, self._topics, security=secured)
             self._standby.start()
             self._want()
 

@@ -130,9 +130,17 @@ class Standby(threading.Thread):
     """Tails the changelogs of the partitions in ``want`` (see the module docstring)."""
 
     def __init__(
-        self, bootstrap: str, group: str, topic: str, topics: Any, *, refresh_s: float = 2.0
+        self,
+        bootstrap: str,
+        group: str,
+        topic: str,
+        topics: Any,
+        *,
+        refresh_s: float = 2.0,
+        security: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(name="aisp-standby", daemon=True)
+        self._security = dict(security or {})  # the broker's login and TLS settings
         self._servers, self._group, self._topic = bootstrap, group, topic
         self._topics = topics  # () -> {step: changelog topic}
         self._refresh_s = refresh_s
@@ -176,6 +184,7 @@ class Standby(threading.Thread):
         from confluent_kafka import Consumer, TopicPartition
 
         common = {"bootstrap.servers": self._servers, "enable.auto.commit": False, **CLIENT_SETTINGS}
+        common.update(self._security)
         # uncommitted records too: a dead worker's open transaction must not hold the copy back
         uncommitted = {"isolation.level": "read_uncommitted"}
         reader = Consumer({**common, **uncommitted, "group.id": f"{self._group}-standby"})

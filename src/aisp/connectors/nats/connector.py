@@ -55,7 +55,11 @@ class NatsOptions(SecuredOptions):
 
 
 def _access(url: str, opts: NatsOptions) -> Access:
+    """``url``'s access; a user without a password (``nats://TOKEN@HOST``) is a token, kept as
+    the password (so that no repr shows it)."""
     access = access_of(url, _address(url), opts)
+    if access.user is not None and access.password is None:
+        access = replace(access, user=None, password=access.user)
     return replace(access, creds=opts.creds) if isinstance(opts.creds, str) else access
 
 

@@ -82,6 +82,9 @@ class _RedisStreamWriter(SinkPartition):
         self._encoder = RowEncoder(cfg.columns)
         self.added = 0
         self.skipped = 0
+        # reached at open: a refused login stops a run (or `aisp serve`) at its start, not at
+        # its first output or dead letter; an outage is waited for as any call's is
+        self._call(self._r.ping)
 
     def write(self, batch: Batch) -> None:
         if batch.num_rows:

@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
@@ -30,6 +28,7 @@ import orjson
 from aisp.errors import ConfigError, ModelError
 from aisp.infer.runtimes.endpoints import BreakerConfig, Endpoint, EndpointPool, RetryPolicy
 from aisp.retry import RETRIES
+from aisp.secrets import read_secret
 
 if TYPE_CHECKING:
     import httpx
@@ -147,7 +146,7 @@ class OpenAIClient:
             [u.rstrip("/") for u in urls], breaker or BreakerConfig(failures=3, reset_s=2.0),
             what="an LLM client", slots=concurrency,
         )  # fmt: skip
-        api_key = _api_key(api_key, api_key_env, api_key_file)
+        api_key = read_secret("an LLM client", api_key, env=api_key_env, file=api_key_file)
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.name = name or f"llm:{model or 'default'}"
         self.version = ""
@@ -313,23 +312,6 @@ class OpenAIClient:
                                 return
             if not state.ended:
                 raise LlmError("stream ended without [DONE]", tokens=state.pieces, retriable=not state.pieces)
-
-
-def _api_key(key: str | None, env: str | None, file: str | None) -> str | None:
-    """The API key from one of its three sources (an error names the source, never the key)."""
-    given = [name for name, v in (("api_key", key), ("api_key_env", env), ("api_key_file", file)) if v]
-    if len(given) > 1:
-        raise ConfigError(f"an LLM client's key comes from {' and '.join(given)}: give one")
-    if env:
-        if env not in os.environ:
-            raise ConfigError(f"api_key_env={env}: the variable is not set")
-        return os.environ[env]
-    if file:
-        try:
-            return Path(file).read_text().removesuffix("\n")
-        except OSError as exc:
-            raise ConfigError(f"api_key_file={file}: {exc.strerror or exc}") from None
-    return key
 
 
 def _count(value: Any) -> int:

@@ -12,6 +12,8 @@ use these, so they spread load, fail over and back off the same way.
   under way does not), one with a free slot (``slots`` each, when set), then one this call has
   not tried, then one connected, then the fewest calls in flight, then the fewest so far.
   Endpoints may join and leave while calls run: the list is replaced, never changed in place.
+- ``EndpointAccess``: how a client proves itself to secured endpoints (a bearer token from the
+  code, a variable or a file; TLS against a CA, with a client certificate for mutual TLS).
 """
 
 from __future__ import annotations
@@ -20,15 +22,72 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Generic, TypeVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeVar
 
 from aisp.errors import ConfigError
 from aisp.retry import Backoff
+from aisp.secrets import read_secret
 
-__all__ = ["BreakerConfig", "CircuitBreaker", "Endpoint", "EndpointPool", "RetryPolicy"]
+__all__ = ["BreakerConfig", "CircuitBreaker", "Endpoint", "EndpointAccess", "EndpointPool", "RetryPolicy"]
 
 C = TypeVar("C")
+
+
+@dataclass(frozen=True)
+class EndpointAccess:
+    """A bearer token (sent as ``authorization: Bearer``, the header ``aisp serve --config``'s
+    tokens check) and TLS settings for the endpoints of one service; its ``repr`` leaves the
+    token out. Build it with ``of``, which reads the token from where it is kept.
+
+    >>> EndpointAccess.of(api_key="t-1", ca=None)
+    EndpointAccess(tls=False, ca=None, cert=None, key=None)
+    >>> EndpointAccess.of(api_key="t-1").headers()
+    {'authorization': 'Bearer t-1'}
+    """
+
+    token: str | None = field(default=None, repr=False)
+    tls: bool = False
+    ca: str | None = None
+    """The CA certificate file (PEM) the servers' certificates must chain to (else the system's)."""
+    cert: str | None = None
+    """This client's certificate file (PEM), for mutual TLS; with ``key``."""
+    key: str | None = None
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        api_key: str | None = None,
+        api_key_env: str | None = None,
+        api_key_file: str | None = None,
+        tls: bool = False,
+        ca: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+    ) -> EndpointAccess:
+        """The token from ``api_key``, the variable ``api_key_env`` or the file ``api_key_file``
+        (one at most); TLS when ``tls`` or a CA or client certificate is given. Errors name the
+        option, never the token."""
+        token = read_secret("a model endpoint", api_key, env=api_key_env, file=api_key_file)
+        if (cert is None) != (key is None):
+            raise ConfigError("a client certificate needs both cert and key")
+        for name, path in (("ca", ca), ("cert", cert), ("key", key)):
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{name}={path}: no such file")
+        return cls(token, tls or ca is not None or cert is not None, ca, cert, key)
+
+    def headers(self) -> dict[str, str]:
+        """The request headers (gRPC metadata) that carry the token."""
+        return {"authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def grpc_client(self) -> dict[str, Any]:
+        """``tritonclient.grpc.InferenceServerClient``'s TLS arguments."""
+        if not self.tls:
+            return {}
+        files = {"root_certificates": self.ca, "private_key": self.key, "certificate_chain": self.cert}
+        return {"ssl": True, **files}
 
 
 @dataclass(frozen=True, kw_only=True)

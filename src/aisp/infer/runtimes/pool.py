@@ -26,8 +26,8 @@ import numpy.typing as npt
 
 from aisp.errors import ModelError
 from aisp.infer.runtimes.base import TensorSpec
-from aisp.infer.runtimes.endpoints import BreakerConfig, Endpoint, EndpointPool, RetryPolicy
-from aisp.infer.runtimes.remote import EndpointUnavailable, RemoteRuntime
+from aisp.infer.runtimes.endpoints import BreakerConfig, Endpoint, EndpointAccess, EndpointPool, RetryPolicy
+from aisp.infer.runtimes.remote import EndpointRefused, EndpointUnavailable, RemoteRuntime
 
 __all__ = ["RemotePool"]
 
@@ -44,6 +44,7 @@ class RemotePool:
         retry: rounds over the endpoints, and the backoff between rounds.
         breaker: each endpoint's circuit breaker (its ``reset_s`` also paces reconnecting).
         name: the name rows are tagged with (default: ``model``).
+        access: a bearer token and TLS settings, the same for every endpoint.
     """
 
     def __init__(
@@ -57,10 +58,13 @@ class RemotePool:
         breaker: BreakerConfig | None = None,
         name: str | None = None,
         connect_timeout_s: float = 30.0,
+        access: EndpointAccess | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.model, self.name = model, name or model
+        self.access = access or EndpointAccess()
+        self._refused: set[str] = set()  # endpoints that refused the token or TLS
         self._version, self._timeout_ms = version, timeout_ms
         self.retry = retry or RetryPolicy()
         self.breaker = breaker or BreakerConfig(failures=2, reset_s=1.0)
@@ -151,6 +155,10 @@ class RemotePool:
                     self._connect(endpoint)
             if any(e.connected for e in self._pool.endpoints):
                 return
+            refused = all(e.url in self._refused for e in self._pool.endpoints)
+            if refused:  # waiting will not help
+                errors = "; ".join(f"{e.url}: {e.error}" for e in self._pool.endpoints)
+                raise ModelError(f"model pool {self.model!r}: every endpoint refused this client ({errors})")
             if self._clock() >= deadline:
                 errors = "; ".join(f"{e.url}: {e.error}" for e in self._pool.endpoints)
                 raise ModelError(
@@ -165,10 +173,13 @@ class RemotePool:
             runtime = RemoteRuntime(
                 endpoint.url, self.model, version=self._version, timeout_ms=self._timeout_ms,
                 retry=RetryPolicy(attempts=1), breaker=endpoint.breaker, name=self.name,
-                connect_timeout_s=0.0, clock=self._clock, sleep=self._sleep,
+                connect_timeout_s=0.0, access=self.access, clock=self._clock, sleep=self._sleep,
             )  # fmt: skip
         except ModelError as exc:
+            if isinstance(exc, EndpointRefused):
+                self._refused.add(endpoint.url)
             return self._not_connected(endpoint, str(exc))
+        self._refused.discard(endpoint.url)
         signature = (runtime.input_names, runtime.output_names, dict(runtime.input_specs))
         with self._lock:
             self._signature = self._signature or signature

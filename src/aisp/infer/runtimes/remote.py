@@ -5,6 +5,11 @@ KServe, MLServer or another AISP. Each call has a timeout; failures that can pas
 deadline exceeded, resource exhausted, aborted) are retried with exponential backoff and full
 jitter; a circuit breaker opens after consecutive failures, so calls fail fast (and their rows go
 to the dead-letter sink with the cause) until a trial call after ``reset_s`` succeeds.
+
+A secured server (``aisp serve`` with tokens and TLS, Triton behind a gateway) is reached with an
+``EndpointAccess``: a bearer token in each call's metadata, TLS against a CA. A refused token
+(``UNAUTHENTICATED``, ``PERMISSION_DENIED``) or a failed TLS handshake is final: it is not
+retried as an outage, and a runtime that meets it at start fails at once, saying which.
 """
 
 from __future__ import annotations
@@ -19,10 +24,10 @@ import numpy.typing as npt
 
 from aisp.errors import ModelError
 from aisp.infer.runtimes.base import TensorSpec, check_rows
-from aisp.infer.runtimes.endpoints import BreakerConfig, CircuitBreaker, RetryPolicy
+from aisp.infer.runtimes.endpoints import BreakerConfig, CircuitBreaker, EndpointAccess, RetryPolicy
 from aisp.retry import RETRIES, Backoff
 
-__all__ = ["EndpointUnavailable", "RemoteRuntime"]
+__all__ = ["EndpointRefused", "EndpointUnavailable", "RemoteRuntime", "refusal"]
 
 log = logging.getLogger("aisp.remote")
 
@@ -52,6 +57,10 @@ class EndpointUnavailable(ModelError):
         self.code = code
 
 
+class EndpointRefused(ModelError):
+    """The server refused this client (its token, or TLS): no retry or other wait will pass."""
+
+
 class RemoteRuntime:
     """Model ``model`` on the OIP v2 gRPC server at ``url`` (``host:port``).
 
@@ -64,6 +73,7 @@ class RemoteRuntime:
         name: the name rows are tagged with (default: ``model``).
         connect_timeout_s: at start, how long to wait for the server to answer (one that is
             still starting is waited for, with backoff); then a clear ``ModelError``.
+        access: a bearer token and TLS settings for a secured server.
     """
 
     def __init__(
@@ -77,12 +87,15 @@ class RemoteRuntime:
         breaker: BreakerConfig | CircuitBreaker | None = None,
         name: str | None = None,
         connect_timeout_s: float = 30.0,
+        access: EndpointAccess | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         import tritonclient.grpc as tc
 
         self._tc = tc
+        self.access = access or EndpointAccess()
+        self._headers = self.access.headers() or None
         self.url, self.model = url, model
         self.name = name or model
         self._version = version
@@ -117,7 +130,7 @@ class RemoteRuntime:
             try:
                 return self._call(
                     lambda t: self._client.get_model_metadata(
-                        self.model, self._version, as_json=True, client_timeout=t
+                        self.model, self._version, headers=self._headers, as_json=True, client_timeout=t
                     )
                 )
             except ModelError as exc:
@@ -141,6 +154,7 @@ class RemoteRuntime:
                 ("grpc.max_reconnect_backoff_ms", 500),
                 ("grpc.use_local_subchannel_pool", 1),  # a new client must not inherit a backoff
             ],
+            **self.access.grpc_client(),
         )
 
     def run(self, inputs: Mapping[str, npt.NDArray[Any]]) -> dict[str, npt.NDArray[Any]]:
@@ -153,7 +167,9 @@ class RemoteRuntime:
             request.append(tensor)
         wanted = [tc.InferRequestedOutput(o) for o in self.output_names]
         result = self._call(
-            lambda t: self._client.infer(self.model, request, self._version, outputs=wanted, client_timeout=t)
+            lambda t: self._client.infer(
+                self.model, request, self._version, outputs=wanted, headers=self._headers, client_timeout=t
+            )
         )
         outputs = {o: result.as_numpy(o) for o in self.output_names}
         check_rows(self.name, inputs, outputs)
@@ -195,6 +211,11 @@ class RemoteRuntime:
                 status = str(exc.status() or "")
                 last = f"{status}: {exc.message()}"
                 self.breaker.failure()
+                refused = refusal(status, str(exc.message() or ""))
+                if refused is not None:
+                    raise EndpointRefused(
+                        f"remote model {self.model!r} at {self.url}: {refused} ({last})"
+                    ) from exc
                 code = next((c for c in RETRIABLE if c in status), "")
                 passing = bool(code)
                 if not passing or not self.breaker.allow():
@@ -210,3 +231,22 @@ class RemoteRuntime:
 
     def __repr__(self) -> str:
         return f"RemoteRuntime({self.url!r}, {self.model!r}, version={self.version!r})"
+
+
+def refusal(status: str, message: str) -> str | None:
+    """Why a call failed for good though its status may read as an outage: the server refused
+    the token, or TLS could not be agreed (gRPC reports a failed handshake as ``UNAVAILABLE``).
+
+    >>> refusal("StatusCode.UNAVAILABLE", "Ssl handshake failed: CERTIFICATE_VERIFY_FAILED")
+    "TLS handshake failed (the server's certificate is not trusted, or it does not speak TLS)"
+    >>> refusal("StatusCode.UNAVAILABLE", "failed to connect to all addresses") is None
+    True
+    """
+    if "UNAUTHENTICATED" in status:
+        return "authentication failed (the server refused the token)"
+    if "PERMISSION_DENIED" in status:
+        return "not permitted (the token's scope does not allow it)"
+    lowered = message.lower()
+    if "handshake failed" in lowered or "certificate_verify_failed" in lowered or "ssl_error" in lowered:
+        return "TLS handshake failed (the server's certificate is not trusted, or it does not speak TLS)"
+    return None

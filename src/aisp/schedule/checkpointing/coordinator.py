@@ -417,6 +417,7 @@ def open_partition_states(
         return PartitionStates(where, keep=keep)
     from aisp.connectors.kafka import KafkaSource
     from aisp.connectors.kafka.changelog import ChangelogStates
+    from aisp.connectors.kafka.client import security_settings
 
     sources = [n.spec for n in graph.nodes if n.kind == "source"]
     if len(sources) != 1 or not isinstance(sources[0], KafkaSource):
@@ -431,4 +432,5 @@ def open_partition_states(
         graph.name,
         standby_replicas=standby_replicas,
         local_dir=local_dir,
+        security=security_settings(src.access, src.sasl),
     )

@@ -30,6 +30,7 @@ import numpy as np
 
 from aisp.admission.anomaly import AnomalyControl, AnomalyPolicy
 from aisp.batch import DEADLINE_NS, TIER, Batch
+from aisp.connectors import dead_letter_sink
 from aisp.errors import ConfigError, Forbidden, Unavailable
 from aisp.ingest.base import Source, SourceContext, SourcePartition
 from aisp.ingest.decode import ColumnarDecoder, Decoded, RawMessage
@@ -40,7 +41,7 @@ from aisp.schedule.executor import ExecutorOptions, LocalExecutor
 from aisp.serve.pipelines.results import Chunk, ResultTracker
 from aisp.serve.pipelines.topology import allowed_file, load_guarded, short_gil_slices, switch
 from aisp.sinks.base import RowEncoder
-from aisp.sinks.deadletter import DeadLetterSink, DeadLetterWriter
+from aisp.sinks.deadletter import DeadLetterWriter
 from aisp.sinks.memory import NullSink
 
 if TYPE_CHECKING:
@@ -170,7 +171,8 @@ class PipelineService:
             must declare its input schema), its primary sink by the responses.
         capacity_rows: the admission queue: events accepted but not yet read by the pipeline.
         chunk_rows: the most lines decoded into one batch.
-        dead_letter: where dead letters also go (a JSONL path), besides the responses.
+        dead_letter: where dead letters also go besides the responses: a JSONL path, or a broker
+            stream (``redis://``, ``nats://``; see ``aisp.connectors.dead_letter_sink``).
         decode_process: decode request lines in a forked worker process (``DecoderProcess``),
             so that JSON parsing runs on another core; needs a process with no other thread
             yet, else decoding stays in-process (with a warning).
@@ -219,7 +221,7 @@ class PipelineService:
         """Sliding-window anomaly control of the admitted rate (``schedule.anomaly``), if any."""
         if self.control is not None:
             self.tracker.observe = self.control.observe
-        self.dead_letters: DeadLetterWriter = DeadLetterSink(path=dead_letter).open()
+        self.dead_letters: DeadLetterWriter = dead_letter_sink(dead_letter).open()
         self._batch_rows = batch_rows
         self.executor = self.new_executor(graph)
         self.view: Any = _Live(self)
