@@ -47,11 +47,11 @@ def read_secret(
     ('k-1', None)
     >>> read_secret("an LLM client", "k-2", env="AISP_DOCTEST_KEY")
     Traceback (most recent call last):
-    aisp.errors.ConfigError: an LLM client's key comes from api_key and api_key_env: give one
+    aisp.errors.ConfigError: an LLM client: the secret comes from api_key and api_key_env: give one
     """
     given = [name for name, v in zip(names, (value, env, file), strict=True) if v]
     if len(given) > 1:
-        raise ConfigError(f"{what}'s key comes from {' and '.join(given)}: give one")
+        raise ConfigError(f"{what}: the secret comes from {' and '.join(given)}: give one")
     if env:
         if env not in os.environ:
             raise ConfigError(f"{names[1]}={env}: the variable is not set")

@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from aisp.errors import ConfigError
 from aisp.observe.clock import wall_ms
-from aisp.secrets import mask
+from aisp.secrets import mask, read_secret
 
 __all__ = ["DriftConfig", "DriftMonitor", "alert_sink", "ks_statistic", "local_alert", "psi"]
 
@@ -134,23 +134,37 @@ def alert_sink(target: str | Callable[[dict[str, Any]], None]) -> Callable[[dict
 
 
 def _webhook(target: str) -> tuple[str, dict[str, str]]:
-    """The webhook's URL without its ``USER:PASSWORD@``, and the headers of a POST to it: the
-    credentials go as HTTP basic authentication (as curl sends them), never in a log line.
+    """The webhook's URL without its ``USER:PASSWORD@`` (and without ``password_env`` or
+    ``password_file``, which say where the password is kept, as in a broker's URL), and the
+    headers of a POST to it: the credentials go as HTTP basic authentication (as curl sends
+    them), never in a log line.
 
     >>> _webhook("https://ops:pw@h/hook?x=1")
     ('https://h/hook?x=1', {'Content-Type': 'application/json', 'Authorization': 'Basic b3BzOnB3'})
     """
     import base64
-    from urllib.parse import unquote, urlsplit
+    from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
     parts = urlsplit(target)
     headers = {"Content-Type": "application/json"}
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    kept = dict(query)
+    password = read_secret(
+        f"drift alert webhook {mask(target)!r}",
+        unquote(parts.password) if parts.password is not None else None,
+        env=kept.get("password_env"),
+        file=kept.get("password_file"),
+        names=("the URL's password", "password_env", "password_file"),
+    )
+    rest = [(k, v) for k, v in query if k not in ("password_env", "password_file")]
     if parts.username is None:
+        if password is not None:
+            raise ConfigError(f"drift alert webhook {mask(target)!r}: a password needs a user (USER@HOST)")
         return target, headers
-    pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+    pair = f"{unquote(parts.username)}:{password or ''}"
     headers["Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()
     host = parts.netloc.rpartition("@")[2]
-    return parts._replace(netloc=host).geturl(), headers
+    return parts._replace(netloc=host, query=urlencode(rest)).geturl(), headers
 
 
 class DriftMonitor:

@@ -114,7 +114,7 @@ def test_a_bad_alert_target_fails_when_the_pipeline_is_built(alert: str) -> None
 
 
 def test_a_webhook_with_credentials_gets_basic_auth_and_no_log_line_holds_the_password(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import http.server
     import queue
@@ -138,10 +138,17 @@ def test_a_webhook_with_credentials_gets_basic_auth_and_no_log_line_holds_the_pa
     try:
         alert_sink(f"http://ops:s3cr%40t@127.0.0.1:{server.server_port}/hook?team=risk")({"feature": 3})
         path, auth, body = seen.get(timeout=10)
+        monkeypatch.setenv("AISP_TEST_HOOK_PASSWORD", "v-2")  # or where the password is kept
+        alert_sink(f"http://ops@127.0.0.1:{server.server_port}/h?password_env=AISP_TEST_HOOK_PASSWORD&a=1")(
+            {}
+        )
+        from_env = seen.get(timeout=10)
     finally:
         server.shutdown()
+        server.server_close()
     assert path == "/hook?team=risk" and json.loads(body) == {"feature": 3}
     assert auth == "Basic " + base64.b64encode(b"ops:s3cr@t").decode()
+    assert from_env[:2] == ("/h?a=1", "Basic " + base64.b64encode(b"ops:v-2").decode())
     closed = free_port()
     with caplog.at_level(logging.WARNING, logger="aisp.drift"):
         alert_sink(f"http://ops:s3cr%40t@127.0.0.1:{closed}/hook")({"feature": 3})
@@ -153,3 +160,5 @@ def test_a_webhook_with_credentials_gets_basic_auth_and_no_log_line_holds_the_pa
     with pytest.raises(ConfigError) as bad:
         alert_sink("ftp://ops:s3cret@h/x")
     assert "s3cret" not in str(bad.value)
+    with pytest.raises(ConfigError, match="the secret comes from the URL's password and password_env"):
+        alert_sink("http://ops:s3cret@h/x?password_env=AISP_TEST_HOOK_PASSWORD")
