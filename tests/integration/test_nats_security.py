@@ -44,8 +44,15 @@ class SecuredNats:
 
 def _server(conf: Path, port: int) -> subprocess.Popen[bytes]:
     cmd = ["nats-server", "-c", str(conf)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_port(port, lambda: proc.poll() is None, "nats-server")
+    log = conf.with_suffix(".log")
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
+    try:
+        wait_for_port(port, lambda: proc.poll() is None, "nats-server")
+    except Exception:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"nats-server -c {conf} did not start: {log.read_text()[-2000:]}") from None
     return proc
 
 
@@ -77,8 +84,10 @@ def nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredNats]:
     creds = operator.creds(d / "app.creds")
     seed = creds.read_text().split("-----BEGIN USER NKEY SEED-----\n")[1].split("\n")[0]
     client = issue(ca, d, "client", server=False)
-    procs = [_server(users, users_port), _server(tls, tls_port), _server(mtls, creds_port)]
-    try:
+    procs: list[subprocess.Popen[bytes]] = []
+    try:  # each started inside: one that does not start must not leave the others running
+        for conf, port in ((users, users_port), (tls, tls_port), (mtls, creds_port)):
+            procs.append(_server(conf, port))
         yield SecuredNats(users_port, tls_port, creds_port, ca, stranger, client, creds, seed, operator)
     finally:
         for p in procs:
