@@ -17,15 +17,15 @@ from tests.cluster.scenario import FAULTS, Report, Shape, as_dict, run_fault
 
 def table(reports: list[Report]) -> str:
     lines = [
-        "| fault | standby | takeover s | events | lost | duplicated | unequal"
+        "| fault | standby | takeover s | resumed s | events | lost | duplicated | unequal"
         " | p99 ms before / during / after | verdict |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
         p = r.p99_ms
         lines.append(
-            f"| {r.fault} | {r.standby} | {r.takeover_s:.1f} | {r.events} | {r.lost} | {r.duplicated}"
-            f" | {r.unequal}"
+            f"| {r.fault} | {r.standby} | {r.takeover_s:.1f} | {r.resumed_s:.1f} | {r.events} | {r.lost}"
+            f" | {r.duplicated} | {r.unequal}"
             f" | {p['before']:.0f} / {p['during']:.0f} / {p['after']:.0f} | {'ok' if r.ok() else 'FAILED'} |"
         )
     return "\n".join(lines) + "\n"
@@ -53,9 +53,8 @@ def main() -> int:
             with Network() as net:
                 report = run_fault(net, out / f"{fault}-standby{standby}", fault, shape)
             reports.append(report)
-            print(f"{fault} standby={standby}: takeover {report.takeover_s:.1f} s, lost {report.lost},"
-                  f" duplicated {report.duplicated}, unequal {report.unequal}, p99 {report.p99_ms}"
-                  f" ({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
+            took = time.monotonic() - started
+            print(f"{fault} standby={standby}: {json.dumps(as_dict(report))} ({took:.0f} s)", flush=True)
             (out / "report.json").write_text(json.dumps([as_dict(r) for r in reports], indent=2))
             (out / "report.md").write_text(table(reports))
     return 0 if all(r.ok() for r in reports) else 1

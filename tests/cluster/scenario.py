@@ -50,9 +50,12 @@ class Shape:
     partitions: int = 6
     rate: int = 500
     """Events produced per second."""
-    seconds: float = 30.0
-    """How long events are produced."""
-    fault_at_s: float = 10.0
+    seconds: float = 120.0
+    """How long events may be produced at most: production ends ``after_s`` after every
+    partition answered again once the fault was over."""
+    after_s: float = 6.0
+    fault_at_s: float = 5.0
+    """How long after the workers caught up with the events (the group formed) the fault comes."""
     fault_s: float = 15.0
     """How long a cut or a cap lasts (a kill is not undone)."""
     standby: int = 0
@@ -69,12 +72,17 @@ class Report:
     duplicated: int
     unequal: int
     takeover_s: float
+    """From the fault to the last partition's first output after it."""
+    resumed_s: float
+    """From the fault's end (a cut restored, a cap lifted; a kill: its moment) to the last
+    partition's first output after it: what a broker cut costs once the broker is back."""
     p99_ms: dict[str, float]
     workers_exit: dict[str, int | None]
     notes: list[str] = field(default_factory=list)
 
     def ok(self, limit_s: float = 15.0) -> bool:
-        return self.lost == self.duplicated == self.unequal == 0 and self.takeover_s < limit_s
+        moved = self.resumed_s if self.fault == "broker-cut" else self.takeover_s
+        return self.lost == self.duplicated == self.unequal == 0 and moved < limit_s
 
 
 def _free_port() -> int:
@@ -173,6 +181,7 @@ class Producer(threading.Thread):
         self.halt = threading.Event()
         self._topic, self._lines, self._rate, self._partitions = topic, lines, rate, partitions
         self.sent_ms: dict[int, float] = {}
+        self.sent_lines = 0
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -180,7 +189,7 @@ class Producer(threading.Thread):
             start = time.monotonic()
             for i, line in enumerate(self._lines):
                 if self.halt.is_set():
-                    return
+                    break
                 wait = start + i / self._rate - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
@@ -191,6 +200,7 @@ class Producer(threading.Thread):
                 user = event.get("user") if isinstance(event, dict) else None
                 partition = partition_of(user, self._partitions) if isinstance(user, str) else 0
                 self._producer.produce(self._topic, value=line, partition=partition)
+                self.sent_lines += 1
                 if isinstance(event, dict) and isinstance(event.get("id"), int):
                     self.sent_ms[event["id"]] = time.time() * 1000
                 self._producer.poll(0)
@@ -221,7 +231,8 @@ def reference(cluster: Cluster, data: Path) -> list[dict[str, Any]]:
 def run_fault(
     net: Network, work: Path, fault: str, shape: Shape, log: Callable[[str], None] = print
 ) -> Report:
-    """Start a cluster, produce, apply ``fault`` at ``shape.fault_at_s``, drain, and report."""
+    """Start a cluster, produce, apply ``fault`` ``shape.fault_at_s`` after the workers caught up,
+    drain, and report."""
     from aisp.connectors.kafka.client import CLIENT_SETTINGS
     from benchmarks.workload import write_events
 
@@ -242,14 +253,14 @@ def run_fault(
     producer = Producer(cluster.bootstrap, topic, lines, shape.rate, shape.partitions)
     producer.start()
     try:
-        return _run(net, cluster, fault, shape, workers, producer, expected, output, events, log)
+        return _run(net, cluster, fault, shape, workers, producer, expected, output, log)
     finally:
         producer.halt.set()
 
 
 def _run(
     net: Network, cluster: Cluster, fault: str, shape: Shape, workers: dict[str, subprocess.Popen[bytes]],
-    producer: Producer, expected: list[dict[str, Any]], output: str, events: int, log: Callable[[str], None],
+    producer: Producer, expected: list[dict[str, Any]], output: str, log: Callable[[str], None],
 ) -> Report:  # fmt: skip
     r = cluster.redis()
     deadline = time.monotonic() + 120
@@ -257,8 +268,14 @@ def _run(
         if time.monotonic() > deadline or any(p.poll() is not None for p in workers.values()):
             raise RuntimeError(f"the workers produced no output; see {cluster.work}")
         time.sleep(0.2)
-    steady_ms = time.time() * 1000 + 2000  # the events that waited for the group to form are out
-    time.sleep(max(0.0, shape.fault_at_s - len(producer.sent_ms) / shape.rate))
+    while True:  # caught up: the events that waited for the group to form are out
+        now_ms = time.time() * 1000
+        sent = sum(1 for at in list(producer.sent_ms.values()) if at < now_ms - 1000)
+        if r.xlen(output) >= 0.99 * sent or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    steady_ms = time.time() * 1000
+    time.sleep(shape.fault_at_s)
     victim = cluster.workers["w1"]
     fault_ms = time.time() * 1000
     log(f"{fault}: at {len(producer.sent_ms)} events sent")
@@ -279,7 +296,15 @@ def _run(
     if undo is not None:
         time.sleep(shape.fault_s)
         undo()
-    producer.join(timeout=shape.seconds * 3 + 60)
+    ended_ms = time.time() * 1000  # the fault's end: a kill's is its moment
+    deadline = time.monotonic() + 90
+    while _answered(r, output, ended_ms, shape.partitions) < shape.partitions:  # every partition again
+        if time.monotonic() > deadline or not producer.is_alive():
+            break
+        time.sleep(0.2)
+    time.sleep(shape.after_s)  # and a while of normal service, measured as "after"
+    producer.halt.set()
+    producer.join(timeout=120)
     exits: dict[str, int | None] = {}
     for tag, proc in workers.items():
         try:
@@ -290,16 +315,30 @@ def _run(
     if producer.error is not None:
         raise RuntimeError(f"the producer failed: {producer.error}")
     entries = r.xrange(output)
-    return measure(fault, shape, entries, producer.sent_ms, expected, (steady_ms, fault_ms), exits, events)
+    sent = [row for row in expected if int(row["id"]) in producer.sent_ms]  # a prefix of the events
+    times = (steady_ms, fault_ms, ended_ms)
+    return measure(fault, shape, entries, producer.sent_ms, sent, times, exits, producer.sent_lines)
+
+
+def _answered(r: Any, output: str, since_ms: float, partitions: int) -> int:
+    """How many partitions have an output written since ``since_ms``."""
+    seen: set[int] = set()
+    for _, fields in r.xrange(output, min=f"{int(since_ms)}-0"):
+        seen.add(partition_of(str(json.loads(fields[b"data"])["user"]), partitions))
+        if len(seen) == partitions:
+            break
+    return len(seen)
 
 
 def measure(
     fault: str, shape: Shape, entries: list[Any], sent_ms: dict[int, float], expected: list[dict[str, Any]],
-    times: tuple[float, float], exits: dict[str, int | None], events: int,
+    times: tuple[float, float, float], exits: dict[str, int | None], events: int,
 ) -> Report:  # fmt: skip
     """The report of one run from its output stream's entries (Redis entry id, fields); ``times``:
-    when the first outputs were out (latency counts from then) and when the fault came, Unix ms."""
-    steady_ms, fault_ms = times
+    when the workers had caught up (latency counts from then), when the fault came and when it
+    was undone (a cut restored, a cap lifted; a kill's is its moment), Unix ms. "During" runs
+    until every partition answered again and the fault was undone, plus 2 s."""
+    steady_ms, fault_ms, ended_ms = times
     rows: list[tuple[float, dict[str, Any]]] = []
     for entry_id, fields in entries:
         at_ms = float(entry_id.decode().split("-")[0])
@@ -310,23 +349,30 @@ def measure(
     want = {int(row["id"]): row for row in expected}
     lost = len(set(want) - set(got))
     unequal = sum(1 for i, row in want.items() if i in got and got[i] != row)
-    first_after: dict[int, float] = {}
-    for at_ms, row in rows:
-        p = partition_of(str(row["user"]), shape.partitions)
-        if at_ms >= fault_ms and p not in first_after:
-            first_after[p] = at_ms
-    waits = [first_after.get(p, math.inf) - fault_ms for p in range(shape.partitions)]
-    takeover_s = round(max(waits) / 1000, 2)
-    recovered_ms = fault_ms + max(waits) + 2000
+
+    def waits(since_ms: float) -> list[float]:
+        """Per partition, how long after ``since_ms`` its first output came."""
+        first: dict[int, float] = {}
+        for at_ms, row in rows:
+            p = partition_of(str(row["user"]), shape.partitions)
+            if at_ms >= since_ms and p not in first:
+                first[p] = at_ms
+        return [first.get(p, math.inf) - since_ms for p in range(shape.partitions)]
+
+    takeover_s = round(max(waits(fault_ms)) / 1000, 2)
+    resumed_s = round(max(waits(ended_ms)) / 1000, 2)
+    recovered_ms = max(fault_ms + takeover_s * 1000, ended_ms + resumed_s * 1000) + 2000
     latency = {"before": [], "during": [], "after": []}  # type: dict[str, list[float]]
     for at_ms, row in rows:
         sent = sent_ms.get(int(row["id"]))
         if sent is None or sent < steady_ms:
             continue
+        if fault_ms - 2000 <= sent < fault_ms:
+            continue  # on their way when the fault came: neither the service before it nor during
         phase = "before" if sent < fault_ms else "during" if sent < recovered_ms else "after"
         latency[phase].append(at_ms - sent)
     return Report(
-        fault, shape.standby, events, len(rows), lost, duplicated, unequal, takeover_s,
+        fault, shape.standby, events, len(rows), lost, duplicated, unequal, takeover_s, resumed_s,
         {k: _p99(v) for k, v in latency.items()}, exits,
     )  # fmt: skip
 

@@ -27,7 +27,7 @@ def network() -> Iterator[Network]:
 def test_a_killed_worker_s_partitions_move_within_15_s_and_every_event_comes_out_once(
     network: Network, tmp_path: Path
 ) -> None:
-    report = run_fault(network, tmp_path, "worker-killed", Shape(seconds=24.0, fault_at_s=8.0))
+    report = run_fault(network, tmp_path, "worker-killed", Shape())
     text = json.dumps(as_dict(report))
     print(text)  # the measurements, for -s and the log
     assert report.lost == report.duplicated == report.unequal == 0, text
