@@ -36,7 +36,9 @@ def main() -> int:
     parser.add_argument("--out", default="out/cluster")
     parser.add_argument("--faults", nargs="*", default=list(FAULTS), choices=FAULTS)
     parser.add_argument("--standby", nargs="*", type=int, default=[0, 1])
-    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument(
+        "--seconds", type=float, default=Shape.seconds, help="the most events are produced for"
+    )
     parser.add_argument("--rate", type=int, default=500)
     args = parser.parse_args()
     why = unavailable()
