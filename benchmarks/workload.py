@@ -203,6 +203,19 @@ def write_events(path: str | Path, n: int, seed: int = 0, bad_every: int = 0) ->
     return written
 
 
+def event_lines(start: int, stop: int, seed: int = 0) -> list[bytes]:
+    """Workload-F event lines with ids ``start..stop`` (each line as ``write_events`` writes it,
+    without the newline): an endless stream made a block at a time."""
+    out: list[bytes] = []
+    while start < stop:
+        block = start // BLOCK
+        end = min(stop, (block + 1) * BLOCK)
+        for seg in _block_bytes(seed, block, start, end, 0):
+            out.extend((seg if isinstance(seg, bytes) else seg.tobytes()).split(b"\n")[:-1])
+        start = end
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # plain-Python reference
 

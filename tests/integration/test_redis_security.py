@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -216,12 +217,15 @@ def test_no_status_page_or_checkpoint_holds_the_password(
                 break
         assert url, "no metrics address announced: " + "".join(lines)[-2000:]
         state: dict[str, object] = {}
-        while not state.get("events_out"):
+        checkpoint_s = 0.0
+        while not state.get("events_out") or checkpoint_s <= 0:  # scoring, and checkpointed once
             assert proc.poll() is None, "the run ended before its pages were read"
             time.sleep(0.3)
             for path in ("/metrics", "/dashboard", "/dashboard/state?history=1"):
                 pages.append(urllib.request.urlopen(url + path, timeout=30).read().decode())
             state = json.loads(pages[-1])
+            found = re.search(r"^aisp_checkpoint_last_seconds (\S+)$", pages[-3], re.MULTILINE)
+            checkpoint_s = float(found.group(1)) if found else 0.0
         out, err = proc.communicate(timeout=240)
     finally:  # a failed assertion must not leave the run behind
         if proc.poll() is None:

@@ -126,6 +126,7 @@ def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "events_in": sum(st["events_in"] for st in stats),
             "events_out": sum(st["events_out"] for st in stats),
             "checkpoints": max(st["checkpoints"] for st in stats),
+            "checkpoint_s": max(st.get("checkpoint_s", 0.0) for st in stats),
             "e2e": _merge_hist([st["e2e"] for st in stats]),
             "trail": [],
             "stages": list(stages.values()),

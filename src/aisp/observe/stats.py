@@ -162,6 +162,8 @@ class RunStats:
     events_in: int = 0
     events_out: int = 0
     checkpoints: int = 0
+    checkpoint_s: float = 0.0
+    """How long the durable part of the last checkpoint took (state files, manifest, commits)."""
     e2e: LatencyHistogram = field(default_factory=LatencyHistogram)
     stages: dict[str, StageStats] = field(default_factory=dict)
     as_of_ns: int | None = None
@@ -197,6 +199,7 @@ class RunStats:
             "events_in": self.events_in,
             "events_out": self.events_out,
             "checkpoints": self.checkpoints,
+            "checkpoint_s": self.checkpoint_s,
             "e2e": self.e2e.to_dict(),
             "trail": self.trail.export(),
             "stages": [s.to_state() for s in list(self.stages.values())],
@@ -213,6 +216,7 @@ class RunStats:
             events_in=data["events_in"],
             events_out=data["events_out"],
             checkpoints=data["checkpoints"],
+            checkpoint_s=data.get("checkpoint_s", 0.0),
             e2e=LatencyHistogram.from_dict(data["e2e"]),
             stages={s["step_id"]: StageStats.from_state(s) for s in data["stages"]},
             as_of_ns=data["as_of_ns"],

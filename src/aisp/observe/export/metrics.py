@@ -39,7 +39,7 @@ Families (seconds and rows in the names; labels bounded by the pipeline's steps)
   outcome (``aisp.observe.export.llm``).
 * ``aisp_uptime_seconds``: since the pipeline started (the clock of rates between scrapes).
 * ``aisp_stage_errors_total{stage}``, ``aisp_dead_letters_total{stage}``,
-  ``aisp_events_total{direction}``, ``aisp_checkpoints_total``.
+  ``aisp_events_total{direction}``, ``aisp_checkpoints_total``, ``aisp_checkpoint_last_seconds``.
 * ``aisp_slo_attainment_ratio{stage, target_seconds}``: the share of events within the
   pipeline's latency bound (the sum of its stages' budgets along the critical path;
   ``stage="pipeline"``), and per stage the share of batches computed within its budget.
@@ -199,6 +199,11 @@ class PipelineCollector:
                 by_worker.add_metric([str(w["worker"]), "out"], w["events_out"])
             yield by_worker
         yield CounterMetricFamily("aisp_checkpoints", "Checkpoints written", value=stats.checkpoints)
+        yield GaugeMetricFamily(
+            "aisp_checkpoint_last_seconds",
+            "How long the durable part of the last checkpoint took (state, manifest, commits)",
+            value=stats.checkpoint_s,
+        )
         yield GaugeMetricFamily(
             "aisp_uptime_seconds", "Seconds since the pipeline started", value=stats.seconds()
         )

@@ -267,6 +267,7 @@ class CheckpointCoordinator:
         checkpoint_id: int | None = None,
     ) -> int:
         """(Beside the running pipeline) the durable part of a checkpoint; its id."""
+        started = time.monotonic()
         tables = {f"keys.{space}": pa.table({"key": view()}) for space, view in key_views.items()}
         tables.update({f"op.{sid}": pa.table(columns) for sid, columns in columns_of.items()})
         dirty, logged = changes
@@ -294,6 +295,7 @@ class CheckpointCoordinator:
         for sid, part in self._source_parts.items():
             part.commit(sources[sid])
         self._stats.checkpoints += 1
+        self._stats.checkpoint_s = time.monotonic() - started
         return checkpoint_id
 
     def bind_sinks(self) -> None:

@@ -1,0 +1,387 @@
+"""``make soak`` (``DURATION`` seconds, default 3600): workload F from Kafka through two workers of one
+group with keyed state in changelog topics, to a Redis stream; paced at 80% of the capacity it
+measures first; a worker SIGKILLed and started again every ``--kill-every`` seconds (the two in
+turn). Every ``--sample-s`` seconds it samples end-to-end p50/p99 (from the event's production to
+its output), each process's RSS, open file descriptors and threads (the workers, Tansu, Redis),
+the group's consumer lag and each worker's last checkpoint's duration (``/metrics``).
+
+A checker reads the output stream as it grows (and trims what it read, so that an hour of
+outputs does not fill Redis): every event id must come exactly once. At the end: the report
+(``report.json``: samples, kills with their recovery time, and the verdicts) and one PNG plot per
+series against time, in ``--out`` (default ``out/soak``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aisp.connectors.base import free_port, wait_for_port
+from aisp.connectors.kafka.client import CLIENT_SETTINGS
+from aisp.connectors.kafka.connector import tansu_broker
+from benchmarks.workload import event_lines
+from tests.cluster.scenario import ENV, PIPELINE, partition_of
+
+PARTITIONS = 4
+
+
+class Producer(threading.Thread):
+    """Events with ids 0, 1, ... to ``topic`` at ``rate`` a second until ``halt``; the time each
+    was sent (Unix ms) in ``sent_ms[id]``."""
+
+    def __init__(self, bootstrap: str, topic: str, rate: float) -> None:
+        super().__init__(name="soak-producer", daemon=True)
+        from confluent_kafka import Producer as KafkaProducer
+
+        self._p = KafkaProducer({"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": True,
+                                 **CLIENT_SETTINGS})  # fmt: skip
+        self._topic, self.rate = topic, rate
+        self.sent = 0
+        self.sent_ms = np.zeros(1 << 20)
+        self.halt = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            start, chunk = time.monotonic(), 1000
+            while not self.halt.is_set():
+                lines = event_lines(self.sent, self.sent + chunk, seed=11)
+                if self.sent + chunk > len(self.sent_ms):
+                    self.sent_ms = np.concatenate([self.sent_ms, np.zeros(len(self.sent_ms))])
+                for line in lines:
+                    wait = start + self.sent / self.rate - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)
+                    user = line[line.index(b'"user":"') + 8 : line.index(b'","amount"')].decode()
+                    self._p.produce(self._topic, value=line, partition=partition_of(user, PARTITIONS))
+                    self.sent_ms[self.sent] = time.time() * 1000
+                    self.sent += 1
+                    self._p.poll(0)
+            if self._p.flush(60) != 0:
+                raise RuntimeError("the producer could not deliver every event")
+        except BaseException as exc:  # noqa: BLE001 - reported by the soak
+            self.error = exc
+
+
+class Checker(threading.Thread):
+    """Reads the output stream as it grows: counts each id, keeps latencies and the time each
+    partition was last answered, and trims what it read."""
+
+    def __init__(self, r: Any, stream: str, producer: Producer) -> None:
+        super().__init__(name="soak-checker", daemon=True)
+        self._r, self._stream, self._producer = r, stream, producer
+        self.seen = np.zeros(1 << 20, dtype=np.uint8)
+        self.outputs = 0
+        self.latencies: list[float] = []
+        self.last_ms = [0.0] * PARTITIONS
+        self.first_after: dict[float, dict[int, float]] = {}  # kill ms -> partition -> first output
+        self.halt = threading.Event()
+        self.lock = threading.Lock()
+
+    def run(self) -> None:
+        last = "0-0"
+        while not self.halt.is_set():
+            got = self._r.xread({self._stream: last}, count=5000, block=500)
+            for _, entries in got or []:
+                for entry_id, fields in entries:
+                    self._take(entry_id.decode(), json.loads(fields[b"data"]))
+                    last = entry_id.decode()
+                self._r.xtrim(self._stream, minid=last)
+
+    def _take(self, entry_id: str, row: dict[str, Any]) -> None:
+        at_ms = float(entry_id.split("-")[0])
+        i = int(row["id"])
+        with self.lock:
+            if i >= len(self.seen):
+                self.seen = np.concatenate([self.seen, np.zeros(max(i + 1, 2 * len(self.seen)), np.uint8)])
+            self.seen[i] = min(255, int(self.seen[i]) + 1)
+            self.outputs += 1
+            if i < len(self._producer.sent_ms) and self._producer.sent_ms[i] > 0:
+                self.latencies.append(at_ms - float(self._producer.sent_ms[i]))
+            p = partition_of(str(row["user"]), PARTITIONS)
+            self.last_ms[p] = at_ms
+            for kill_ms, firsts in self.first_after.items():
+                if at_ms >= kill_ms and p not in firsts:
+                    firsts[p] = at_ms
+
+    def take_latencies(self) -> list[float]:
+        with self.lock:
+            out, self.latencies = self.latencies, []
+        return out
+
+
+def _proc(pid: int) -> dict[str, float]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss = int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024  # type: ignore[union-attr]
+    threads = int(re.search(r"Threads:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
+    return {"rss_mb": round(rss, 1), "fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": threads}
+
+
+def _lag(bootstrap: str, topic: str, group: str) -> int:
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
+                  **CLIENT_SETTINGS})  # fmt: skip
+    try:
+        parts = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+        committed = c.committed(parts, timeout=10)
+        lag = 0
+        for tp in committed:
+            _, high = c.get_watermark_offsets(TopicPartition(topic, tp.partition), timeout=10)
+            lag += high - max(tp.offset, 0)
+        return lag
+    finally:
+        c.close()
+
+
+class Worker:
+    """One ``aisp run`` of the group, started again after a kill with the same directory."""
+
+    def __init__(self, tag: str, out: Path, bootstrap: str, topic: str, group: str, output: str) -> None:
+        self.tag, self.dir = tag, out / tag
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.argv = [
+            sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--no-live",
+            "--input", f"kafka://{bootstrap}/{topic}?group={group}&idle_stop_s=20", "--output", output,
+            "--dead-letter", str(self.dir / "dl.jsonl"), "--checkpoint-dir", str(self.dir / "chk"),
+            "--partition-state", "changelog", "--metrics-port", "0",
+        ]  # fmt: skip
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.metrics = ""
+        self.lives = 0
+        self.since_s = 0.0
+        """When (soak seconds) this life of the worker started."""
+
+    def start(self, at_s: float = 0.0) -> None:
+        self.lives += 1
+        self.since_s = at_s
+        log = self.dir / f"run-{self.lives}.log"
+        with log.open("wb") as fh:
+            self.proc = subprocess.Popen(self.argv, env=ENV, stdout=fh, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not self.metrics.startswith(f"{self.lives}:"):
+            found = re.search(r"metrics (http://\S+)", log.read_text(errors="replace"))
+            if found:
+                self.metrics = f"{self.lives}:{found.group(1)}"
+            time.sleep(0.2)
+
+    def checkpoint_s(self) -> float:
+        try:
+            text = urllib.request.urlopen(self.metrics.partition(":")[2], timeout=10).read().decode()
+        except OSError:
+            return math.nan
+        found = re.search(r"^aisp_checkpoint_last_seconds (\S+)$", text, re.MULTILINE)
+        return float(found.group(1)) if found else math.nan
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return round(float(np.percentile(values, q)), 1) if values else math.nan
+
+
+def measure_capacity(bootstrap: str, r: Any, redis_port: int, out: Path, events: int) -> float:
+    """Events a second two fresh workers drain from a full topic (the soak runs at 80% of it)."""
+    from aisp.connectors.kafka.connector import fill_topic
+
+    fill_topic(bootstrap, "cap-in", event_lines(0, events, seed=5), partitions=PARTITIONS, key="user")
+    workers = [Worker(f"cap{i}", out, bootstrap, "cap-in", "cap", f"redis://127.0.0.1:{redis_port}/cap-out")
+               for i in range(2)]  # fmt: skip
+    for w in workers:
+        w.start()
+    for w in workers:
+        assert w.proc is not None
+        w.proc.wait(timeout=1800)
+    entries = r.xrange("cap-out", count=1) + r.xrevrange("cap-out", count=1)
+    first, last = (float(e[0].decode().split("-")[0]) for e in entries)
+    return events / max((last - first) / 1000, 1e-3)
+
+
+def plot(samples: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [s["t_s"] / 60 for s in samples]
+    series = {
+        "latency_ms": ["p50_ms", "p99_ms"], "lag": ["lag"],
+        **{k: [f"{n}.{k}" for n in samples[0]["procs"]] for k in ("rss_mb", "fds", "threads")},
+        "checkpoint_s": [f"{n}.checkpoint_s" for n in samples[0]["checkpoint_s"]],
+    }  # fmt: skip
+    for name, keys in series.items():
+        fig, ax = plt.subplots(figsize=(8, 3))
+        for key in keys:
+            proc, _, field = key.partition(".")
+            if field and name == "checkpoint_s":
+                ys = [s["checkpoint_s"].get(proc, math.nan) for s in samples]
+            elif field:
+                ys = [s["procs"].get(proc, {}).get(field, math.nan) for s in samples]
+            else:
+                ys = [s[key] for s in samples]
+            ax.plot(t, ys, label=key)
+        ax.set_xlabel("minutes")
+        ax.set_ylabel(name)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=100)
+        plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--duration", type=float, default=float(os.environ.get("DURATION", 3600)))
+    parser.add_argument("--kill-every", type=float, default=600)
+    parser.add_argument("--sample-s", type=float, default=10)
+    parser.add_argument("--capacity-events", type=int, default=200_000)
+    parser.add_argument("--out", default="out/soak")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        bootstrap = stack.enter_context(tansu_broker())
+        redis_port = free_port()
+        redis_proc = subprocess.Popen(
+            ["redis-server", "--bind", "127.0.0.1", "--port", str(redis_port), "--save", "",
+             "--appendonly", "no"], stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        stack.callback(redis_proc.kill)
+        wait_for_port(redis_port, lambda: redis_proc.poll() is None, "redis-server")
+        import redis
+
+        r = redis.Redis(port=redis_port)
+        capacity = measure_capacity(bootstrap, r, redis_port, out, args.capacity_events)
+        rate = 0.8 * capacity
+        print(f"capacity {capacity:.0f} events/s: the soak runs at {rate:.0f}", flush=True)
+        from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+        admin = AdminClient({"bootstrap.servers": bootstrap, **CLIENT_SETTINGS})
+        for f in admin.create_topics([NewTopic("soak-in", PARTITIONS, 1)]).values():
+            f.result(30)
+        output = f"redis://127.0.0.1:{redis_port}/soak-out?dedupe_ttl_s=1800"
+        workers = [Worker(f"w{i}", out, bootstrap, "soak-in", "soak", output) for i in range(2)]
+        for w in workers:
+            w.start()
+        producer = Producer(bootstrap, "soak-in", rate)
+        checker = Checker(r, "soak-out", producer)
+        producer.start()
+        checker.start()
+        tansu_pid = int(subprocess.run(["pgrep", "-f", f"tansu broker --listener-url tcp://{bootstrap}"],
+                                       capture_output=True, text=True).stdout.split()[0])  # fmt: skip
+        samples: list[dict[str, Any]] = []
+        kills: list[dict[str, Any]] = []
+        started = time.monotonic()
+        next_kill = started + args.kill_every
+        try:
+            while time.monotonic() - started < args.duration:
+                time.sleep(args.sample_s)
+                latencies = checker.take_latencies()
+                procs = {"tansu": _proc(tansu_pid), "redis": _proc(redis_proc.pid)}
+                for w in workers:
+                    if w.proc is not None and w.proc.poll() is None:
+                        procs[w.tag] = {**_proc(w.proc.pid), "life": w.lives, "since_s": w.since_s}
+                sample = {
+                    "t_s": round(time.monotonic() - started, 1), "sent": producer.sent,
+                    "outputs": checker.outputs,
+                    "p50_ms": _percentile(latencies, 50), "p99_ms": _percentile(latencies, 99),
+                    "lag": _lag(bootstrap, "soak-in", "soak"), "procs": procs,
+                    "checkpoint_s": {w.tag: w.checkpoint_s() for w in workers},
+                }  # fmt: skip
+                samples.append(sample)
+                print(json.dumps(sample), flush=True)
+                if producer.error is not None:
+                    raise RuntimeError(f"the producer failed: {producer.error}")
+                if time.monotonic() >= next_kill:
+                    victim = workers[len(kills) % 2]
+                    assert victim.proc is not None
+                    kill_ms = time.time() * 1000
+                    with checker.lock:
+                        checker.first_after[kill_ms] = {}
+                    victim.proc.send_signal(signal.SIGKILL)
+                    victim.proc.wait()
+                    victim.start(time.monotonic() - started)
+                    kills.append({"worker": victim.tag, "at_s": sample["t_s"], "kill_ms": kill_ms})
+                    next_kill += args.kill_every
+        finally:
+            producer.halt.set()
+            producer.join(timeout=120)
+        deadline = time.monotonic() + 300
+        while checker.outputs < producer.sent and time.monotonic() < deadline:
+            time.sleep(1)
+        checker.halt.set()
+        for w in workers:
+            if w.proc is not None:
+                try:
+                    w.proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    w.proc.kill()
+        for k in kills:
+            firsts = checker.first_after.get(k["kill_ms"], {})
+            k["recovery_s"] = (
+                round((max(firsts.values()) - k["kill_ms"]) / 1000, 1) if len(firsts) == PARTITIONS else None
+            )
+        seen = checker.seen[: producer.sent]
+        report = verdicts(samples, kills, int((seen == 0).sum()), int((seen > 1).sum()), capacity, rate)
+        (out / "report.json").write_text(json.dumps({**report, "samples": samples, "kills": kills}, indent=1))
+        if samples:
+            plot(samples, out)
+        print(json.dumps(report, indent=1))
+        return 0 if report["ok"] else 1
+
+
+def verdicts(
+    samples: list[dict[str, Any]], kills: list[dict[str, Any]], lost: int, duplicated: int, capacity: float,
+    rate: float,
+) -> dict[str, Any]:  # fmt: skip
+    """The soak's goals: nothing lost or doubled, RSS slope under 5 MB/h after the first 10 minutes
+    (per process life: a killed worker starts again), fds and threads flat, p99 of the last 10
+    minutes within 1.2x of the first 10."""
+    warm = [s for s in samples if s["t_s"] >= 600] or samples[len(samples) // 2 :]
+    lives: dict[str, list[tuple[float, float]]] = {}  # a process life -> (t, RSS) once it warmed up
+    for s in warm:
+        for name, proc in s["procs"].items():
+            if s["t_s"] - proc.get("since_s", 0.0) >= 300:  # each life's first 5 minutes left out
+                lives.setdefault(f"{name}#{proc.get('life', 1)}", []).append((s["t_s"], proc["rss_mb"]))
+    slopes: dict[str, float] = {}
+    for name, points in lives.items():
+        if len(points) >= 3 and points[-1][0] - points[0][0] >= 300:
+            ts, ys = np.array(points).T
+            slopes[name] = round(float(np.polyfit(ts / 3600, ys, 1)[0]), 1)
+    first = [s["p99_ms"] for s in samples if s["t_s"] <= 600 and not math.isnan(s["p99_ms"])]
+    last_t = samples[-1]["t_s"] if samples else 0
+    last = [s["p99_ms"] for s in samples if s["t_s"] >= last_t - 600 and not math.isnan(s["p99_ms"])]
+    p99_first, p99_last = (float(np.median(x)) if x else math.nan for x in (first, last))
+    spread = {k: (min(v), max(v)) for k, v in _series(warm, ("fds", "threads")).items()}
+    return {
+        "capacity_events_per_s": round(capacity), "rate_events_per_s": round(rate),
+        "lost": lost, "duplicated": duplicated, "rss_slope_mb_per_h": slopes,
+        "p99_ms_first_10_min": p99_first, "p99_ms_last_10_min": p99_last, "fds_threads_min_max": spread,
+        "recovery_s": [k.get("recovery_s") for k in kills],
+        "ok": lost == duplicated == 0 and all(v < 5 for v in slopes.values())
+        and not p99_last > 1.2 * p99_first,
+    }  # fmt: skip
+
+
+def _series(samples: list[dict[str, Any]], fields: tuple[str, ...]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for s in samples:
+        for name, proc in s["procs"].items():
+            for f in fields:
+                out.setdefault(f"{name}#{proc.get('life', 1)}.{f}", []).append(proc[f])
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
