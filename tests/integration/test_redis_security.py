@@ -82,7 +82,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[bytes], li
     return data.read_bytes().splitlines(), sorted(out.read_text().splitlines()), dead
 
 
-@pytest.mark.parametrize("form", ["url", "env", "file+mtls"])
+@pytest.mark.parametrize(
+    # the password in the URL: the status-page test below runs the example through it
+    "form",
+    [pytest.param("url", marks=pytest.mark.slow), "env", "file+mtls"],
+)
 def test_the_fraud_example_runs_through_a_secured_redis_every_event_once_and_nothing_leaks(
     redis: SecuredRedis, reference: tuple[list[bytes], list[str], int], tmp_path: Path, form: str
 ) -> None:
