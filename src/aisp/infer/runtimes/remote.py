@@ -121,6 +121,22 @@ class RemoteRuntime:
             )
             for i in meta["inputs"]
         }
+        self.max_batch_size = self._max_batch_size()
+        """The most rows the server takes in one request (its model config's ``max_batch_size``;
+        0: no limit known). ``run`` splits a larger batch into requests of at most that many."""
+
+    def _max_batch_size(self) -> int:
+        """From the server's model config (Triton's extension, which ``aisp serve`` speaks too); a
+        server without it (KServe, MLServer) sets no limit here, and a batch it refuses is an error."""
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            config = self._client.get_model_config(
+                self.model, self._version, headers=self._headers, as_json=True, client_timeout=self.timeout_s
+            )
+        except InferenceServerException:
+            return 0
+        return max(0, int(config.get("config", {}).get("max_batch_size", 0) or 0))
 
     def _metadata(self, wait_s: float, clock: Callable[[], float]) -> Any:
         """The model's metadata, waiting up to ``wait_s`` for a server that is not up yet."""
@@ -158,6 +174,16 @@ class RemoteRuntime:
         )
 
     def run(self, inputs: Mapping[str, npt.NDArray[Any]]) -> dict[str, npt.NDArray[Any]]:
+        rows = len(next(iter(inputs.values()))) if inputs else 0
+        limit = self.max_batch_size
+        if limit <= 0 or rows <= limit:
+            return self._run(inputs)
+        parts = [self._run({k: v[i : i + limit] for k, v in inputs.items()}) for i in range(0, rows, limit)]
+        outputs = {name: np.concatenate([p[name] for p in parts]) for name in self.output_names}
+        check_rows(self.name, inputs, outputs)
+        return outputs
+
+    def _run(self, inputs: Mapping[str, npt.NDArray[Any]]) -> dict[str, npt.NDArray[Any]]:
         tc = self._tc
         request = []
         for name in self.input_names:
