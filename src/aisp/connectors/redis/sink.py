@@ -17,7 +17,7 @@ from typing import Any
 
 from aisp.batch import Batch
 from aisp.connectors.access import Access
-from aisp.connectors.redis.client import call_redis, redis_client
+from aisp.connectors.redis.client import call_redis, final_reason, redis_client
 from aisp.errors import SinkError
 from aisp.sinks.base import RowEncoder, Sink, SinkPartition
 
@@ -82,9 +82,14 @@ class _RedisStreamWriter(SinkPartition):
         self._encoder = RowEncoder(cfg.columns)
         self.added = 0
         self.skipped = 0
-        # reached at open: a refused login stops a run (or `aisp serve`) at its start, not at
-        # its first output or dead letter; an outage is waited for as any call's is
-        self._call(self._r.ping)
+        # asked at open: a refused login stops a run (or `aisp serve`) at its start, not at its
+        # first output or dead letter; a server that is away is waited for by the first write
+        try:
+            self._r.ping()
+        except (*self._errors, redis.ResponseError) as exc:
+            reason = final_reason(exc)
+            if reason is not None:
+                raise SinkError(f"redis at {cfg.host}:{cfg.port}: {reason}: {exc}") from exc
 
     def write(self, batch: Batch) -> None:
         if batch.num_rows:
