@@ -33,7 +33,7 @@ import numpy as np
 from aisp.connectors.base import free_port, wait_for_port
 from aisp.connectors.kafka.client import CLIENT_SETTINGS
 from aisp.connectors.kafka.connector import tansu_broker
-from benchmarks.workload import event_lines
+from benchmarks.workload import BLOCK, event_lines
 from tests.cluster.scenario import ENV, PIPELINE, partition_of
 
 PARTITIONS = 4
@@ -57,12 +57,15 @@ class Producer(threading.Thread):
 
     def run(self) -> None:
         try:
-            start, chunk = time.monotonic(), 1000
+            start = time.monotonic()
             while not self.halt.is_set():
+                chunk = BLOCK - self.sent % BLOCK  # a whole block of the generator at a time
                 lines = event_lines(self.sent, self.sent + chunk, seed=11)
                 if self.sent + chunk > len(self.sent_ms):
                     self.sent_ms = np.concatenate([self.sent_ms, np.zeros(len(self.sent_ms))])
                 for line in lines:
+                    if self.halt.is_set():
+                        break
                     wait = start + self.sent / self.rate - time.monotonic()
                     if wait > 0:
                         time.sleep(wait)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import time
@@ -178,9 +179,18 @@ def test_sigterm_mid_stream_finishes_the_stream_and_exits_0(
     with aisp_serve(PIPELINE, http=True, grpc=False) as (addresses, proc):
         wait_http(addresses["http"])
 
+        def taken() -> float:
+            """Events the served pipeline has taken in (from its /metrics)."""
+            text = httpx.get(f"http://{addresses['http']}/metrics", timeout=30).text
+            found = re.search(r'^aisp_events_total\{direction="in"\} (\S+)$', text, re.MULTILINE)
+            return float(found.group(1)) if found else 0.0
+
         def pieces() -> Iterator[bytes]:
             for i in range(0, len(lines), 300):
                 if i == 900:
+                    deadline = time.monotonic() + 60  # the server reads it (a busy machine: later)
+                    while taken() == 0 and time.monotonic() < deadline:
+                        time.sleep(0.05)
                     proc.send_signal(signal.SIGTERM)  # the request is being read: it was accepted
                     time.sleep(0.2)
                 yield b"\n".join(lines[i : i + 300]) + b"\n"
