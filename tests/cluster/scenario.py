@@ -152,7 +152,7 @@ class Cluster:
         d.mkdir(exist_ok=True)
         argv = [
             sys.executable, "-m", "aisp.cli", "run", str(PIPELINE), "--no-live",
-            "--input", f"kafka://{self.bootstrap}/{topic}?group={group}&idle_stop_s=10",
+            "--input", f"kafka://{self.bootstrap}/{topic}?group={group}&idle_stop_s=5",
             "--output", f"redis://{self.net.broker.ip}:{self.redis_port}/{output}",
             "--dead-letter", str(d / "dl.jsonl"), "--checkpoint-dir", str(d / "chk"),
             "--partition-state", "changelog", "--checkpoint-interval-s", "0.5",
