@@ -13,6 +13,7 @@ meanwhile.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from os import PathLike
@@ -125,6 +126,52 @@ def file_sha256(path: str | PathLike[str]) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
+_LOCATION = b"\x0a\x08location\x12"
+"""An ONNX tensor's external-data entry ``key: "location"`` as protobuf writes it (field 1, 8
+bytes), followed by its ``value`` (field 2): the file, relative to the model's, holding weights."""
+
+
+def onnx_weights_sha256(path: str | PathLike[str]) -> str:
+    """The SHA-256 of an ONNX model's weights: of the file alone when it holds them all (as
+    ``file_sha256``); with the files its tensors' external data name (a model over 2 GB, or saved
+    with ``save_as_external_data``), in the order of their names, when it does not. A weight
+    changed in an external file changes it. The names are read from the protobuf bytes (so the
+    ``onnx`` package is not needed to run a model)."""
+    import mmap
+
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        data = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        try:
+            names: set[str] = set()
+            at = data.find(_LOCATION)
+            while at >= 0:
+                at += len(_LOCATION)
+                length = shift = 0
+                while at < len(data):  # the value's length, a varint
+                    byte = data[at]
+                    at += 1
+                    length |= (byte & 0x7F) << shift
+                    shift += 7
+                    if byte < 0x80:
+                        break
+                names.add(bytes(data[at : at + length]).decode("utf-8", "replace"))
+                at = data.find(_LOCATION, at + length)
+            if not names:
+                return hashlib.sha256(data).hexdigest()
+            digest = hashlib.sha256(data)
+        finally:
+            if isinstance(data, mmap.mmap):
+                data.close()
+    base = Path(path).parent
+    for name in sorted(names):
+        digest.update(b"\0" + name.encode() + b"\0")
+        with open(base / name, "rb") as ext:
+            for block in iter(lambda: ext.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
 def default_providers(available: Sequence[str]) -> list[str]:
     """GPU providers ``available`` offers (TensorRT, CUDA, in that order), then the CPU.
 
@@ -153,7 +200,8 @@ class OnnxRuntime:
         name: the model name; the file's stem by default.
         version: the model version recorded in checkpoints and metrics.
 
-    ``weights_sha256`` is the SHA-256 of the model file, computed once here, at load: a checkpoint
+    ``weights_sha256`` is the SHA-256 of the model's weights (the file, and the external-data
+    files it names: ``onnx_weights_sha256``), computed once here, at load: a checkpoint
     records it beside the version, and a restore checks both (``aisp.schedule.model_steps``).
 
     Raises:
@@ -192,7 +240,7 @@ class OnnxRuntime:
         self.input_specs: Mapping[str, TensorSpec] = {m.name: _spec(m) for m in metas}
         self.output_specs: Mapping[str, TensorSpec] = {m.name: _spec(m) for m in self._session.get_outputs()}
         self._outputs = list(self.output_names)
-        self.weights_sha256 = file_sha256(self.path)
+        self.weights_sha256 = onnx_weights_sha256(self.path)
 
     def run(self, inputs: Mapping[str, npt.NDArray[Any]]) -> Arrays:
         """Run one batch; ``ModelError`` if onnxruntime fails or the row counts differ."""

@@ -167,3 +167,28 @@ def test_cost_model_never_negative() -> None:
     m.observe(100, 500)  # bigger batch faster: noise; fall back to the mean
     assert m.per_row_ns >= 0 and m.fixed_ns >= 0
     assert m.expected_ns(1) > 0
+
+
+def test_weights_in_external_data_files_are_in_the_hash(tmp_path: Path) -> None:
+    """A model whose weights live in an external-data file (as a model over 2 GB must): the hash
+    covers that file, so a changed weight there is a changed model (a restore refuses it); a
+    model that holds its weights hashes as its file."""
+    from aisp.infer.runtimes.base import file_sha256, onnx_weights_sha256
+    from tests.support.models import linear_model
+
+    inline = linear_model(tmp_path / "inline.onnx", 0.1)
+    assert onnx_weights_sha256(inline) == file_sha256(inline)
+    model = onnx.load(str(inline))
+    split = tmp_path / "split" / "model.onnx"
+    split.parent.mkdir()
+    onnx.save(model, str(split), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="weights.bin", size_threshold=0)  # fmt: skip
+    before = OnnxRuntime(split).weights_sha256
+    assert before == onnx_weights_sha256(split) != file_sha256(split)
+    file_before = file_sha256(split)
+    weights = split.parent / "weights.bin"
+    data = bytearray(weights.read_bytes())
+    data[0] ^= 1  # one weight changed, the model file not touched
+    weights.write_bytes(bytes(data))
+    assert onnx_weights_sha256(split) != before
+    assert file_sha256(split) == file_before  # the .onnx file itself did not change
