@@ -8,7 +8,8 @@ or out, no reset: connections hang as across a dead switch port), ``restore`` br
 go through the project's fault proxy instead).
 
 Everything made here is named after the process (``a<pid>``...) and deleted by ``close``, also
-when a test fails (and at interpreter exit as a last resort). Needs root and iproute2.
+when a test fails (and at interpreter exit as a last resort); what a killed run left is deleted
+by the next one (``sweep``). Needs root and iproute2.
 """
 
 from __future__ import annotations
@@ -69,11 +70,27 @@ class Host:
         return proc
 
 
+def sweep() -> None:
+    """Delete the bridges and namespaces of processes that are gone (a run killed before its
+    ``close``): a stale bridge on the same subnet would take the new one's routes."""
+    import re
+
+    links = subprocess.run(["ip", "-o", "link", "show", "type", "bridge"], capture_output=True, text=True)
+    for name, pid in re.findall(r"^\d+: (a(\d+)br)[:@]", links.stdout, re.MULTILINE):
+        if not Path(f"/proc/{pid}").exists():
+            subprocess.run(["ip", "link", "del", name], check=False, capture_output=True)
+    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    for ns, pid in re.findall(r"^(a(\d+)-\S+)", spaces.stdout, re.MULTILINE):
+        if not Path(f"/proc/{pid}").exists():
+            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
+
+
 class Network:
     """A bridge with the broker host on ``.1`` and up to 200 namespace hosts (``add``)."""
 
     def __init__(self, subnet: int | None = None) -> None:
-        pid = os.getpid() % 100_000
+        sweep()
+        pid = os.getpid()
         self._tag = f"a{pid}"
         self.subnet = subnet if subnet is not None else 100 + pid % 150  # 10.<subnet>.7.0/24
         self.prefix = f"10.{self.subnet}.7"
