@@ -52,15 +52,17 @@ def test_results_equal_the_model_and_metadata_comes_from_the_server(proxy: Fault
     np.testing.assert_allclose(rt.run({"features": x})["score"][:, 0], expected_score(x, 0.1), rtol=1e-6)
 
 
-def test_a_batch_over_the_server_s_limit_goes_in_requests_it_takes(proxy: FaultProxy) -> None:
-    """The server's model takes at most 256 rows a request (its config): 600 rows go as three
-    requests, answered as one (a pipeline's batcher may be set larger than a server it calls)."""
+@pytest.mark.parametrize("rows", [1, 255, 256, 257, 600, 1025])
+def test_a_batch_over_the_server_s_limit_goes_in_requests_it_takes(proxy: FaultProxy, rows: int) -> None:
+    """The server's model takes at most 256 rows a request (its config): a larger batch goes as
+    requests of at most 256, answered as one, in order (a pipeline's batcher may be set larger
+    than a server it calls)."""
     rt = remote(proxy)
     assert rt.max_batch_size == 256
     before = rt.attempts
-    x = features(600, seed=4)
+    x = features(rows, seed=rows)
     np.testing.assert_allclose(rt.run({"features": x})["score"][:, 0], expected_score(x, 0.1), rtol=1e-6)
-    assert rt.attempts - before == 3
+    assert rt.attempts - before == -(-rows // 256)
 
 
 def test_a_reset_connection_is_retried(proxy: FaultProxy) -> None:
