@@ -49,16 +49,16 @@ def read_secret(
     Traceback (most recent call last):
     aisp.errors.ConfigError: an LLM client: the secret comes from api_key and api_key_env: give one
     """
-    given = [name for name, v in zip(names, (value, env, file), strict=True) if v]
+    given = [name for name, v in zip(names, (value is not None, env, file), strict=True) if v]
     if len(given) > 1:
         raise ConfigError(f"{what}: the secret comes from {' and '.join(given)}: give one")
     if env:
         if env not in os.environ:
-            raise ConfigError(f"{names[1]}={env}: the variable is not set")
+            raise ConfigError(f"{what}: {names[1]}={env}: the variable is not set")
         return os.environ[env]
     if file:
         try:
             return Path(file).read_text().removesuffix("\n")
         except OSError as exc:
-            raise ConfigError(f"{names[2]}={file}: {exc.strerror or exc}") from None
+            raise ConfigError(f"{what}: {names[2]}={file}: {exc.strerror or exc}") from None
     return value

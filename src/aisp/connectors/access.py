@@ -10,7 +10,6 @@ everything this module raises leave the secret out (``aisp.secrets.mask``).
 
 from __future__ import annotations
 
-import os
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from msgspec import UNSET, UnsetType
 
 from aisp.connectors.url import Address, UrlOptions, mask, options
 from aisp.errors import ConfigError
+from aisp.secrets import read_secret
 
 __all__ = ["Access", "SecuredOptions", "access_of", "access_options"]
 
@@ -80,29 +80,13 @@ def access_of(url: str, address: Address, opts: SecuredOptions, *, tls: bool = F
     scheme implies it (``rediss://``). A password given twice, a variable not set, a file not
     readable, a certificate without its key or a TLS file that does not exist is an error naming
     the option, never the secret."""
-    sources = [
-        name
-        for name, given in (
-            ("the URL", address.password is not None),
-            ("password_env", opts.password_env is not UNSET),
-            ("password_file", opts.password_file is not UNSET),
-        )
-        if given
-    ]
-    if len(sources) > 1:
-        raise ConfigError(f"{mask(url)!r}: the password comes from {' and '.join(sources)}: give one")
-    password = address.password
-    if isinstance(opts.password_env, str):
-        password = os.environ.get(opts.password_env)
-        if password is None:
-            raise ConfigError(f"{mask(url)!r}: password_env={opts.password_env}: the variable is not set")
-    if isinstance(opts.password_file, str):
-        try:
-            password = Path(opts.password_file).read_text().removesuffix("\n")
-        except OSError as exc:
-            raise ConfigError(
-                f"{mask(url)!r}: password_file={opts.password_file}: {exc.strerror or exc}"
-            ) from None
+    password = read_secret(
+        repr(mask(url)),
+        address.password,
+        env=opts.password_env if isinstance(opts.password_env, str) else None,
+        file=opts.password_file if isinstance(opts.password_file, str) else None,
+        names=("the URL", "password_env", "password_file"),
+    )
     ca, cert, key = (v if isinstance(v, str) else None for v in (opts.ca, opts.cert, opts.key))
     if (cert is None) != (key is None):
         raise ConfigError(f"{mask(url)!r}: a client certificate needs both cert= and key=")
