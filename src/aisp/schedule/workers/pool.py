@@ -148,9 +148,10 @@ class WorkerPool:
     # -- processes ---------------------------------------------------------------------------
     def start(self) -> None:
         """Fork the workers (call while this process has one thread)."""
-        if threading.active_count() > 1:
+        others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+        if others:
             raise AispError(
-                f"worker processes must be forked from a single thread ({threading.active_count()} run)"
+                f"worker processes must be forked from a single thread (also running: {', '.join(others)})"
             )
         ctx = mp.get_context("fork")
         n = self.n
