@@ -42,7 +42,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	bash scripts/test-services.sh
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 check: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks examples
@@ -50,7 +50,7 @@ check: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/mkdocs build --strict --site-dir $(VENV)/site
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 fmt: $(STAMP)
 	$(BIN)/ruff format src tests benchmarks examples

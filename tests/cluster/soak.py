@@ -127,11 +127,22 @@ class Checker(threading.Thread):
         return out
 
 
-def _proc(pid: int) -> dict[str, float]:
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _proc(pid: int, cpu_before: dict[int, tuple[float, float]]) -> dict[str, float]:
+    """RSS, open fds, threads and the share of one core used since the last sample (``cpu_before``:
+    pid -> (CPU seconds, when) at the last sample, updated here)."""
     status = Path(f"/proc/{pid}/status").read_text()
     rss = int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024  # type: ignore[union-attr]
     threads = int(re.search(r"Threads:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
-    return {"rss_mb": round(rss, 1), "fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": threads}
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    cpu_s, now = (int(fields[11]) + int(fields[12])) / _TICKS, time.monotonic()
+    before = cpu_before.get(pid)
+    cpu_before[pid] = (cpu_s, now)
+    cpu = round((cpu_s - before[0]) / max(now - before[1], 1e-3), 2) if before else math.nan
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    return {"rss_mb": round(rss, 1), "fds": fds, "threads": threads, "cpu": cpu}
 
 
 def _lag(bootstrap: str, topic: str, group: str) -> int:
@@ -182,6 +193,11 @@ class Worker:
                 self.metrics = f"{self.lives}:{found.group(1)}"
             time.sleep(0.2)
 
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
     def checkpoint_s(self) -> float:
         try:
             text = urllib.request.urlopen(self.metrics.partition(":")[2], timeout=10).read().decode()
@@ -221,7 +237,7 @@ def plot(samples: list[dict[str, Any]], out: Path) -> None:
     t = [s["t_s"] / 60 for s in samples]
     series = {
         "latency_ms": ["p50_ms", "p99_ms"], "lag": ["lag"],
-        **{k: [f"{n}.{k}" for n in samples[0]["procs"]] for k in ("rss_mb", "fds", "threads")},
+        **{k: [f"{n}.{k}" for n in samples[0]["procs"]] for k in ("rss_mb", "fds", "threads", "cpu")},
         "checkpoint_s": [f"{n}.checkpoint_s" for n in samples[0]["checkpoint_s"]],
     }  # fmt: skip
     for name, keys in series.items():
@@ -282,6 +298,7 @@ def main() -> int:
             f.result(30)
         output = f"redis://127.0.0.1:{redis_port}/soak-out?dedupe_ttl_s=1800"
         workers = [Worker(f"w{i}", out, bootstrap, "soak-in", "soak", output) for i in range(2)]
+        stack.callback(lambda: [w.kill() for w in workers])  # an interrupted soak leaves none running
         for w in workers:
             w.start()
         producer = Producer(bootstrap, "soak-in", rate)
@@ -292,16 +309,18 @@ def main() -> int:
                                        capture_output=True, text=True).stdout.split()[0])  # fmt: skip
         samples: list[dict[str, Any]] = []
         kills: list[dict[str, Any]] = []
+        cpu: dict[int, tuple[float, float]] = {}
         started = time.monotonic()
         next_kill = started + args.kill_every
         try:
             while time.monotonic() - started < args.duration:
                 time.sleep(args.sample_s)
                 latencies = checker.take_latencies()
-                procs = {"tansu": _proc(tansu_pid), "redis": _proc(redis_proc.pid)}
+                procs = {"tansu": _proc(tansu_pid, cpu), "redis": _proc(redis_proc.pid, cpu),
+                         "soak": _proc(os.getpid(), cpu)}  # fmt: skip
                 for w in workers:
                     if w.proc is not None and w.proc.poll() is None:
-                        procs[w.tag] = {**_proc(w.proc.pid), "life": w.lives, "since_s": w.since_s}
+                        procs[w.tag] = {**_proc(w.proc.pid, cpu), "life": w.lives, "since_s": w.since_s}
                 sample = {
                     "t_s": round(time.monotonic() - started, 1), "sent": producer.sent,
                     "outputs": checker.outputs,
