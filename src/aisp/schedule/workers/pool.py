@@ -148,10 +148,10 @@ class WorkerPool:
     # -- processes ---------------------------------------------------------------------------
     def start(self) -> None:
         """Fork the workers (call while this process has one thread)."""
-        others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
-        if others:
+        running = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+        if running:
             raise AispError(
-                f"worker processes must be forked from a single thread (also running: {', '.join(others)})"
+                f"worker processes must be forked from a single thread (also running: {', '.join(running)})"
             )
         ctx = mp.get_context("fork")
         n = self.n
