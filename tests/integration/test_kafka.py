@@ -407,6 +407,68 @@ def test_an_input_behind_a_slow_link_does_not_end_before_it_is_read(draw: int) -
     assert sorted(seen) == list(range(records)), f"seed {SEED}: read {len(seen)} of {records}"
 
 
+@pytest.mark.parametrize("draw", range(2))
+def test_a_trickle_of_records_is_handed_on_as_it_comes_not_at_the_poll_timeout(
+    broker: str, draw: int
+) -> None:
+    """A record that arrives alone is handed on at once: the source waits up to its poll timeout
+    for a first record, not for a batch's worth (one ``consume(n, timeout)`` waited the whole
+    timeout for every lone record, and Tansu held each fetch for librdkafka's 500 ms). The poll
+    timeout here is 3 s; records, gaps and partitions are drawn from a seed printed here
+    (AISP_TEST_SEED replays it), and each record's wait is measured from its send."""
+    import statistics
+    import threading
+
+    from confluent_kafka import Producer
+
+    from aisp.connectors.kafka.source import KafkaSource
+    from aisp.ingest.base import SourceContext
+
+    class Event(msgspec.Struct):
+        n: int
+        sent: float
+
+    rng = random.Random(SEED + 100 + draw)
+    partitions, count = rng.randint(1, 3), rng.randint(4, 8)
+    gaps = [rng.uniform(0.05, 0.3) for _ in range(count)]
+    print(f"seed {SEED} (AISP_TEST_SEED={SEED} replays it): {partitions} partitions, gaps {gaps}")
+    topic, poll_s = f"trickle-{uuid.uuid4().hex[:8]}", 3.0
+    keyed_topic(broker, topic, [], partitions)
+    producer = Producer({"bootstrap.servers": broker, "linger.ms": 0})
+
+    def send(n: int) -> None:
+        line = json.dumps({"n": n, "sent": time.monotonic()}).encode()
+        producer.produce(topic, value=line, partition=n % partitions)
+        producer.flush(10)
+
+    cfg = KafkaSource(topic=topic, schema=Event, bootstrap=broker, group=f"g-{topic}", poll_timeout_s=poll_s)
+    source = cfg.open(SourceContext("src", lambda records: None))
+    waits: dict[int, float] = {}
+    try:
+        for p in range(partitions):  # one record each first: the consumer holds every partition
+            send(-1 - p)
+        deadline = time.monotonic() + 60
+        seen = 0
+        while seen < partitions:
+            assert time.monotonic() < deadline, "the source was given no partition within 60 s"
+            if (batch := source.next_batch(10_000)) is not None:
+                seen += batch.num_rows
+        sender = threading.Thread(target=lambda: [(time.sleep(g), send(n)) for n, g in enumerate(gaps)])
+        sender.start()
+        deadline = time.monotonic() + 60
+        while len(waits) < count and time.monotonic() < deadline:
+            if (batch := source.next_batch(10_000)) is not None and batch.num_rows:
+                now = time.monotonic()
+                for n, sent in zip(batch.numpy("n").tolist(), batch.numpy("sent").tolist(), strict=True):
+                    waits[n] = now - sent
+        sender.join()
+    finally:
+        source.close()
+    assert sorted(waits) == list(range(count)), f"seed {SEED}: {sorted(waits)}"
+    median = statistics.median(waits.values())
+    assert median < poll_s / 3, f"seed {SEED}: waits {sorted(waits.values())} (poll timeout {poll_s} s)"
+
+
 def test_an_output_broker_that_is_not_there_is_retried_then_named_in_one_line(tmp_path: Path) -> None:
     """No broker at the output's address: retried for the URL's retry_s, then one line that names
     the broker; librdkafka's own reconnect messages (one per try) are not printed."""

@@ -71,6 +71,8 @@ class KafkaInput(KafkaOptions):
     idle_stop_s: float | UnsetType = UNSET
     """End the input after that long without a record, once read to its end (default: never)."""
     retry_s: float | UnsetType = UNSET
+    fetch_wait_ms: int | UnsetType = UNSET
+    """How long the broker may hold a fetch that finds nothing new (``KafkaSource.fetch_wait_ms``)."""
 
 
 class KafkaOutput(KafkaOptions):

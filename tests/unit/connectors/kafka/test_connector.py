@@ -45,3 +45,15 @@ def test_a_login_comes_with_its_mechanism_and_reaches_the_clients_settings() -> 
         "security.protocol": "SSL"
     }
     assert security_settings(c.sink("kafka://h:1/t", None).access, None) == {}  # type: ignore[attr-defined]
+
+
+def test_a_fetch_wait_out_of_librdkafkas_range_is_refused_when_the_url_is_read() -> None:
+    import pytest
+
+    from aisp.errors import ConfigError
+
+    c = KafkaConnector()
+    assert isinstance(c.source("kafka://h:1/t?fetch_wait_ms=0", Event), KafkaSource)
+    for bad in ("-1", "300001"):
+        with pytest.raises(ConfigError, match=f"fetch_wait_ms must be 0 to 300000, got {bad}"):
+            c.source(f"kafka://h:1/t?fetch_wait_ms={bad}", Event)
