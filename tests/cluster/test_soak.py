@@ -1,0 +1,56 @@
+"""``make soak``'s verdicts over sampled series (the soak itself runs for an hour: ``make soak``).
+Series are drawn from a seed printed here (AISP_TEST_SEED replays it)."""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import pytest
+
+from tests.cluster.soak import verdicts
+
+SEED = int(os.environ.get("AISP_TEST_SEED") or random.randrange(2**31))
+
+
+def _samples(
+    rng: random.Random, minutes: int, slopes: dict[str, float], p99: tuple[float, float]
+) -> list[Any]:
+    """One sample every 10 s: each process's RSS grows by its slope (MB/h) plus noise, the p99
+    goes from ``p99[0]`` to ``p99[1]`` over the run; fds and threads stay put."""
+    out = []
+    for i in range(minutes * 6 + 1):
+        t = i * 10.0
+        procs = {
+            name: {"rss_mb": 150 + slope * t / 3600 + rng.uniform(-0.2, 0.2), "fds": 40, "threads": 20}
+            for name, slope in slopes.items()
+        }
+        p = p99[0] + (p99[1] - p99[0]) * t / (minutes * 60)
+        out.append({"t_s": t, "p99_ms": p * rng.uniform(0.97, 1.03), "procs": procs})
+    return out
+
+
+@pytest.mark.parametrize("draw", range(3))
+def test_the_broker_s_growth_is_reported_but_only_the_workers_are_judged(draw: int) -> None:
+    rng = random.Random(SEED + draw)
+    broker = rng.uniform(50, 5000)  # Tansu keeps every record: MB/h
+    print(f"seed {SEED} (AISP_TEST_SEED={SEED} replays it): broker {broker:.0f} MB/h")
+    minutes = rng.randint(30, 90)
+    flat = _samples(rng, minutes, {"w0": 0.0, "w1": 1.0, "tansu": broker}, (80, 85))
+    report = verdicts(flat, [], 0, 0, 10_000, 1_000)
+    assert report["ok"], report
+    assert report["rss_slope_mb_per_h"]["tansu#1"] == pytest.approx(broker, rel=0.05)
+    leaking = _samples(rng, minutes, {"w0": rng.uniform(8, 50), "w1": 0.0, "tansu": broker}, (80, 85))
+    assert not verdicts(leaking, [], 0, 0, 10_000, 1_000)["ok"]
+
+
+def test_a_lost_or_doubled_event_or_a_p99_that_grew_fails_the_soak() -> None:
+    rng = random.Random(SEED)
+    steady = _samples(rng, 60, {"w0": 0.0, "w1": 0.0}, (80, 85))
+    assert verdicts(steady, [], 0, 0, 10_000, 1_000)["ok"]
+    assert not verdicts(steady, [], 1, 0, 10_000, 1_000)["ok"]
+    assert not verdicts(steady, [], 0, 1, 10_000, 1_000)["ok"]
+    growing = _samples(rng, 60, {"w0": 0.0, "w1": 0.0}, (80, 140))
+    report = verdicts(growing, [], 0, 0, 10_000, 1_000)
+    assert not report["ok"] and report["p99_ms_last_10_min"] > 1.2 * report["p99_ms_first_10_min"]
