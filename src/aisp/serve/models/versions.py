@@ -163,8 +163,25 @@ class ModelVersions:
             gone = rollout.candidate
         else:
             return
-        wanted = [int(v) for v in self.routing.by_version if v != gone]
-        threading.Thread(target=self.reconcile, args=(wanted,), name="aisp-rollout", daemon=True).start()
+        threading.Thread(target=self._drop, args=(gone, rollout), name="aisp-rollout", daemon=True).start()
+
+    def _drop(self, version: str, finished: Rollout) -> None:
+        """Stop serving ``version``, which lost the rollout ``finished``, unless a rollout started
+        since names it (this runs in the background: the versions it keeps are read when it runs,
+        and a rollout of the same version started meanwhile is not aborted under it)."""
+        with self._lock:
+            now = self.routing
+            running = now.rollout
+            if (
+                running is not None
+                and running is not finished
+                and version in (running.candidate, running.stable)
+            ):
+                return
+            if version not in now.by_version or len(now.by_version) < 2:
+                return
+            _, built, retired = self._publish([int(v) for v in now.by_version if v != version], None)
+        self._announce(built, retired)
 
     def reconcile(self, wanted: list[int], *, rollout: Callable[[], Rollout] | None = None) -> str:
         """Serve exactly the versions ``wanted``; the newest live version. A version that fails
@@ -173,24 +190,37 @@ class ModelVersions:
         if not wanted:
             raise ModelError(f"model {self.name!r}: no version to serve (check its version_policy)")
         with self._lock:
-            now = self.routing
-            keep = {str(v): now.by_version[str(v)] for v in wanted if str(v) in now.by_version}
-            built: dict[str, Served] = {}
-            try:
-                for v in wanted:
-                    if str(v) not in keep:
-                        built[str(v)] = self._make(v)
-            except BaseException:
-                for s in built.values():
-                    s.batcher.close()
-                raise
-            live = dict(sorted({**keep, **built}.items(), key=lambda kv: int(kv[0])))
-            retired = [s for v, s in now.by_version.items() if v not in live]
-            running = rollout() if rollout is not None else now.rollout
-            newest = live[max(live, key=int)]
-            self.routing = Routing(live, newest, running)  # the one assignment readers see
-            if running is not None and running.active and running.candidate not in live:
-                running.abort(f"version {running.candidate} is no longer served")
+            newest, built, retired = self._publish(wanted, rollout)
+        self._announce(built, retired)
+        return newest
+
+    def _publish(
+        self, wanted: list[int], rollout: Callable[[], Rollout] | None
+    ) -> tuple[str, dict[str, Served], list[Served]]:
+        """(Under ``_lock``) build what ``wanted`` lacks, publish the new routing in one
+        assignment: the newest version, what was built, what is no longer served."""
+        now = self.routing
+        keep = {str(v): now.by_version[str(v)] for v in wanted if str(v) in now.by_version}
+        built: dict[str, Served] = {}
+        try:
+            for v in wanted:
+                if str(v) not in keep:
+                    built[str(v)] = self._make(v)
+        except BaseException:
+            for s in built.values():
+                s.batcher.close()
+            raise
+        live = dict(sorted({**keep, **built}.items(), key=lambda kv: int(kv[0])))
+        retired = [s for v, s in now.by_version.items() if v not in live]
+        running = rollout() if rollout is not None else now.rollout
+        newest = live[max(live, key=int)]
+        self.routing = Routing(live, newest, running)  # the one assignment readers see
+        if running is not None and running.active and running.candidate not in live:
+            running.abort(f"version {running.candidate} is no longer served")
+        return newest.model.version, built, retired
+
+    def _announce(self, built: dict[str, Served], retired: list[Served]) -> None:
+        """Log a change of the live versions and close the retired ones after the grace period."""
         if built or retired:
             log.info(
                 "model %s: serving versions %s (loaded %s, retired %s)", self.name, self.versions,
@@ -198,7 +228,6 @@ class ModelVersions:
             )  # fmt: skip
         if retired:
             self._retire(retired)
-        return newest.model.version
 
     def _retire(self, retired: list[Served]) -> None:
         """Close ``retired`` versions after the grace period, in the background."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import zlib
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -109,3 +110,47 @@ def test_a_rollout_that_cannot_start_changes_no_routing() -> None:
     with pytest.raises(BadRequest, match="rollout of version 2 is under way"):
         versions.start_rollout(RolloutPolicy(version=4, window_s=3600))
     assert versions.routing is during and versions.versions == ["1", "2"]
+
+
+@pytest.mark.parametrize("ending", ["rollback", "promote"])
+def test_a_rollout_of_the_version_that_just_lost_is_not_aborted_by_the_late_retire_job(
+    monkeypatch: pytest.MonkeyPatch, ending: str
+) -> None:
+    """A finished rollout retires the version that lost in the background; a rollout of that
+    same version started before the job runs must keep it (the job read the versions to keep
+    when it was made, and aborted the new rollout: "version 2 is no longer served")."""
+    import numpy as np
+
+    import aisp.serve.models.versions as module
+
+    jobs: list[tuple[Any, tuple[Any, ...]]] = []
+
+    class Held:  # the retire job, held until the test runs it
+        def __init__(self, target: Any, args: tuple[Any, ...], **_: Any) -> None:
+            jobs.append((target, args))
+
+        def start(self) -> None:
+            pass
+
+    monkeypatch.setattr(module.threading, "Thread", Held)
+    versions = ModelVersions("m", FakeServed, grace_s=0)  # type: ignore[arg-type]
+    versions.reconcile([1])
+    first = versions.start_rollout(
+        RolloutPolicy(version=2, shadow=False, steps=(1.0,), window_s=1e-9, min_samples=1)
+    )
+    if ending == "rollback":
+        first.abort("an operator's call")
+        again = 2  # the same candidate, tried again
+    else:
+        for v in ("1", "2"):
+            first.observe_rows(v, np.array([1.0]), np.array([0.5]))
+        assert first.state == "promoted"
+        again = 1  # back to the old stable version, as a rollout
+    assert len(jobs) == 1
+    second = versions.start_rollout(RolloutPolicy(version=again, window_s=3600))
+    target, args = jobs.pop()
+    target(*args)  # the job runs late
+    assert second.active, second.decisions[-1]
+    assert versions.versions == ["1", "2"]
+    served, shadow = versions.route(None, "user-1")
+    assert shadow is not None and shadow.model.version == str(again)
