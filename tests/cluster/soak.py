@@ -283,6 +283,8 @@ def plot(samples: list[dict[str, Any]], out: Path) -> None:
             ax.plot(t, ys, label=key)
         ax.set_xlabel("minutes")
         ax.set_ylabel(name)
+        if name == "latency_ms":  # the takeovers' seconds and the steady tens of ms on one plot
+            ax.set_yscale("log")
         ax.legend(fontsize="small")
         fig.tight_layout()
         fig.savefig(out / f"{name}.png", dpi=100)
@@ -439,13 +441,15 @@ def verdicts(
     """The soak's goals: nothing lost or doubled, each worker's RSS slope under 5 MB/h after the
     first 10 minutes, fds and threads flat, p99 of the last 10 minutes within 1.2x of the first 10.
 
-    The slope judged is a leak's: RSS against time within each process life's steady stretches
-    (``_rss_slopes``). A kill of one worker moves its partitions to the other for the takeover and
-    back when it returns, and the survivor's RSS steps up to hold them (memory its allocator then
-    keeps); a step is not a leak. The slope over each whole life is reported beside it. Tansu's
-    and Redis's slopes are reported, not judged: Tansu keeps every record it is given, in memory."""
+    The slope judged is a leak's: the workers' RSS against time within the steady stretches of
+    their lives, pooled (``_rss_slopes``). A kill of one worker moves its partitions to the other
+    for the takeover and back when it returns, and the survivor's RSS steps up to hold them
+    (memory its allocator then keeps); a step is not a leak. Per life the slope is reported too
+    (a stretch of 5 minutes cannot tell 5 MB/h from an allocator's step of a few MB), and over
+    each whole life. Tansu's and Redis's slopes are reported, not judged: Tansu keeps every
+    record it is given, in memory."""
     warm = [s for s in samples if s["t_s"] >= 600] or samples[len(samples) // 2 :]
-    slopes, whole = _rss_slopes(warm, [float(k["at_s"]) for k in kills])
+    slopes, whole, workers = _rss_slopes(warm, [float(k["at_s"]) for k in kills])
     first = [s["p99_ms"] for s in samples if s["t_s"] <= 600 and not math.isnan(s["p99_ms"])]
     last_t = samples[-1]["t_s"] if samples else 0
     last = [s["p99_ms"] for s in samples if s["t_s"] >= last_t - 600 and not math.isnan(s["p99_ms"])]
@@ -454,24 +458,25 @@ def verdicts(
     return {
         "capacity_events_per_s": round(capacity), "rate_events_per_s": round(rate),
         "lost": lost, "duplicated": duplicated, "rss_slope_mb_per_h": slopes,
-        "rss_whole_life_slope_mb_per_h": whole,
+        "rss_whole_life_slope_mb_per_h": whole, "workers_rss_slope_mb_per_h": workers,
         "p99_ms_first_10_min": p99_first, "p99_ms_last_10_min": p99_last, "fds_threads_min_max": spread,
         "recovery_s": [k.get("recovery_s") for k in kills],
-        "ok": lost == duplicated == 0 and all(v < 5 for k, v in slopes.items() if k.startswith("w"))
+        "ok": lost == duplicated == 0 and not workers >= 5
         and not p99_last > 1.2 * p99_first,
     }  # fmt: skip
 
 
 def _rss_slopes(
     samples: list[dict[str, Any]], kill_s: list[float], settle_s: float = 300.0, min_span_s: float = 240.0
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Per process life (``name#life``), in MB/h: the slope of RSS within its steady stretches,
-    and over the whole life (its first ``settle_s`` left out). A stretch runs from a life's start
-    or a kill to the next kill; its first ``settle_s`` (a start, a takeover, a hand-back) are left
-    out. The first is one fit across the stretches, each with its own level (RSS and time taken
-    from their stretch's means): a step between stretches does not count, a climb within them
-    does. A life with less than ``min_span_s`` of steady stretches gets no slope."""
-    stretches: dict[tuple[str, int], list[tuple[float, float]]] = {}
+) -> tuple[dict[str, float], dict[str, float], float]:
+    """RSS slopes in MB/h: per process life (``name#life``) within its steady stretches, per life
+    over the whole life (its first ``settle_s`` left out), and the workers' (``w*``) within their
+    steady stretches, pooled. A stretch runs from a life's start or a kill to the next kill; its
+    first ``settle_s`` (a start, a takeover, a hand-back) are left out. A fit within stretches is
+    one line across them, each with its own level (time and RSS taken from their stretch's
+    means): a step between stretches does not count, a climb within them does. A life with less
+    than ``min_span_s`` of it gets no slope."""
+    stretches: dict[tuple[str, float], list[tuple[float, float]]] = {}
     whole: dict[str, list[tuple[float, float]]] = {}
     for s in samples:
         t = float(s["t_s"])
@@ -481,24 +486,31 @@ def _rss_slopes(
             if t - born >= settle_s:
                 whole.setdefault(life, []).append((t, proc["rss_mb"]))
             if t - since >= settle_s:
-                stretches.setdefault((life, int(since)), []).append((t, proc["rss_mb"]))
-    within: dict[str, tuple[float, float, float]] = {}  # life -> (sum dt*dy, sum dt^2, span s)
+                stretches.setdefault((life, since), []).append((t, proc["rss_mb"]))
+    lives: dict[str, list[list[tuple[float, float]]]] = {}
     for (life, _), points in stretches.items():
-        if len(points) < 3:
-            continue
-        ts, ys = np.array(points).T
-        dt, dy = ts / 3600 - (ts / 3600).mean(), ys - ys.mean()
-        xy, xx, span = within.get(life, (0.0, 0.0, 0.0))
-        within[life] = (xy + float(dt @ dy), xx + float(dt @ dt), span + float(ts[-1] - ts[0]))
-    slopes = {
-        life: round(xy / xx, 1) for life, (xy, xx, span) in within.items() if xx > 0 and span >= min_span_s
-    }
+        lives.setdefault(life, []).append(points)
+    within = {life: _within(parts, min_span_s) for life, parts in lives.items()}
     fits = {}
     for life, points in whole.items():
         if len(points) >= 3 and points[-1][0] - points[0][0] >= min_span_s:
             ts, ys = np.array(points).T
             fits[life] = round(float(np.polyfit(ts / 3600, ys, 1)[0]), 1)
-    return slopes, fits
+    workers = _within([p for life, parts in lives.items() if life.startswith("w") for p in parts], min_span_s)
+    return {k: v for k, v in within.items() if not math.isnan(v)}, fits, workers
+
+
+def _within(stretches: list[list[tuple[float, float]]], min_span_s: float) -> float:
+    """One slope (MB/h) across ``stretches`` of (t, RSS), each with its own level; nan when they
+    span less than ``min_span_s`` in all."""
+    xy = xx = span = 0.0
+    for points in stretches:
+        if len(points) < 3:
+            continue
+        ts, ys = np.array(points).T
+        dt, dy = ts / 3600 - (ts / 3600).mean(), ys - ys.mean()
+        xy, xx, span = xy + float(dt @ dy), xx + float(dt @ dt), span + float(ts[-1] - ts[0])
+    return round(xy / xx, 1) if xx > 0 and span >= min_span_s else math.nan
 
 
 def _series(samples: list[dict[str, Any]], fields: tuple[str, ...]) -> dict[str, list[float]]:
