@@ -69,7 +69,7 @@ clean:
 # through a file, Redis Streams, NATS JetStream and Kafka (Tansu); reports in out/chaos/.
 CHAOS_EVENTS ?= 200000
 DURATION ?= 3600
-# Tansu keeps every record in memory (~450 bytes an event): 2,000 events/s for an hour is ~3.3 GB
+# Tansu keeps every record in memory (~300 bytes an event measured): 2,000 events/s for an hour is ~2.2 GB
 SOAK_MAX_RATE ?= 2000
 soak: $(STAMP)
 	bash scripts/test-services.sh
