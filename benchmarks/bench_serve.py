@@ -19,7 +19,8 @@ the moment its chunk was written to the moment its result line was read. Runs at
 then paced at 80% of that.
 
 Part 3, with ``--perf-analyzer PATH``: Triton's perf_analyzer (tritonclient[all]==2.41.0),
-unmodified, over HTTP and gRPC, against ``aisp serve`` and a grpc.aio server answering a
+unmodified, over HTTP and gRPC (on both transports, unary and streaming), against ``aisp serve``
+and a grpc.aio server answering a
 constant (the Python gRPC stack's ceiling), and with its tensors in system shared memory
 (``--shared-memory system``). It needs Debian's libb64-0d and ``libcudart.so.12``
 (PyPI's nvidia-cuda-runtime-cu12: put its ``lib`` directory on ``LD_LIBRARY_PATH``).
@@ -30,6 +31,7 @@ contender's ratio to the ceiling (``asgi_hello``; ``asgi_unbatched`` for the hea
 same round.
 
     python benchmarks/bench_serve.py [--seconds 8] [--events 400000] [--rounds 3] [--perf-analyzer PATH]
+        [--skip-infer] [--skip-ingest]
 """
 
 from __future__ import annotations
@@ -170,38 +172,53 @@ def infer_part(seconds: float, tmp: Path, rounds: int) -> dict[str, Any]:
 
 
 def perf_analyzer_part(binary: str, tmp: Path, rounds: int) -> dict[str, Any]:
-    """Triton's perf_analyzer, unmodified, against ``aisp serve`` over HTTP and gRPC (batch 1 at
-    concurrency 16, batch 64 at concurrency 4) and against a grpc.aio server whose ModelInfer
-    returns a constant (the Python gRPC stack's own ceiling); alternating, median of ``rounds``."""
+    """Triton's perf_analyzer, unmodified, against ``aisp serve`` over HTTP and over gRPC on both
+    transports (``aisp``: native, ``aisp-grpcio``: grpc.aio), unary and ModelStreamInfer (batch 1
+    at concurrency 16, batch 64 at concurrency 4), and against a grpc.aio server whose ModelInfer
+    returns a constant (the Python gRPC stack's own ceiling); alternating, median of ``rounds``.
+    ``ratio_to_http``: each gRPC point's median ratio to HTTP's throughput in the same round."""
     repo = repository(tmp / "repo-pa", ROOT / "examples" / "fraud" / "model.onnx", 512)
     aisp = [PY, "-m", "aisp.cli", "serve", str(repo), "--http-port", "0", "--grpc-port", "0"]
     aisp.append("--allow-shared-memory")  # perf_analyzer --shared-memory system registers regions
+    grpcio = [*aisp[:5], "--http-port", "-1", "--grpc-port", "0", "--grpc-server", "grpcio"]
     apps = ROOT / "benchmarks" / "serve_apps.py"
     results: dict[str, Any] = {}
     with ExitStack() as stack:
         http, grpc_address = stack.enter_context(server(aisp, ("http", "grpc")))
+        grpcio_address = stack.enter_context(server(grpcio, ("grpc",)))
         ceiling = stack.enter_context(server([PY, str(apps), "grpc_hello", "0"], ("grpc",)))
         points = [
             ("aisp/http", http, "http", 1, 16),
             ("aisp/grpc", grpc_address, "grpc", 1, 16),
+            ("aisp-grpcio/grpc", grpcio_address, "grpc", 1, 16),
+            ("aisp/grpc-stream", grpc_address, "grpc", 1, 16),
+            ("aisp-grpcio/grpc-stream", grpcio_address, "grpc", 1, 16),
             ("grpc_hello/grpc", ceiling, "grpc", 1, 16),
             ("aisp/grpc+shm", grpc_address, "grpc", 1, 16),
             ("aisp/http", http, "http", 64, 4),
             ("aisp/grpc", grpc_address, "grpc", 64, 4),
+            ("aisp-grpcio/grpc", grpcio_address, "grpc", 64, 4),
             ("aisp/http+shm", http, "http", 64, 4),
             ("aisp/grpc+shm", grpc_address, "grpc", 64, 4),
         ]
         runs: dict[str, list[dict[str, float]]] = {}
-        for _ in range(rounds):
-            for name, address, protocol, batch, c in points:
+        for i in range(rounds):
+            for name, address, protocol, batch, c in points if i % 2 == 0 else points[::-1]:
                 key = f"{name}/b{batch}/c{c}"
                 extra = ["--shared-memory", "system"] if name.endswith("+shm") else []
+                extra += ["--streaming"] if name.endswith("-stream") else []
                 runs.setdefault(key, []).append(perf_analyzer(binary, address, protocol, batch, c, extra))
         for key, rs in runs.items():
             measured = [x for x in rs if x["infer_per_s"] == x["infer_per_s"]] or rs  # NaN: nothing
             r = sorted(measured, key=lambda x: x["infer_per_s"])[len(measured) // 2]
+            http_key = f"aisp/http/{key.rsplit('/', 2)[-2]}/{key.rsplit('/', 1)[-1]}"
+            if "grpc" in key.split("/")[1] and http_key in runs:
+                ratios = sorted(
+                    x["infer_per_s"] / y["infer_per_s"] for x, y in zip(rs, runs[http_key], strict=True)
+                )
+                r = {**r, "ratio_to_http": round(ratios[len(ratios) // 2], 3)}
             results[key] = r  # perf_analyzer counts inferences as rows: batch 64 is 64 of them
-            print(f"perf_analyzer {key:24} {results[key]}", flush=True)
+            print(f"perf_analyzer {key:34} {results[key]}", flush=True)
     return results
 
 
@@ -348,6 +365,7 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=1000)
     ap.add_argument("--skip-infer", action="store_true")
+    ap.add_argument("--skip-ingest", action="store_true")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per point (median)")
     ap.add_argument("--perf-analyzer", help="Triton's perf_analyzer binary (tritonclient[all]==2.41.0)")
     ap.add_argument("--json", help="write the results here")
@@ -360,7 +378,8 @@ def main() -> int:
         results = {"infer": {} if args.skip_infer else infer_part(args.seconds, tmp, args.rounds)}
         if args.perf_analyzer:
             results["perf_analyzer"] = perf_analyzer_part(args.perf_analyzer, tmp, args.rounds)
-        results["ingest"] = ingest_part(args.events, args.streams, args.chunk, tmp)
+        if not args.skip_ingest:
+            results["ingest"] = ingest_part(args.events, args.streams, args.chunk, tmp)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -28,7 +28,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests.support.models import conformance_repository
-from tests.support.serving import aisp_serve, conformance_server, wait_http
+from tests.support.serving import GRPC_SERVERS, aisp_serve, conformance_server, wait_http
 
 Served = tuple[str, str, subprocess.Popen[str]]
 
@@ -37,6 +37,21 @@ Served = tuple[str, str, subprocess.Popen[str]]
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     with conformance_server(tmp_path_factory.mktemp("repo")) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def grpcio_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with conformance_server(tmp_path_factory.mktemp("repo"), grpc_server="grpcio") as server:
+        yield server
+
+
+@pytest.fixture(scope="module", params=GRPC_SERVERS)
+def grpc_address(request: pytest.FixtureRequest, served: Served) -> str:
+    """The gRPC address of the conformance server on each transport."""
+    if request.param == "native":
+        return served[1]
+    server: Served = request.getfixturevalue("grpcio_served")
+    return server[1]
 
 
 def simple_inputs(
@@ -70,8 +85,8 @@ def test_simple_over_http(served: Served, binary: bool) -> None:
     check_simple(client.infer("simple", simple_inputs(httpclient, 8, binary=binary)), 8)
 
 
-def test_simple_over_grpc_unary_and_stream(served: Served) -> None:
-    client = grpcclient.InferenceServerClient(served[1])
+def test_simple_over_grpc_unary_and_stream(served: Served, grpc_address: str) -> None:
+    client = grpcclient.InferenceServerClient(grpc_address)
     check_simple(client.infer("simple", simple_inputs(grpcclient, 2)), 2)
     results: list[object] = []
     client.start_stream(callback=lambda result, error: results.append(error or result))
@@ -83,12 +98,12 @@ def test_simple_over_grpc_unary_and_stream(served: Served) -> None:
         check_simple(r)
 
 
-def test_simple_over_the_clients_async_calls(served: Served) -> None:
+def test_simple_over_the_clients_async_calls(served: Served, grpc_address: str) -> None:
     h = httpclient.InferenceServerClient(served[0], concurrency=4)
     pending = [h.async_infer("simple", simple_inputs(httpclient, 2)) for _ in range(8)]
     for request in pending:
         check_simple(request.get_result(), 2)
-    g = grpcclient.InferenceServerClient(served[1])
+    g = grpcclient.InferenceServerClient(grpc_address)
     results: list[object] = []
     done = threading.Event()
 
@@ -104,10 +119,10 @@ def test_simple_over_the_clients_async_calls(served: Served) -> None:
         check_simple(r, 2)
 
 
-def test_simple_over_the_asyncio_clients(served: Served) -> None:
+def test_simple_over_the_asyncio_clients(served: Served, grpc_address: str) -> None:
     async def run() -> None:
         h = httpaio.InferenceServerClient(served[0])
-        g = grpcaio.InferenceServerClient(served[1])
+        g = grpcaio.InferenceServerClient(grpc_address)
         try:
             assert await h.is_server_live() and await g.is_model_ready("simple")
             check_simple(await h.infer("simple", simple_inputs(httpaio, 2)), 2)
@@ -201,13 +216,13 @@ def test_bytes_round_trip_over_http(served: Served, binary_in: bool, binary_out:
     assert [x.decode() if isinstance(x, bytes) else x for x in got.ravel()] == list(WORDS.ravel())
 
 
-def test_bytes_round_trip_over_grpc_raw_and_typed_contents(served: Served) -> None:
-    client = grpcclient.InferenceServerClient(served[1])
+def test_bytes_round_trip_over_grpc_raw_and_typed_contents(served: Served, grpc_address: str) -> None:
+    client = grpcclient.InferenceServerClient(grpc_address)
     inp = grpcclient.InferInput("INPUT0", [1, 3], "BYTES")
     inp.set_data_from_numpy(WORDS)
     got = client.infer("identity_bytes", [inp]).as_numpy("OUTPUT0")
     assert [x.decode() for x in got.ravel()] == list(WORDS.ravel())
-    stub = pb_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(served[1]))
+    stub = pb_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(grpc_address))
     request = pb.ModelInferRequest(model_name="identity_bytes")
     t = request.inputs.add(name="INPUT0", datatype="BYTES", shape=[1, 3])
     t.contents.bytes_contents.extend([w.encode() for w in WORDS.ravel()])
@@ -320,9 +335,9 @@ def test_raw_binary_request(served: Served) -> None:
     assert r.status_code == 400 and "more than one variable-sized dimension" in r.json()["error"]
 
 
-def test_zero_size_tensors_round_trip(served: Served) -> None:
+def test_zero_size_tensors_round_trip(served: Served, grpc_address: str) -> None:
     h = httpclient.InferenceServerClient(served[0])
-    g = grpcclient.InferenceServerClient(served[1])
+    g = grpcclient.InferenceServerClient(grpc_address)
     for shape in ([1, 0], [3, 0], [0, 5]):
         for module, client in ((httpclient, h), (grpcclient, g)):
             inp = module.InferInput("INPUT0", shape, "FP32")
@@ -366,7 +381,9 @@ def test_unmatched_routes_and_methods_answer_json(served: Served) -> None:
 TRAVERSALS = ["..", "../outside", "../outside/evil", "/etc", "a/../b", "./x", " .."]
 
 
-def test_model_control_is_off_by_default_and_names_are_checked_first(served: Served) -> None:
+def test_model_control_is_off_by_default_and_names_are_checked_first(
+    served: Served, grpc_address: str
+) -> None:
     base = f"http://{served[0]}"
     r = httpx.post(f"{base}/v2/repository/models/simple/load", timeout=10)
     assert r.status_code == 403 and "explicit model load / unload is not allowed" in r.json()["error"]
@@ -375,7 +392,7 @@ def test_model_control_is_off_by_default_and_names_are_checked_first(served: Ser
         assert r.status_code in (400, 404) and r.json()["error"], path
     r = httpx.post(f"{base}/v2/repository/models/%2E%2E/load", timeout=10)
     assert r.status_code == 400 and "path traversal" in r.json()["error"]
-    client = grpcclient.InferenceServerClient(served[1])
+    client = grpcclient.InferenceServerClient(grpc_address)
     for name in TRAVERSALS:
         with pytest.raises(InferenceServerException, match="path traversal") as info:
             client.load_model(name)

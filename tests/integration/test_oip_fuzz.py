@@ -26,7 +26,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from benchmarks.workload import parse_valid
 from tests.support.hostile import HOSTILE_LINES, hostile_chunks, mixed_lines
-from tests.support.serving import ROOT, aisp_serve, conformance_server, wait_http
+from tests.support.serving import GRPC_SERVERS, ROOT, aisp_serve, conformance_server, wait_http
 
 FUZZ = settings(
     max_examples=300,
@@ -54,8 +54,17 @@ def http(served: Served) -> Iterator[httpx.Client]:
 
 
 @pytest.fixture(scope="module")
-def stub(served: Served) -> Iterator[Any]:
-    channel = grpc.insecure_channel(served[1])
+def grpcio_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with conformance_server(tmp_path_factory.mktemp("repo"), grpc_server="grpcio") as server:
+        yield server
+        assert_alive(server[0], server[1])
+
+
+@pytest.fixture(scope="module", params=GRPC_SERVERS)
+def stub(request: pytest.FixtureRequest, served: Served) -> Iterator[Any]:
+    """A stub of the conformance server on each gRPC transport."""
+    address = served[1] if request.param == "native" else request.getfixturevalue("grpcio_served")[1]
+    channel = grpc.insecure_channel(address)
     yield pb_grpc.GRPCInferenceServiceStub(channel)
     channel.close()
 

@@ -13,15 +13,21 @@ import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
 from tests.support.models import expected_score, fraud_repository, linear_model
-from tests.support.serving import aisp_serve
+from tests.support.serving import GRPC_SERVERS, aisp_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, subprocess.Popen[str]]]:
+@pytest.fixture(scope="module", params=GRPC_SERVERS)
+def served(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path, subprocess.Popen[str]]]:
     repo = fraud_repository(tmp_path_factory.mktemp("repo"), {1: 0.1})
-    with aisp_serve(repo, http=False, grpc=True, extra_args=("--allow-model-control",)) as (addresses, proc):
+    args = ("--allow-model-control",)
+    with aisp_serve(repo, http=False, grpc=True, extra_args=args, grpc_server=request.param) as (
+        addresses,
+        proc,
+    ):
         yield addresses["grpc"], repo, proc
 
 

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
-from tests.support.serving import conformance_server
+from tests.support.serving import GRPC_SERVERS, conformance_server
 
 Served = tuple[str, str, subprocess.Popen[str]]
 A = np.arange(16, dtype=np.int32).reshape(1, 16)
@@ -30,9 +30,10 @@ B = np.ones((1, 16), dtype=np.int32)
 NBYTES = A.nbytes  # 64
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    with conformance_server(tmp_path_factory.mktemp("repo"), "--allow-shared-memory") as server:
+@pytest.fixture(scope="module", params=GRPC_SERVERS)
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("repo")
+    with conformance_server(root, "--allow-shared-memory", grpc_server=request.param) as server:
         yield server
 
 

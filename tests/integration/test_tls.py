@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import ssl
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -11,7 +13,7 @@ import numpy as np
 import tritonclient.grpc as tc
 
 from tests.support.models import fraud_repository
-from tests.support.serving import aisp_serve
+from tests.support.serving import ROOT, aisp_serve
 
 
 def self_signed(tmp_path: Path) -> tuple[Path, Path]:
@@ -64,3 +66,17 @@ def test_https_and_grpc_tls(tmp_path: Path) -> None:
         inp = tc.InferInput("features", [1, 18], "FP32")
         inp.set_data_from_numpy(np.zeros((1, 18), np.float32))
         assert client.infer("fraud", [inp]).as_numpy("score").shape == (1, 1)
+
+
+def test_the_native_grpc_transport_refuses_tls_clearly(tmp_path: Path) -> None:
+    """``auto`` serves TLS on grpcio (above); asking for the native transport with TLS is an error
+    that says why, before anything is served."""
+    cert, key = self_signed(tmp_path)
+    repo = fraud_repository(tmp_path / "repo", {1: 0.1})
+    cmd = [sys.executable, "-m", "aisp.cli", "serve", str(repo), "--grpc-server", "native"]
+    cmd += ["--tls-cert", str(cert), "--tls-key", str(key), "--http-port", "0", "--grpc-port", "0"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "native gRPC transport has no TLS" in proc.stderr
+    assert "http " not in proc.stdout and "grpc " not in proc.stdout

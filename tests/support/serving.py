@@ -13,6 +13,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
+GRPC_SERVERS = ("native", "grpcio")
+"""The gRPC transports (``aisp serve --grpc-server``): every gRPC test runs on both."""
+
 
 @contextmanager
 def aisp_serve(
@@ -22,9 +25,11 @@ def aisp_serve(
     grpc: bool,
     extra_env: dict[str, str] | None = None,
     extra_args: tuple[str, ...] = (),
+    grpc_server: str = "auto",
 ) -> Iterator[tuple[dict[str, str], subprocess.Popen[str]]]:
-    """Yields ({"http": "host:port", "grpc": "host:port"}, process); SIGTERM and reap at the end."""
-    cmd = [sys.executable, "-m", "aisp.cli", "serve", str(repo), *extra_args]
+    """Yields ({"http": "host:port", "grpc": "host:port"}, process); SIGTERM and reap at the end.
+    ``grpc_server``: the gRPC transport."""
+    cmd = [sys.executable, "-m", "aisp.cli", "serve", str(repo), *extra_args, "--grpc-server", grpc_server]
     cmd += ["--http-port", "0" if http else "-1", "--grpc-port", "0" if grpc else "-1"]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **(extra_env or {})}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -59,12 +64,17 @@ def wait_http(address: str, timeout_s: float = 30.0) -> None:
 
 
 @contextmanager
-def conformance_server(root: Path, *extra_args: str) -> Iterator[tuple[str, str, subprocess.Popen[str]]]:
-    """``aisp serve`` over ``conformance_repository(root)`` on HTTP and gRPC, ready: yields
-    (http address, grpc address, process)."""
+def conformance_server(
+    root: Path, *extra_args: str, grpc_server: str = "auto"
+) -> Iterator[tuple[str, str, subprocess.Popen[str]]]:
+    """``aisp serve`` over ``conformance_repository(root)`` on HTTP and gRPC (on the transport
+    ``grpc_server``), ready: yields (http address, grpc address, process)."""
     from tests.support.models import conformance_repository
 
     repo = conformance_repository(root)
-    with aisp_serve(repo, http=True, grpc=True, extra_args=extra_args) as (addresses, proc):
+    with aisp_serve(repo, http=True, grpc=True, extra_args=extra_args, grpc_server=grpc_server) as (
+        addresses,
+        proc,
+    ):
         wait_http(addresses["http"])
         yield addresses["http"], addresses["grpc"], proc

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.baselines import compare_outputs, is_valid, run_naive, run_tuned  # noqa: E402
+from benchmarks.baselines import compare_outputs, is_valid, run_hand, run_naive, run_validating  # noqa: E402
 from benchmarks.workload import BAD_KINDS, parse_valid, reference_outputs, write_events  # noqa: E402
 
 MODEL = ROOT / "examples" / "fraud" / "model.onnx"
@@ -137,7 +137,7 @@ def test_validity_rules_agree(tmp_path: Path) -> None:
     assert all(is_valid(ev) for ev in parsed if ev is not None)
     path = tmp_path / "edge.jsonl"
     path.write_bytes(b"\n".join(EDGE_LINES) + b"\n")
-    for run in (run_naive, run_tuned):
+    for run in (run_naive, run_validating):
         out = tmp_path / f"{run.__name__}.jsonl"
         res = run(path, out, MODEL)
         assert res["events"] == 2 and res["invalid"] == len(EDGE_LINES) - 2
@@ -149,10 +149,10 @@ def test_validity_rules_agree(tmp_path: Path) -> None:
 def test_baselines_agree_with_each_other_and_the_reference(tmp_path: Path) -> None:
     path = tmp_path / "ev.jsonl"
     write_events(path, 2000, seed=7, bad_every=50)
-    out_naive, out_tuned = tmp_path / "naive.jsonl", tmp_path / "tuned.jsonl"
+    out_naive, out_tuned = tmp_path / "naive.jsonl", tmp_path / "validating.jsonl"
     r_naive = run_naive(path, out_naive, MODEL)
-    r_tuned = run_tuned(path, out_tuned, MODEL)
-    for r, name in ((r_naive, "naive"), (r_tuned, "tuned")):
+    r_tuned = run_validating(path, out_tuned, MODEL)
+    for r, name in ((r_naive, "naive"), (r_tuned, "validating")):
         assert r["name"] == name
         assert r["events"] == 1960 and r["invalid"] == 40
         assert r["events_per_s"] > 0 and r["p99_ms"] > 0 and r["peak_rss_mb"] > 0
@@ -168,3 +168,24 @@ def test_baselines_agree_with_each_other_and_the_reference(tmp_path: Path) -> No
         assert (g["user"], g["n"], g["mean_amount"]) == (exp["user"], exp["n"], exp["mean_amount"])
         assert abs(g["score"] - exp["score"]) <= 1e-6
         assert g["alert"] == (g["score"] > 0.9)
+
+
+@pytest.mark.parametrize("seed", [3, 11, 29])
+def test_the_hand_loop_agrees_with_the_validating_loop_on_clean_files(tmp_path: Path, seed: int) -> None:
+    """Sizes around the 512-line chunk, few users (each user many times in a chunk: every rank
+    level of the state update), seeded."""
+    rng = np.random.default_rng(seed)
+    events = int(rng.choice([1, 511, 512, 513, 1500])) + int(rng.integers(0, 3))
+    path = tmp_path / "ev.jsonl"
+    write_events(path, events, seed=seed)
+    users = rng.integers(0, int(rng.integers(1, 40)), size=events).tolist()
+    lines = [
+        json.loads(line) | {"user": f"u{u}"}
+        for line, u in zip(path.read_text().splitlines(), users, strict=True)
+    ]
+    path.write_text("".join(json.dumps(ev) + "\n" for ev in lines))
+    out_hand, out_valid = tmp_path / "hand.jsonl", tmp_path / "valid.jsonl"
+    r_hand = run_hand(path, out_hand, MODEL)
+    r_valid = run_validating(path, out_valid, MODEL)
+    assert r_hand["name"] == "hand" and r_hand["events"] == r_valid["events"] == events, f"seed {seed}"
+    assert compare_outputs(out_valid, out_hand) == [], f"seed {seed}"

@@ -69,6 +69,14 @@ def serve(
     ] = "127.0.0.1",
     http_port: Annotated[int, typer.Option(help="HTTP port (0: a free port, -1: off).")] = 8000,
     grpc_port: Annotated[int, typer.Option(help="gRPC port (0: a free port, -1: off).")] = 8001,
+    grpc_server: Annotated[
+        str,
+        typer.Option(
+            "--grpc-server",
+            help="gRPC transport: native (HTTP/2 in Rust, outside the GIL; no TLS), grpcio"
+            " (grpc.aio: TLS, streams without a hop), auto (native unless --tls-cert).",
+        ),
+    ] = "auto",
     config: Annotated[
         str | None,
         typer.Option(
@@ -142,13 +150,14 @@ def serve(
     """
     from aisp.admission.ratelimit import Limiter
     from aisp.serve.auth import Tokens
-    from aisp.serve.grpc.server import GrpcServer
+    from aisp.serve.grpc.server import GrpcServer, grpc_transport
     from aisp.serve.oip.shm import SharedMemoryRegions
 
     if (tls_cert is None) != (tls_key is None):
         err.print("[red]error:[/red] --tls-cert and --tls-key go together")
         raise typer.Exit(2)
     try:
+        transport = grpc_transport(grpc_server, tls=tls_cert is not None)
         tokens = Tokens.load(config)
         check_model_control(host, allow_model_control, tokens)
         limits = _limits(config)
@@ -176,21 +185,26 @@ def serve(
     from aisp.runner import tune_gc
 
     restore_gc = tune_gc()  # models and pipelines are loaded: what is left is per request
-    grpc_server = None
+    grpc = None
     if grpc_port >= 0:
-        grpc_server = GrpcServer(
-            served.models, host=host, port=grpc_port, tls=_tls_pair(tls_cert, tls_key), **common
+        grpc = GrpcServer(
+            served.models,
+            host=host,
+            port=grpc_port,
+            tls=_tls_pair(tls_cert, tls_key),
+            transport=transport,
+            **common,
         )
-        grpc_server.start()
-        print(f"grpc {grpc_server.address}", flush=True)
+        grpc.start()
+        print(f"grpc {grpc.address}", flush=True)
     try:
         if http_port >= 0:
             _serve_http(served.models, host, http_port, tls_cert, tls_key, common)
         else:
             _wait_for_a_signal()
     finally:
-        if grpc_server is not None:
-            grpc_server.stop(grace_s=10)  # finish accepted requests, refuse new ones
+        if grpc is not None:
+            grpc.stop(grace_s=10)  # finish accepted requests, refuse new ones
         served.close()
         common["shared_memory"].close()
         restore_gc()

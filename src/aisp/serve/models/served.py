@@ -23,7 +23,7 @@ from aisp.serve.models.stats import ModelStats
 from aisp.serve.oip.request import signature_of
 from aisp.serve.oip.tensors import REQ, ROW, Gathered, reshaped, row_shapes, tensor_batch
 
-__all__ = ["InferResult", "Pending", "RequestFailed", "Served", "wake"]
+__all__ = ["InferResult", "Pending", "RequestFailed", "Served", "resolve", "wake"]
 
 
 class RequestFailed(RequestError):
@@ -64,6 +64,7 @@ class Pending(msgspec.Struct):
     version: str = ""
     error: str | None = None
     event: threading.Event | None = None  # thread callers wait on it; asyncio ones on ``future``
+    on_done: Callable[[Pending], None] | None = None  # or this, by whoever finishes it (``collect``)
     started_ns: int = 0  # perf_counter_ns when it was gathered
     counted: bool = False  # in the model's request statistics already (answered inline)
 
@@ -174,6 +175,8 @@ def wake(done: Sequence[Pending]) -> None:
     for p in done:
         if p.event is not None:
             p.event.set()
+        elif p.on_done is not None and p.loop is None:
+            resolve((p,))
         elif p.loop is not None:
             loops.setdefault(p.loop, []).append(p)
     if not loops:
@@ -184,15 +187,25 @@ def wake(done: Sequence[Pending]) -> None:
         running = None
     for loop, ps in loops.items():
         if loop is running:  # an inline call: already on the loop's thread
-            _resolve(ps)
+            resolve(ps)
             continue
         try:
-            loop.call_soon_threadsafe(_resolve, ps)
+            loop.call_soon_threadsafe(resolve, ps)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             pass
 
 
-def _resolve(ps: Sequence[Pending]) -> None:
+_ONCE = threading.Lock()
+
+
+def resolve(ps: Sequence[Pending]) -> None:
+    """(The waiter's loop, or any thread for a ``collect``ed request) tell the waiters of
+    finished requests: a callback once, whoever finishes the request first."""
     for p in ps:
-        if p.future is not None and not p.future.done():
+        if p.on_done is not None:
+            with _ONCE:
+                done, p.on_done = p.on_done, None
+            if done is not None:
+                done(p)
+        elif p.future is not None and not p.future.done():
             p.future.set_result(None)

@@ -29,7 +29,7 @@ from aisp.infer.batching.config import BatcherConfig
 from aisp.infer.models.repository import ModelRepository
 from aisp.infer.models.versions import ServedModel
 from aisp.serve.models.control import ModelControl
-from aisp.serve.models.served import InferResult, Pending, RequestFailed, Served, wake
+from aisp.serve.models.served import InferResult, Pending, RequestFailed, Served, resolve, wake
 from aisp.serve.models.stats import ModelStats
 from aisp.serve.oip.request import check_arrays
 from aisp.serve.oip.tensors import (
@@ -241,6 +241,75 @@ class ModelServer(ModelControl):
             self._observe(name, served, pending.error is None, took, pending.outputs)
         return self._result(name, pending, timeout_s)
 
+    def collect(
+        self,
+        into: dict[Served, list[Gathered]],
+        name: str,
+        inputs: Mapping[str, npt.NDArray[Any]],
+        on_done: Callable[[InferResult | AispError], None],
+        *,
+        version: str | None = None,
+        priority: int = 0,
+        tier: int | None = None,
+        timeout_s: float | None = None,
+        checked: bool = False,
+        key: str | None = None,
+    ) -> None:
+        """(Any thread) Admit a request into ``into`` (by model version), for one
+        ``submit_collected`` of many requests; ``on_done`` gets its result, or the ``AispError``
+        it failed with, in whichever thread finishes it (this one when it is answered at once, a
+        batcher's otherwise). For a transport that receives many calls at once (the native gRPC
+        front): no event loop, task, future or waiting thread per request. A request that cannot
+        be admitted raises here. Deadlines are the queue's (a row past its deadline is failed
+        there)."""
+        served, shadow, n, tier, deadline = self._admit(
+            name, inputs, version, priority, tier, timeout_s, checked, key
+        )
+        if shadow is not None:
+            self._shadow_pool().submit(self._shadow_copy, name, shadow, inputs, timeout_s)
+        if has_empty(inputs):
+            try:
+                result: InferResult | AispError = self._run_empty(served, inputs)
+            except AispError as exc:
+                result = exc
+            on_done(result)
+            return
+        req = next(self._ids)
+        started = time.perf_counter_ns()
+
+        def finished(pending: Pending) -> None:
+            with self._lock:
+                self._pending.pop(req, None)
+            took = time.perf_counter_ns() - started
+            if not pending.counted:
+                served.stats_of(pending.version or served.model.version).request(pending.error is None, took)
+            self._observe(name, served, pending.error is None, took, pending.outputs)
+            try:
+                outcome: InferResult | AispError = self._result(name, pending, timeout_s)
+            except AispError as exc:
+                outcome = exc
+            on_done(outcome)
+
+        pending = Pending(n, started_ns=started, on_done=finished)
+        wait_until = time.monotonic_ns() + int(self.admission_wait_ms * 1e6)
+        into.setdefault(served, []).append(Gathered(req, inputs, n, tier, deadline, wait_until, pending))
+
+    def submit_collected(self, collected: dict[Served, list[Gathered]]) -> None:
+        """(Any thread) Submit what ``collect`` gathered: per model version, the requests that fit
+        in its queue, one batch per input shape (one model call made here when the model is idle
+        and cheap); those that do not fit wait here for room until their admission time is up
+        (the caller's next calls wait with them: the queue is full), then fail as overloaded."""
+        for served, items in collected.items():
+            while items:
+                try:
+                    items = self._submit_gathered(served, items, None)
+                except Exception as exc:  # noqa: BLE001 - a fault here fails its requests, not the caller
+                    log.exception("model %s: submitting %d requests failed", served.model.name, len(items))
+                    self._settle_items(items, f"internal error: {type(exc).__name__}: {exc}")
+                    break
+                if items:
+                    time.sleep(0.001)
+
     def _shadow_copy(
         self, name: str, shadow: Served, inputs: Mapping[str, npt.NDArray[Any]], timeout_s: float | None
     ) -> None:
@@ -291,10 +360,12 @@ class ModelServer(ModelControl):
             self._settle_items(items, f"internal error: {type(exc).__name__}: {exc}")
 
     def _submit_gathered(
-        self, served: Served, items: list[Gathered], loop: asyncio.AbstractEventLoop
-    ) -> None:
+        self, served: Served, items: list[Gathered], loop: asyncio.AbstractEventLoop | None
+    ) -> list[Gathered]:
+        """Submit ``items``; those that do not fit yet wait in ``loop``'s next gather, or, with no
+        loop, are returned to the caller."""
         if not items:
-            return
+            return []
         batcher = served.batcher
         queued = batcher.queued_rows
         room, take = batcher.config.capacity_rows - queued, 0
@@ -322,11 +393,15 @@ class ModelServer(ModelControl):
                 self._settle_items(group, "unavailable")
         waiting = [it for it in refused if it.admit_until_ns > now]
         self._settle_items([it for it in refused if it.admit_until_ns <= now], "overloaded")
+        if waiting and loop is None:
+            return waiting  # the caller's thread waits for room
         if waiting:
+            assert loop is not None
             gather = served.gathers.setdefault(loop, [])
             if not gather:
                 loop.call_later(0.001, self._flush, served, loop)
             gather[:0] = waiting
+        return []
 
     def _run_now(self, served: Served, group: list[Gathered], cost_ns: int) -> bool:
         """(Event loop) Answer ``group`` with one model call made here, when the model is idle
@@ -353,6 +428,8 @@ class ModelServer(ModelControl):
                 total_ns += end - p.started_ns
                 if p.future is not None and not p.future.done():  # gathered by this loop: asyncio waiters
                     p.future.set_result(None)
+                elif p.on_done is not None:  # collected with a callback (``collect``)
+                    resolve((p,))
         served.stats_of(version).requests(answered, total_ns)
         return True
 
