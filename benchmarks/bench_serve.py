@@ -213,10 +213,14 @@ def perf_analyzer_part(binary: str, tmp: Path, rounds: int) -> dict[str, Any]:
             r = sorted(measured, key=lambda x: x["infer_per_s"])[len(measured) // 2]
             http_key = f"aisp/http/{key.rsplit('/', 2)[-2]}/{key.rsplit('/', 1)[-1]}"
             if "grpc" in key.split("/")[1] and http_key in runs:
+                pairs = zip(rs, runs[http_key], strict=True)  # the rounds where both measured something
                 ratios = sorted(
-                    x["infer_per_s"] / y["infer_per_s"] for x, y in zip(rs, runs[http_key], strict=True)
+                    x["infer_per_s"] / y["infer_per_s"]
+                    for x, y in pairs
+                    if x["infer_per_s"] > 0 < y["infer_per_s"]
                 )
-                r = {**r, "ratio_to_http": round(ratios[len(ratios) // 2], 3)}
+                if ratios:
+                    r = {**r, "ratio_to_http": round(ratios[len(ratios) // 2], 3)}
             results[key] = r  # perf_analyzer counts inferences as rows: batch 64 is 64 of them
             print(f"perf_analyzer {key:34} {results[key]}", flush=True)
     return results

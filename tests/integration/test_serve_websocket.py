@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
@@ -44,9 +45,11 @@ def address() -> Iterator[str]:
         yield addresses["http"]
 
 
-def stream(ws: ClientConnection, messages: list[bytes]) -> tuple[list[bytes], int | None]:
-    """Send ``messages`` then the end (an empty message) while reading every result line until
-    the server closes; the lines and the close code."""
+def stream(
+    ws: ClientConnection, messages: list[bytes], *, binary: bool = False
+) -> tuple[list[bytes], int | None]:
+    """Send ``messages`` (text frames, or binary ones) then the end (an empty message) while
+    reading every result line until the server closes; the lines and the close code."""
     lines: list[bytes] = []
 
     def read() -> None:
@@ -61,8 +64,8 @@ def stream(ws: ClientConnection, messages: list[bytes]) -> tuple[list[bytes], in
     reader = threading.Thread(target=read)
     reader.start()
     for m in messages:
-        ws.send(m.decode())
-    ws.send("")
+        ws.send(m if binary else m.decode())
+    ws.send(b"" if binary else "")
     reader.join(120)
     assert not reader.is_alive()
     return lines, ws.close_code
@@ -86,6 +89,26 @@ def test_a_stream_of_events_gets_every_result_once_in_order_as_aisp_run_writes_i
             e["mean_amount"],
         )
         assert abs(r["score"] - e["score"]) <= 1e-5  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("seed", [8, 9])
+def test_binary_frames_of_any_size_and_no_compression(
+    address: str, data: tuple[list[bytes], list[dict[str, object]]], seed: int
+) -> None:
+    """The server declines permessage-deflate (the client offers it by default); binary frames
+    carry the same events as text ones, split at seeded sizes, one event a frame included."""
+    events, expected = data
+    rng = np.random.default_rng(seed)
+    messages, i = [], 0
+    while i < len(events):
+        n = int(rng.choice([1, 3, 97, 500, 2000]))
+        messages.append(b"\n".join(events[i : i + n]))
+        i += n
+    with connect(f"ws://{address}/v1/pipelines/fraud/ws", max_size=None) as ws:
+        assert ws.protocol.extensions == [], f"seed {seed}"
+        lines, code = stream(ws, messages, binary=True)
+    assert code == 1000
+    assert [json.loads(x)["id"] for x in lines] == [e["id"] for e in expected], f"seed {seed}"
 
 
 def test_bad_lines_are_answered_in_place_and_the_stream_goes_on(
