@@ -61,30 +61,11 @@ def load_pipeline(path: str, **params: Any) -> Pipeline:
     return p
 
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or a name) reaches this machine only: every address it
-    resolves to is a loopback one (``0.0.0.0`` and ``::`` bind every interface: they are not).
-
-    >>> is_loopback("127.0.0.1"), is_loopback("::1"), is_loopback("0.0.0.0"), is_loopback("10.1.2.3")
-    (True, True, False, False)
-    """
-    import ipaddress
-    import socket
-
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos)
-
-
 def check_model_control(host: str, allow_model_control: bool, tokens: Tokens) -> None:
     """``--allow-model-control`` loads models and runs pipeline files at a client's request: on an
     address other machines reach, only admin tokens may ask (``ConfigError`` otherwise)."""
+    from aisp.serve.auth import is_loopback
+
     if allow_model_control and not tokens.admin and not is_loopback(host):
         raise ConfigError(
             f"--allow-model-control on {host} (not a loopback address) needs admin tokens: set"

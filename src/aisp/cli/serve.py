@@ -73,8 +73,9 @@ def serve(
         str,
         typer.Option(
             "--grpc-server",
-            help="gRPC transport: native (HTTP/2 in Rust, outside the GIL; no TLS), grpcio"
-            " (grpc.aio: TLS, streams without a hop), auto (native unless --tls-cert).",
+            help="gRPC transport: native (HTTP/2 in Rust, outside the GIL; no TLS; reads a whole"
+            " message before its size is checked), grpcio (grpc.aio: TLS, streams without a hop),"
+            " auto (native on a loopback --host without --tls-cert, else grpcio).",
         ),
     ] = "auto",
     config: Annotated[
@@ -157,7 +158,7 @@ def serve(
         err.print("[red]error:[/red] --tls-cert and --tls-key go together")
         raise typer.Exit(2)
     try:
-        transport = grpc_transport(grpc_server, tls=tls_cert is not None)
+        transport = grpc_transport(grpc_server, tls=tls_cert is not None, host=host)
         tokens = Tokens.load(config)
         check_model_control(host, allow_model_control, tokens)
         limits = _limits(config)

@@ -20,7 +20,7 @@ from typing import Literal
 
 from aisp.errors import ConfigError
 
-__all__ = ["Scope", "Tokens", "api_key"]
+__all__ = ["Scope", "Tokens", "api_key", "is_loopback"]
 
 Scope = Literal["infer", "admin"]
 
@@ -90,3 +90,24 @@ class Tokens:
         if not any(hmac.compare_digest(digest, d) for d in self.infer):
             return 401
         return 200 if scope == "infer" else 403
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) reaches this machine only: every address it
+    resolves to is a loopback one (``0.0.0.0`` and ``::`` bind every interface: they are not).
+
+    >>> is_loopback("127.0.0.1"), is_loopback("::1"), is_loopback("0.0.0.0"), is_loopback("10.1.2.3")
+    (True, True, False, False)
+    """
+    import ipaddress
+    import socket
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos)

@@ -9,9 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 from aisp.cli import app
-from aisp.cli.common import check_model_control, is_loopback
+from aisp.cli.common import check_model_control
 from aisp.errors import ConfigError
-from aisp.serve.auth import Tokens
+from aisp.serve.auth import Tokens, is_loopback
 
 ROOT = Path(__file__).resolve().parents[3]
 PIPELINE = ROOT / "examples" / "fraud" / "pipeline.py"

@@ -19,7 +19,10 @@ builds and owns.
 Statuses, auth and limits are those of the grpc.aio transport: a failure is answered with
 ``status_of``'s status; bearer tokens are checked before a method runs (health open, the
 repository and shared-memory extensions admin); a request larger than ``max_message`` is refused
-with RESOURCE_EXHAUSTED. No TLS (the front has none).
+with RESOURCE_EXHAUSTED. No TLS (the front has none). The front reads a whole message (up to the
+4 GiB gRPC framing allows) before it reaches Python, where grpc.aio refuses one past its limit at
+the frame's header: a hostile client can make the process hold that much, which is why
+``grpc_transport`` makes this transport the default on a loopback address only.
 """
 
 from __future__ import annotations

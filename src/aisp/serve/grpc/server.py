@@ -21,10 +21,11 @@ Two transports serve the same servicer (``GRPC_TRANSPORTS``):
   machinery here, which caps a Python gRPC server below what the HTTP server answers; the native
   front spends about 35 us. It serves unary methods itself; bidirectional streams
   (ModelStreamInfer, the pipeline ingest stream) go to a grpc.aio server behind it on a Unix
-  socket. It has no TLS.
+  socket. It has no TLS, and it reads a whole message before AISP can refuse it for its size.
 * ``grpcio``: ``grpc.aio`` alone; TLS, and the streams without the hop.
 
-``auto`` (the default) is ``native`` unless TLS is asked for.
+``auto`` (the default) is ``native`` on a loopback address without TLS (``grpc_transport`` says
+why not elsewhere).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from aisp.aio import LoopThread
 from aisp.errors import BadRequest, Forbidden, ModelError, NotFound
 from aisp.infer.models.repository import check_model_name
 from aisp.serve.admission import Admitted, admit_infer, infer_admitted
-from aisp.serve.auth import Tokens, api_key
+from aisp.serve.auth import Tokens, api_key, is_loopback
 from aisp.serve.grpc.events import EVENTS_METHOD, PipelineStreams, status_of
 from aisp.serve.grpc.native import NativeFront, auth_refusal
 from aisp.serve.metrics import ServerMetrics
@@ -82,13 +83,17 @@ GrpcTransport = Literal["auto", "native", "grpcio"]
 GRPC_TRANSPORTS: tuple[str, ...] = get_args(GrpcTransport)
 
 
-def grpc_transport(asked: str, *, tls: bool) -> Literal["native", "grpcio"]:
-    """The transport a server runs on: ``auto`` is ``native`` unless TLS is asked for."""
+def grpc_transport(asked: str, *, tls: bool, host: str = "127.0.0.1") -> Literal["native", "grpcio"]:
+    """The transport a server runs on. ``auto`` is ``native`` on a loopback address without TLS,
+    ``grpcio`` otherwise: the native front reads a whole message into memory before AISP can
+    refuse it for its size (up to 4 GiB, where grpc.aio refuses past 64 MiB at the frame's
+    header), so it is the default only where no other machine can reach it; ask for it by name
+    where every client is trusted or a gateway caps message sizes."""
     if asked not in GRPC_TRANSPORTS:
         raise BadRequest(f"gRPC transport must be one of {', '.join(GRPC_TRANSPORTS)}, got {asked!r}")
     if asked == "native" and tls:
         raise BadRequest("the native gRPC transport has no TLS: serve TLS on the grpcio transport")
-    if asked == "grpcio" or tls:
+    if asked == "grpcio" or tls or (asked == "auto" and not is_loopback(host)):
         return "grpcio"
     return "native"
 
@@ -378,7 +383,7 @@ class GrpcServer:
         server). ``transport``: ``auto``, ``native`` or ``grpcio`` (BadRequest for ``native``
         with TLS)."""
         self.host = host
-        self.transport = grpc_transport(transport, tls=tls is not None)
+        self.transport = grpc_transport(transport, tls=tls is not None, host=host)
         self._aio = LoopThread("aisp-grpc-loop", fast=True)
         self._pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="aisp-grpc")
         self._front: NativeFront | None = None

@@ -25,6 +25,9 @@ INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 def test_the_transport_a_server_runs_on() -> None:
     assert grpc_transport("auto", tls=False) == "native"
+    assert grpc_transport("auto", tls=False, host="::1") == "native"
+    assert grpc_transport("auto", tls=False, host="0.0.0.0") == "grpcio"  # other machines reach it  # noqa: S104
+    assert grpc_transport("native", tls=False, host="0.0.0.0") == "native"  # asked for by name  # noqa: S104
     assert grpc_transport("auto", tls=True) == "grpcio"
     assert grpc_transport("grpcio", tls=False) == "grpcio"
     with pytest.raises(BadRequest, match="no TLS"):
@@ -110,6 +113,22 @@ def test_failures_are_answered_with_their_status(served: tuple[GrpcServer, Model
         assert no_inputs.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
         assert "missing required input(s) ['features']" in no_inputs.value.details()  # type: ignore[attr-defined]
     # the calls after the failures are answered as before
+    assert client.infer("fraud", [inp]).as_numpy("score").shape == (1, 1)
+
+
+def test_a_message_over_the_limit_is_refused_and_the_server_goes_on(
+    served: tuple[GrpcServer, ModelServer],
+) -> None:
+    server, _ = served
+    with grpc.insecure_channel(server.address, options=[("grpc.max_send_message_length", -1)]) as channel:
+        raw = channel.unary_unary(INFER)
+        with pytest.raises(grpc.RpcError) as big:
+            raw(b"\x0a\xff\xff\xff\xff\x01" + bytes(65 << 20), timeout=60)
+        assert big.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+        assert "larger than max" in big.value.details()  # type: ignore[attr-defined]
+    client = tc.InferenceServerClient(server.address)
+    inp = tc.InferInput("features", [1, 18], "FP32")
+    inp.set_data_from_numpy(np.zeros((1, 18), np.float32))
     assert client.infer("fraud", [inp]).as_numpy("score").shape == (1, 1)
 
 
