@@ -255,6 +255,33 @@ def _parse_exact(lines: list[bytes]) -> tuple[_Rows, int]:
     return (ids, users, amounts, feats), invalid
 
 
+def _scored(
+    run: Callable[..., Any], ids: Any, users: Any, feats: Any, n: np.ndarray, mean: np.ndarray
+) -> bytes:
+    """A chunk's output lines: ``float32[k, 18]`` features (the 16 given, the count and mean),
+    one ORT call, ``orjson.dumps`` per row."""
+    x = np.empty((len(ids), N_F + 2), dtype=np.float32)
+    x[:, :N_F] = feats
+    x[:, N_F] = n
+    x[:, N_F + 1] = mean
+    score = run(["score"], {"features": x})[0][:, 0]
+    dumps = orjson.dumps
+    return b"".join(
+        [
+            dumps({"id": i, "user": u, "score": s, "alert": al, "n": c, "mean_amount": m}, option=_NL)
+            for i, u, s, al, c, m in zip(
+                ids,
+                users,
+                score.tolist(),
+                (score > ALERT_THRESHOLD).tolist(),
+                n.tolist(),
+                mean.tolist(),
+                strict=True,
+            )
+        ]
+    )
+
+
 def run_validating(
     input_path: str | Path, output_path: str | Path, model_path: str | Path, chunk_size: int = 512
 ) -> dict[str, Any]:
@@ -262,7 +289,7 @@ def run_validating(
     as a whole, line by line when that fails), numpy state update, one [k, 18] ORT call,
     ``orjson.dumps`` per output row, one write."""
     sess = make_session(model_path)
-    dumps, run = orjson.dumps, sess.run
+    run = sess.run
     state = _UserState()
     table = state.ids
     lookup, intern = table.get, table.setdefault
@@ -285,29 +312,7 @@ def run_validating(
                 uids = [intern(u, len(table)) if c is None else c for u, c in zip(users, uids, strict=True)]
             state.grow()
             n, mean = state.update(np.array(uids, dtype=np.int64), np.array(amounts, dtype=np.float64))
-            x = np.empty((k, N_F + 2), dtype=np.float32)
-            x[:, :N_F] = feats
-            x[:, N_F] = n
-            x[:, N_F + 1] = mean
-            score = run(["score"], {"features": x})[0][:, 0]
-            out = b"".join(
-                [
-                    dumps(
-                        {"id": i, "user": u, "score": s, "alert": al, "n": c, "mean_amount": m},
-                        option=_NL,
-                    )
-                    for i, u, s, al, c, m in zip(
-                        ids,
-                        users,
-                        score.tolist(),
-                        (score > ALERT_THRESHOLD).tolist(),
-                        n.tolist(),
-                        mean.tolist(),
-                        strict=True,
-                    )
-                ]
-            )
-            fout.write(out)
+            fout.write(_scored(run, ids, users, feats, n, mean))
             lat_chunks.append((perf_counter_ns() - t0, k))
             events += k
     elapsed = perf_counter_ns() - t_start
@@ -324,7 +329,7 @@ def run_hand(
 ) -> dict[str, Any]:
     """The hand loop for a clean file: ``run_validating`` without its validity checks."""
     sess = make_session(model_path)
-    loads, dumps, run = orjson.loads, orjson.dumps, sess.run
+    loads, run = orjson.loads, sess.run
     state = _UserState()
     table = state.ids
     intern = table.setdefault
@@ -338,30 +343,7 @@ def run_hand(
             uids = np.array([intern(u, len(table)) for u in users], dtype=np.int64)
             state.grow()
             n, mean = state.update(uids, np.array(amounts, dtype=np.float64))
-            x = np.empty((k, N_F + 2), dtype=np.float32)
-            x[:, :N_F] = fs
-            x[:, N_F] = n
-            x[:, N_F + 1] = mean
-            score = run(["score"], {"features": x})[0][:, 0]
-            fout.write(
-                b"".join(
-                    [
-                        dumps(
-                            {"id": i, "user": u, "score": s, "alert": al, "n": c, "mean_amount": m},
-                            option=_NL,
-                        )
-                        for i, u, s, al, c, m in zip(
-                            ids,
-                            users,
-                            score.tolist(),
-                            (score > ALERT_THRESHOLD).tolist(),
-                            n.tolist(),
-                            mean.tolist(),
-                            strict=True,
-                        )
-                    ]
-                )
-            )
+            fout.write(_scored(run, ids, users, fs, n, mean))
             lat_chunks.append((perf_counter_ns() - t0, k))
             events += k
     elapsed = perf_counter_ns() - t_start
