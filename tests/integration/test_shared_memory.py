@@ -10,6 +10,7 @@ import os
 import subprocess
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -30,22 +31,34 @@ B = np.ones((1, 16), dtype=np.int32)
 NBYTES = A.nbytes  # 64
 
 
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with conformance_server(tmp_path_factory.mktemp("repo"), "--allow-shared-memory") as server:
+        yield server
+
+
 @pytest.fixture(scope="module", params=GRPC_SERVERS)
-def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def grpc_served(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, served: Served
+) -> Iterator[Served]:
+    """The server on each gRPC transport (the module's own for the default one)."""
+    if request.param == "native":
+        yield served
+        return
     root = tmp_path_factory.mktemp("repo")
     with conformance_server(root, "--allow-shared-memory", grpc_server=request.param) as server:
         yield server
 
 
-@pytest.fixture
-def regions(served: Served) -> Iterator[tuple[object, object, str]]:
+@contextmanager
+def registered(http_address: str) -> Iterator[tuple[object, object, str]]:
     """An input region holding A then B and an output region of two tensors, registered under
     fresh names; unregistered and destroyed afterwards."""
     tag = uuid.uuid4().hex[:8]
     inp = shm.create_shared_memory_region(f"in-{tag}", f"/aisp-test-in-{tag}", 2 * NBYTES)
     out = shm.create_shared_memory_region(f"out-{tag}", f"/aisp-test-out-{tag}", 2 * NBYTES)
     shm.set_shared_memory_region(inp, [A, B])
-    client = httpclient.InferenceServerClient(served[0])
+    client = httpclient.InferenceServerClient(http_address)
     client.register_system_shared_memory(f"in-{tag}", f"/aisp-test-in-{tag}", 2 * NBYTES)
     client.register_system_shared_memory(f"out-{tag}", f"/aisp-test-out-{tag}", 2 * NBYTES)
     try:
@@ -55,6 +68,12 @@ def regions(served: Served) -> Iterator[tuple[object, object, str]]:
         client.unregister_system_shared_memory(f"out-{tag}")
         shm.destroy_shared_memory_region(inp)
         shm.destroy_shared_memory_region(out)
+
+
+@pytest.fixture
+def regions(served: Served) -> Iterator[tuple[object, object, str]]:
+    with registered(served[0]) as r:
+        yield r
 
 
 def shm_io(module: object, tag: str) -> tuple[list[object], list[object]]:
@@ -95,11 +114,14 @@ def test_inputs_and_outputs_in_shared_memory_over_http(
     assert "data" not in entry
 
 
-def test_inputs_and_outputs_in_shared_memory_over_grpc(
-    served: Served, regions: tuple[object, object, str]
-) -> None:
+def test_inputs_and_outputs_in_shared_memory_over_grpc(grpc_served: Served) -> None:
+    with registered(grpc_served[0]) as regions:
+        _over_grpc(grpc_served[1], regions)
+
+
+def _over_grpc(address: str, regions: tuple[object, object, str]) -> None:
     inp, out, tag = regions
-    client = grpcclient.InferenceServerClient(served[1])
+    client = grpcclient.InferenceServerClient(address)
     inputs, outputs = shm_io(grpcclient, tag)
     result = client.infer("simple", inputs, outputs=outputs)
     check_outputs(out)
