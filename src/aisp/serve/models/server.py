@@ -182,9 +182,7 @@ class ModelServer(ModelControl):
         finally:
             with self._lock:
                 self._pending.pop(req, None)
-            ok, took = pending.error is None, time.perf_counter_ns() - started
-            served.stats_of(pending.version or served.model.version).request(ok, took)
-            self._observe(name, served, ok, took, pending.outputs)
+            self._account(name, served, pending, time.perf_counter_ns() - started)
         return self._result(name, pending, timeout_s)
 
     async def infer_async(
@@ -235,10 +233,7 @@ class ModelServer(ModelControl):
             pending.error = "timeout"
         finally:
             self._pending.pop(req, None)  # where the queue's path registered it (one atomic dict op)
-            took = time.perf_counter_ns() - started
-            if not pending.counted:
-                served.stats_of(pending.version or served.model.version).request(pending.error is None, took)
-            self._observe(name, served, pending.error is None, took, pending.outputs)
+            self._account(name, served, pending, time.perf_counter_ns() - started)
         return self._result(name, pending, timeout_s)
 
     def collect(
@@ -280,10 +275,7 @@ class ModelServer(ModelControl):
         def finished(pending: Pending) -> None:
             with self._lock:
                 self._pending.pop(req, None)
-            took = time.perf_counter_ns() - started
-            if not pending.counted:
-                served.stats_of(pending.version or served.model.version).request(pending.error is None, took)
-            self._observe(name, served, pending.error is None, took, pending.outputs)
+            self._account(name, served, pending, time.perf_counter_ns() - started)
             try:
                 outcome: InferResult | AispError = self._result(name, pending, timeout_s)
             except AispError as exc:
@@ -309,6 +301,14 @@ class ModelServer(ModelControl):
                     break
                 if items:
                     time.sleep(0.001)
+
+    def _account(self, name: str, served: Served, pending: Pending, took_ns: int) -> None:
+        """A finished request in its version's statistics (unless it was answered inline and
+        counted there) and in the rollout's observations."""
+        ok = pending.error is None
+        if not pending.counted:
+            served.stats_of(pending.version or served.model.version).request(ok, took_ns)
+        self._observe(name, served, ok, took_ns, pending.outputs)
 
     def _shadow_copy(
         self, name: str, shadow: Served, inputs: Mapping[str, npt.NDArray[Any]], timeout_s: float | None
@@ -404,8 +404,9 @@ class ModelServer(ModelControl):
         return []
 
     def _run_now(self, served: Served, group: list[Gathered], cost_ns: int) -> bool:
-        """(Event loop) Answer ``group`` with one model call made here, when the model is idle
-        and the call is cheap (``Served.run_now``); False, having done nothing, otherwise."""
+        """(Event loop, or ``submit_collected``'s thread) Answer ``group`` with one model call
+        made here, when the model is idle and the call is cheap (``Served.run_now``); False,
+        having done nothing, otherwise."""
         now, rows = time.monotonic_ns(), 0
         for it in group:
             if it.deadline_ns is not None and it.deadline_ns <= now:
