@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from aisp.admission.ratelimit import Limiter
 from aisp.batch import Batch
-from aisp.errors import Overloaded
+from aisp.errors import AispError, Overloaded
 from aisp.infer.llm.stage import LlmStage
 from aisp.retry import Backoff
 from aisp.serve.models.served import InferResult
@@ -28,7 +28,7 @@ from aisp.serve.models.server import ModelServer
 from aisp.serve.oip.request import InferRequest, Signature, check_request
 from aisp.serve.pipelines.service import Chunk, PipelineService
 
-__all__ = ["Admitted", "PipelineAdmission", "admit_infer", "infer_admitted"]
+__all__ = ["Admitted", "PipelineAdmission", "admit_infer", "collect_admitted", "infer_admitted"]
 
 
 class Admitted(msgspec.Struct, frozen=True):
@@ -49,6 +49,29 @@ def infer_admitted(models: ModelServer, name: str, a: Admitted) -> Coroutine[Any
     return models.infer_async(
         name,
         a.arrays,
+        version=a.version,
+        priority=a.priority,
+        tier=a.tier,
+        timeout_s=a.timeout_s,
+        checked=True,
+        key=a.key,
+    )
+
+
+def collect_admitted(
+    models: ModelServer,
+    into: dict[Any, list[Any]],
+    name: str,
+    a: Admitted,
+    on_done: Callable[[InferResult | AispError], None],
+) -> None:
+    """``models.collect`` on an admitted request (the native gRPC front's form of
+    ``infer_admitted``: many requests submitted at once, each answered through ``on_done``)."""
+    models.collect(
+        into,
+        name,
+        a.arrays,
+        on_done,
         version=a.version,
         priority=a.priority,
         tier=a.tier,

@@ -40,6 +40,7 @@ from pygrpc_native import EVENT_CALL, NativeGrpcFront
 from tritonclient.grpc import service_pb2 as pb
 
 from aisp.errors import AispError, BadRequest
+from aisp.serve.admission import collect_admitted
 from aisp.serve.auth import Scope, Tokens
 from aisp.serve.grpc.events import status_of
 from aisp.serve.metrics import ServerMetrics
@@ -250,18 +251,8 @@ class NativeFront:
             except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, and what else it raises
                 raise BadRequest(f"the request is not a ModelInferRequest: {exc}") from exc
             req, sig, admitted = servicer.admit(request, dict(metadata), lambda: peer, remaining)
-            servicer.models.collect(
-                collected,
-                request.model_name,
-                admitted.arrays,
-                functools.partial(self._answer, call_id, request, req, sig, started),
-                version=admitted.version,
-                priority=admitted.priority,
-                tier=admitted.tier,
-                timeout_s=admitted.timeout_s,
-                checked=True,
-                key=admitted.key,
-            )
+            answer = functools.partial(self._answer, call_id, request, req, sig, started)
+            collect_admitted(servicer.models, collected, request.model_name, admitted, answer)
         except Exception as exc:  # noqa: BLE001 - every failure is answered with its status
             self._refuse(call_id, request, exc, started)
 
