@@ -81,6 +81,27 @@ def collect_admitted(
     )
 
 
+def gather_admitted(
+    models: ModelServer,
+    name: str,
+    a: Admitted,
+    on_done: Callable[[InferResult | AispError], None],
+) -> None:
+    """``models.gather`` on an admitted request (a gRPC stream's form of ``infer_admitted``:
+    answered through ``on_done`` in the event loop, no task per request)."""
+    models.gather(
+        name,
+        a.arrays,
+        on_done,
+        version=a.version,
+        priority=a.priority,
+        tier=a.tier,
+        timeout_s=a.timeout_s,
+        checked=True,
+        key=a.key,
+    )
+
+
 def admit_infer(
     models: ModelServer,
     limiter: Limiter | None,

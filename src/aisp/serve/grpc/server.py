@@ -31,6 +31,7 @@ why not elsewhere).
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import shutil
@@ -48,9 +49,9 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from aisp.admission.ratelimit import Limiter
 from aisp.admission.tiers import TIER_KEY, parse_tier
 from aisp.aio import LoopThread
-from aisp.errors import BadRequest, Forbidden, ModelError, NotFound
+from aisp.errors import AispError, BadRequest, Forbidden, ModelError, NotFound
 from aisp.infer.models.repository import check_model_name
-from aisp.serve.admission import Admitted, admit_infer, infer_admitted
+from aisp.serve.admission import Admitted, admit_infer, gather_admitted, infer_admitted
 from aisp.serve.auth import Tokens, api_key, is_loopback
 from aisp.serve.grpc.events import EVENTS_METHOD, PipelineStreams, status_of
 from aisp.serve.grpc.native import NativeFront, auth_refusal
@@ -188,29 +189,76 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     ) -> AsyncIterator[Any]:
         """One response per request, in order; a request that fails is answered with its
         ``error_message`` and the stream goes on. The requests of a stream are read ahead (up
-        to ``stream_window``) and run concurrently, so they batch together like separate calls."""
-        answers: asyncio.Queue[asyncio.Task[Any] | None] = asyncio.Queue(self.stream_window)
+        to ``stream_window``) and run concurrently, so they batch together like separate calls:
+        each is admitted as it is read and joins the loop's gather with a callback
+        (``ModelServer.gather``: no task per request); the answers go out in order."""
+        loop = asyncio.get_running_loop()
+        metadata = dict(context.invocation_metadata() or ())
+        answers: collections.deque[asyncio.Future[Any] | None] = collections.deque()
+        wakes: list[asyncio.Future[None] | None] = [None, None]  # the writer's, the reader's
+
+        def wake(side: int) -> None:
+            waiter = wakes[side]
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
-                    await answers.put(asyncio.ensure_future(self._stream_answer(request, context)))
+                    answer = loop.create_future()
+                    self._stream_submit(request, metadata, context, answer)
+                    answers.append(answer)
+                    wake(0)
+                    if len(answers) >= self.stream_window:  # the window is full: wait for room
+                        wakes[1] = room = loop.create_future()
+                        await room
             except Exception:  # noqa: BLE001, S110 - the client's side broke: answer what was read
                 pass
-            await answers.put(None)  # (not when cancelled: nobody reads the answers any more)
+            answers.append(None)  # (not when cancelled: nobody reads the answers any more)
+            wake(0)
 
         reader = asyncio.ensure_future(read())
         try:
-            while (answer := await answers.get()) is not None:
+            while True:
+                if not answers:
+                    wakes[0] = more = loop.create_future()
+                    await more
+                    continue
+                answer = answers.popleft()
+                wake(1)
+                if answer is None:
+                    break
                 yield await answer
         finally:
             reader.cancel()
 
-    async def _stream_answer(self, request: Any, context: Any) -> Any:
+    def _stream_submit(
+        self, request: Any, metadata: Mapping[str, Any], context: Any, answer: asyncio.Future[Any]
+    ) -> None:
+        """(Event loop) One request of a stream admitted and gathered; ``answer`` gets its
+        ``ModelStreamInferResponse`` (the failure's ``error_message`` for one that fails)."""
+
+        def failed(exc: Exception) -> None:
+            if not answer.done():
+                answer.set_result(pb.ModelStreamInferResponse(error_message=status_of(exc)[1]))
+
+        def done(result: InferResult | AispError) -> None:
+            if isinstance(result, Exception):
+                failed(result)
+                return
+            try:
+                response = pb.ModelStreamInferResponse(infer_response=self.encode(req, sig, result))
+            except Exception as exc:  # noqa: BLE001 - an output that cannot be encoded, shared memory gone
+                failed(exc)
+                return
+            if not answer.done():
+                answer.set_result(response)
+
         try:
-            return pb.ModelStreamInferResponse(infer_response=await self._infer(request, context))
+            req, sig, admitted = self.admit(request, metadata, context.peer, context.time_remaining())
+            gather_admitted(self.models, request.model_name, admitted, done)
         except Exception as exc:  # noqa: BLE001 - that request fails, the stream does not
-            return pb.ModelStreamInferResponse(error_message=status_of(exc)[1])
+            failed(exc)
 
     @_answered
     def ModelStatistics(self, request: Any, context: Any) -> Any:  # noqa: N802

@@ -257,6 +257,60 @@ class ModelServer(ModelControl):
         front): no event loop, task, future or waiting thread per request. A request that cannot
         be admitted raises here. Deadlines are the queue's (a row past its deadline is failed
         there)."""
+        item = self._callback_item(
+            name, inputs, on_done, None, version, priority, tier, timeout_s, checked, key
+        )
+        if item is not None:
+            into.setdefault(item[0], []).append(item[1])
+
+    def gather(
+        self,
+        name: str,
+        inputs: Mapping[str, npt.NDArray[Any]],
+        on_done: Callable[[InferResult | AispError], None],
+        *,
+        version: str | None = None,
+        priority: int = 0,
+        tier: int | None = None,
+        timeout_s: float | None = None,
+        checked: bool = False,
+        key: str | None = None,
+    ) -> None:
+        """(Event loop) ``infer_async`` with a callback instead of a coroutine: the request joins
+        this turn's gather like ``infer_async``'s, and ``on_done`` gets its result, or the
+        ``AispError`` it failed with, in the loop's thread. For a caller with many requests in
+        flight on one loop (a gRPC stream): no task or coroutine per request. A request that
+        cannot be admitted raises here. Deadlines are the queue's."""
+        loop = asyncio.get_running_loop()
+        item = self._callback_item(
+            name, inputs, on_done, loop, version, priority, tier, timeout_s, checked, key
+        )
+        if item is None:
+            return
+        served, gathered = item
+        gather = served.gathers.get(loop)
+        if gather:
+            gather.append(gathered)
+        else:
+            served.gathers[loop] = [gathered]
+            loop.call_soon(self._flush, served, loop)
+
+    def _callback_item(
+        self,
+        name: str,
+        inputs: Mapping[str, npt.NDArray[Any]],
+        on_done: Callable[[InferResult | AispError], None],
+        loop: asyncio.AbstractEventLoop | None,
+        version: str | None,
+        priority: int,
+        tier: int | None,
+        timeout_s: float | None,
+        checked: bool,
+        key: str | None,
+    ) -> tuple[Served, Gathered] | None:
+        """``collect``'s and ``gather``'s request, admitted, as its model version and the item to
+        submit; None when it was answered here (a tensor of no elements: computed alone).
+        ``on_done`` is called in ``loop`` when one is given, else by whoever finishes it."""
         served, shadow, n, tier, deadline = self._admit(
             name, inputs, version, priority, tier, timeout_s, checked, key
         )
@@ -268,7 +322,7 @@ class ModelServer(ModelControl):
             except AispError as exc:
                 result = exc
             on_done(result)
-            return
+            return None
         req = next(self._ids)
         started = time.perf_counter_ns()
 
@@ -282,9 +336,9 @@ class ModelServer(ModelControl):
                 outcome = exc
             on_done(outcome)
 
-        pending = Pending(n, started_ns=started, on_done=finished)
+        pending = Pending(n, loop=loop, started_ns=started, on_done=finished)
         wait_until = time.monotonic_ns() + int(self.admission_wait_ms * 1e6)
-        into.setdefault(served, []).append(Gathered(req, inputs, n, tier, deadline, wait_until, pending))
+        return served, Gathered(req, inputs, n, tier, deadline, wait_until, pending)
 
     def submit_collected(self, collected: dict[Served, list[Gathered]]) -> None:
         """(Any thread) Submit what ``collect`` gathered: per model version, the requests that fit

@@ -1,8 +1,10 @@
-"""``ModelServer.collect`` / ``submit_collected``: many requests admitted at once, each answered
-through its callback, in whichever thread finishes it."""
+"""``ModelServer.collect`` / ``submit_collected`` and ``gather``: many requests admitted at
+once, each answered through its callback, in whichever thread finishes it (``gather``: the
+event loop's)."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
 from pathlib import Path
@@ -93,5 +95,47 @@ def test_a_request_that_cannot_be_admitted_raises_at_once(tmp_path: Path) -> Non
         with pytest.raises(AispError, match="features"):
             models.collect(collected, "fraud", {"features": np.ones((1, 3), np.float32)}, print)
         assert collected == {}
+    finally:
+        models.close()
+
+
+@pytest.mark.parametrize("seed", [5, 6, 7, 8])
+def test_gathered_requests_are_answered_once_each_in_the_loop_thread(tmp_path: Path, seed: int) -> None:
+    """``gather`` (the event loop's form of ``collect``). Seeded: how many requests per turn,
+    their row counts (empty ones too), inline or through the batcher; every answer comes back
+    once, with its own rows, in the loop's thread."""
+    rng = np.random.default_rng(seed)
+    inline = bool(seed % 2)
+    models = ModelServer(fraud_repository(tmp_path, {1: 0.1}), inline_max_us=1000.0 if inline else 0.0)
+    models.start()
+
+    async def turns() -> None:
+        loop = asyncio.get_running_loop()
+        loop_thread = threading.get_ident()
+        for _ in range(3):
+            n = int(rng.integers(1, 40))
+            inputs = [
+                rng.normal(size=(int(rng.choice([0, 1, 1, 2, 7])), 18)).astype(np.float32) for _ in range(n)
+            ]
+            answers: list[asyncio.Future[InferResult | AispError]] = [loop.create_future() for _ in range(n)]
+            threads: set[int] = set()
+
+            def answer(
+                answers: list[asyncio.Future[Any]], threads: set[int], i: int, result: InferResult | AispError
+            ) -> None:
+                threads.add(threading.get_ident())
+                answers[i].set_result(result)  # a second answer would raise InvalidStateError here
+
+            for i, x in enumerate(inputs):
+                models.gather("fraud", {"features": x}, functools.partial(answer, answers, threads, i))
+            results = await asyncio.wait_for(asyncio.gather(*answers), 30)
+            assert threads == {loop_thread}, f"seed {seed}"
+            for x, result in zip(inputs, results, strict=True):
+                assert isinstance(result, InferResult), f"seed {seed}: {result!r}"
+                score = result.outputs["score"].reshape(-1)
+                np.testing.assert_allclose(score, expected_score(x, 0.1), rtol=1e-5, err_msg=f"seed {seed}")
+
+    try:
+        asyncio.run(turns())
     finally:
         models.close()
