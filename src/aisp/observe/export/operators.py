@@ -5,9 +5,13 @@
 and what a response cache did (``aisp_cache_rows_total{stage,
 outcome}``: hit or miss; ``aisp_cache_lookups_total``, store lookups, which the Bloom filter
 spares a row it never saw; ``aisp_cache_evictions_total``; ``aisp_cache_entries``,
-``aisp_cache_bytes``). ``operator_counters`` reads them off a graph (its ``map_batch`` steps'
-functions with a ``tokens`` count, its ``caches``); a run watched from another process sends
-them in its snapshots."""
+``aisp_cache_bytes``), and what a speech-to-text step did (``aisp_captions_total{stage,kind}``:
+final or partial; ``aisp_asr_audio_seconds_total``, audio in; ``aisp_asr_model_seconds_total``,
+time in the model, whose ratio to the audio is the real-time factor;
+``aisp_asr_model_audio_seconds_total``, audio the model ran over, partials' again;
+``aisp_asr_calls_total``; ``aisp_asr_refused_total``). ``operator_counters`` reads them off a
+graph (its ``map_batch`` steps' functions with a ``tokens`` count, its ``caches``, its steps'
+``counters``); a run watched from another process sends them in its snapshots."""
 
 from __future__ import annotations
 
@@ -20,20 +24,22 @@ __all__ = ["counter_families", "operator_counters"]
 
 
 def operator_counters(graph: Any) -> dict[str, dict[str, Any]]:
-    """``{"tokens": {stage: n}, "caches": {stage: stats}, "media": {stage: stats}}`` of
-    ``graph``'s operators now."""
+    """``{"tokens": {stage: n}, "caches": {stage: stats}, "media": {stage: stats}, "speech":
+    {stage: stats}}`` of ``graph``'s operators now."""
     tokens = {}
     for node in getattr(graph, "nodes", ()):
         made = getattr(getattr(node.spec, "fn", None), "tokens", None)
         if node.kind == "map_batch" and isinstance(made, int):
             tokens[node.step_id] = made
     caches = {sid: cache.stats() for sid, cache in getattr(graph, "caches", {}).items()}
-    media = {}
+    media: dict[str, Any] = {}
+    speech: dict[str, Any] = {}
     for node in getattr(graph, "nodes", ()):
         stats = getattr(getattr(node.spec, "counters", None), "stats", None)
-        if callable(stats):  # an image or audio step's MediaCounters
-            media[node.step_id] = stats()
-    return {"tokens": tokens, "caches": caches, "media": media}
+        if callable(stats):  # an image or audio step's MediaCounters, a speech step's SpeechCounters
+            st = stats()
+            (speech if "finals" in st else media)[node.step_id] = st
+    return {"tokens": tokens, "caches": caches, "media": media, "speech": speech}
 
 
 def counter_families(counters: Mapping[str, Mapping[str, Any]]) -> list[Any]:
@@ -65,7 +71,7 @@ def counter_families(counters: Mapping[str, Mapping[str, Any]]) -> list[Any]:
             entries.add_metric([sid], st["entries"])
             size.add_metric([sid], st["bytes"])
         out += [rows, lookups, evictions, entries, size]
-    return out + _media_families(counters.get("media") or {})
+    return out + _media_families(counters.get("media") or {}) + _speech_families(counters.get("speech") or {})
 
 
 def _media_families(media: Mapping[str, Mapping[str, Any]]) -> list[Any]:
@@ -86,3 +92,29 @@ def _media_families(media: Mapping[str, Mapping[str, Any]]) -> list[Any]:
         seconds.add_metric([sid], st["decode_seconds"])
         units.add_metric([sid, st["unit"]], st["units"])
     return [items, size, seconds, units]
+
+
+def _speech_families(speech: Mapping[str, Mapping[str, Any]]) -> list[Any]:
+    if not speech:
+        return []
+    captions = CounterMetricFamily("aisp_captions", "Captions made", labels=["stage", "kind"])
+    audio = CounterMetricFamily("aisp_asr_audio_seconds", "Seconds of audio in", labels=["stage"])
+    model = CounterMetricFamily(
+        "aisp_asr_model_seconds", "Seconds spent in the speech model", labels=["stage"]
+    )
+    heard = CounterMetricFamily(
+        "aisp_asr_model_audio_seconds",
+        "Seconds of audio the model ran over (partials again)",
+        labels=["stage"],
+    )
+    calls = CounterMetricFamily("aisp_asr_calls", "Speech model calls", labels=["stage"])
+    refused = CounterMetricFamily("aisp_asr_refused", "Rows sent to the dead letters", labels=["stage"])
+    for sid, st in sorted(speech.items()):
+        captions.add_metric([sid, "final"], st["finals"])
+        captions.add_metric([sid, "partial"], st["partials"])
+        audio.add_metric([sid], st["audio_seconds"])
+        model.add_metric([sid], st["asr_seconds"])
+        heard.add_metric([sid], st["asr_audio_seconds"])
+        calls.add_metric([sid], st["calls"])
+        refused.add_metric([sid], st["refused"])
+    return [captions, audio, model, heard, calls, refused]

@@ -17,8 +17,10 @@ A segment starts at the first window whose speech probability reaches ``threshol
 where the probability has stayed below ``threshold - 0.15`` for ``min_silence_ms``; segments
 shorter than ``min_speech_ms`` are dropped (Silero's own streaming rules). Each row gets the
 segments that ended in its samples, ``speech_start`` and ``speech_end`` (seconds from the
-stream's start, lists), ``speaking`` (whether a segment is open at the row's end) and
-``speech_prob`` (each window's probability, a list).
+stream's start, lists), ``speaking`` (whether a segment is open at the row's end),
+``speech_open`` (the open segment's start, seconds; NaN when none is open) and ``speech_prob``
+(each window's probability, a list). ``SpeechToText`` (``aisp.transform.media.speech``) reads
+the segments off these columns.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ class _Vad:
         seg_end: list[list[float]] = [[] for _ in range(rows)]
         probs_out: list[list[float]] = [[] for _ in range(rows)]
         speaking = np.zeros(rows, dtype=bool)
+        open_at = np.full(rows, np.nan)
         for round_rows in state.rounds():
             keys = codes[round_rows]
             held = np.stack([c[keys] for c in pend_cols], axis=1)
@@ -161,6 +164,8 @@ class _Vad:
                 pending[key] = len(rest)
                 windows[key] += counts[j]
                 speaking[row] = starts[key] >= 0
+                if speaking[row]:
+                    open_at[row] = starts[key] / RATE
                 for start, end in self._closed.pop(int(key), []):
                     seg_start[row].append(start / RATE)
                     seg_end[row].append(end / RATE)
@@ -177,6 +182,7 @@ class _Vad:
                 "speech_start": pa.array(seg_start, floats),
                 "speech_end": pa.array(seg_end, floats),
                 "speaking": speaking,
+                "speech_open": open_at,
                 "speech_prob": pa.array(probs_out, floats),
             }
         )
