@@ -95,7 +95,8 @@ def conversation(
     snr_db: float | None = None,
 ) -> tuple[npt.NDArray[np.float32], list[tuple[float, float, str]]]:
     """``count`` sentences (drawn by ``seed``) between silences of ``gap_s`` seconds, with
-    noise at ``snr_db`` if given; the samples and each sentence's ``(start_s, end_s, text)``."""
+    noise at ``snr_db`` if given; the samples and each sentence's ``(start_s, end_s, text)``,
+    from its first sound to its last."""
     rng = np.random.default_rng(seed)
     chosen = [sentences[i] for i in rng.choice(len(sentences), size=count, replace=count > len(sentences))]
     parts: list[npt.NDArray[np.float32]] = []
@@ -106,6 +107,8 @@ def conversation(
         parts.append(gap)
         at += len(gap)
         voice = speak(text, words_per_minute=int(rng.integers(145, 175)))
+        said = np.flatnonzero(np.abs(voice) > 1e-3)  # espeak-ng's own silence before and after
+        voice = voice[said[0] : said[-1] + 1] if said.size else voice
         parts.append(voice)
         truth.append((at / RATE, (at + len(voice)) / RATE, text))
         at += len(voice)

@@ -17,14 +17,15 @@ How it reasons:
    (``slow_model``), a model held to tiny batches (``small_batches``) or whose batches wait for
    rows that do not come (``slow_batch_fill``), encoding or decoding that burns CPU
    (``serialization``), a sink that waits on its destination (``slow_sink``), a per-row Python
-   function (``row_udf``), image or audio decoding (``decode_bound``), another operator
+   function (``row_udf``), image or audio decoding (``decode_bound``), a speech-to-text step's
+   model (``asr_bound``), another operator
    (``slow_operator``); and for the whole pipeline, events refused or shed at admission
    (``admission_overload``), model calls failing or rows expiring (``model_errors``); an LLM
    step's requests waiting for a slot (``llm_queueing``) or slow generation
    (``llm_slow_generation``, see ``diagnose.llm``). When nothing stands out: ``healthy``.
 
 A finding's ``score`` is the share of the events' time it explains (0..1) or, for causes that
-are work done (``slow_model``, ``row_udf``, ``slow_operator``, ``decode_bound``,
+are work done (``slow_model``, ``row_udf``, ``slow_operator``, ``decode_bound``, ``asr_bound``,
 ``serialization``), the stage's share of all the stages' work when that is larger (Python work
 under the GIL slows every other stage); a stage over its own latency budget ranks above
 admission overload, which otherwise ranks first (when events are turned away, the load is the
@@ -52,6 +53,7 @@ CAUSES = (
     "row_udf",
     "slow_operator",
     "decode_bound",
+    "asr_bound",
     "slow_sink",
     "admission_overload",
     "model_errors",
@@ -62,7 +64,14 @@ PHASES = ("queue", "batch", "serialize", "compute")
 SATURATED = 0.8  # a thread busy this share of the time is the bottleneck
 TINY_BATCH_ROWS = 32  # a cap this low makes a model call's fixed cost dominate
 BUSY_MODEL = 0.5  # a model busy this share of the time makes its rows wait for it
-HOT_SPOTS = ("row_udf", "slow_operator", "decode_bound", "serialization", "slow_model")  # work done
+HOT_SPOTS = (
+    "row_udf",
+    "slow_operator",
+    "decode_bound",
+    "asr_bound",
+    "serialization",
+    "slow_model",
+)  # work done
 WAITING_CPU_SHARE = 0.25  # busy with less CPU than this: waiting, not working
 
 
@@ -80,6 +89,7 @@ class _Stage:
     budget_s: float
     settings: dict[str, float] = field(default_factory=dict)
     media: dict[str, float] = field(default_factory=dict)  # an image or audio step's work, per second
+    speech: dict[str, float] = field(default_factory=dict)  # a speech-to-text step's, per second
 
     def mean(self, phase: str) -> float:
         return self.phases[phase].mean
@@ -155,6 +165,10 @@ def _stages(w: _Window, seconds: float) -> list[_Stage]:
                 media={
                     m: w.delta(f"aisp_media_{m}_total", stage=name) / max(seconds, 1e-9)
                     for m in ("decode_seconds", "bytes", "units")
+                },
+                speech={
+                    m: w.delta(f"aisp_asr_{m}_total", stage=name) / max(seconds, 1e-9)
+                    for m in ("model_seconds", "audio_seconds", "model_audio_seconds")
                 },
             )
         )
@@ -282,6 +296,22 @@ def _classify_operator(
             f"step {st.name!r} spends its time decoding ({round(decoding, 2)} threads busy, "
             f"{ev['mb_in_per_s']} MB/s in): give it more cores (its threads, or workers), or "
             "send smaller inputs (a JPEG no larger than the tensor needs decodes at a DCT scale)",
+            ev,
+        )
+    asr = st.speech.get("model_seconds", 0.0)
+    if asr > 0 and asr >= 0.5 * st.busy:
+        audio = st.speech.get("audio_seconds", 0.0)
+        heard = st.speech.get("model_audio_seconds", 0.0) / max(audio, 1e-9)
+        ev.update(
+            model_busy=round(asr, 2), audio_s_per_s=round(audio, 2), model_audio_per_audio=round(heard, 2)
+        )
+        return (
+            "asr_bound",
+            f"step {st.name!r} spends its time in the speech model ({round(asr, 2)} s a second for "
+            f"{ev['audio_s_per_s']} s of audio a second, the model hearing "
+            f"{ev['model_audio_per_audio']}x the audio): make fewer partial captions (a larger "
+            "partial_every_s, or 0), pad clips less (pad_s), run a smaller model, or give it more "
+            "cores or a GPU",
             ev,
         )
     if st.kind == "map":

@@ -301,9 +301,11 @@ class SpeechToText:
     condition_on_previous: bool = False
     """Condition each caption on the stream's last final captions (Whisper's own transcription
     does; measured here no better in streaming, and a wrong caption then leads the next)."""
-    pad_s: float = 30.0
-    """Pad each clip's features to 30 s, as Whisper was trained (the model alone's accuracy), or
-    to the next multiple of ``pad_s`` (10: about 2.5x less encoder work, at some accuracy)."""
+    pad_s: float = 10.0
+    """Pad each clip's features to the next multiple of ``pad_s`` seconds (up to Whisper's 30),
+    not to the 30 s Whisper was trained on: about 2.5x less encoder work, and no more errors
+    (measured on 826 words of espeak-ng speech: 0.142 against 0.148 at 30 s clean, 0.484
+    against 0.510 at 10 dB SNR). 30: every clip as the model alone pads it."""
     compute_type: str = "int8"
     threads: int = 0
     max_batch: int = 16

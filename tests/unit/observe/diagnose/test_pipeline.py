@@ -230,3 +230,27 @@ def test_an_image_step_busy_decoding_is_decode_bound() -> None:
     assert top.evidence["mb_in_per_s"] == 80.0 and top.evidence["decode_threads_busy"] == 1.76
     plain = diagnose(None, Scrape(metrics_text(10.0, stages, e2e=[0.3] * 1000, events_in=8000)))[0]
     assert plain.cause == "slow_operator"
+
+
+def test_a_speech_step_busy_in_its_model_is_asr_bound() -> None:
+    stages = {
+        **CALM,
+        "asr": {"kind": "stateful", "busy": 9.0, "cpu": 8.5, "compute": [0.3] * 300, "rows": [16] * 300,
+                "budget": 0.05},
+    }  # fmt: skip
+    speech = (
+        "# TYPE aisp_asr_model_seconds counter",
+        'aisp_asr_model_seconds_total{stage="asr"} 8.2',
+        "# TYPE aisp_asr_audio_seconds counter",
+        'aisp_asr_audio_seconds_total{stage="asr"} 160',
+        "# TYPE aisp_asr_model_audio_seconds counter",
+        'aisp_asr_model_audio_seconds_total{stage="asr"} 480',
+    )
+    top = diagnose(None, Scrape(metrics_text(10.0, stages, e2e=[0.3] * 1000, events_in=8000, extra=speech)))[
+        0
+    ]
+    assert (top.cause, top.stage) == ("asr_bound", "asr")
+    assert top.evidence["audio_s_per_s"] == 16.0 and top.evidence["model_audio_per_audio"] == 3.0
+    assert "partial" in top.suggestion
+    plain = diagnose(None, Scrape(metrics_text(10.0, stages, e2e=[0.3] * 1000, events_in=8000)))[0]
+    assert plain.cause == "slow_operator"
