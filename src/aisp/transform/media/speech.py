@@ -33,8 +33,9 @@ Each stream's state (the samples from the open segment's start, or the last ``pr
 none is open; where the stream is; the open segment's start and its last partial) is checkpointed
 (``snapshot`` / ``restore``), so a restart goes on mid-speech with the same captions. It is
 bounded: at most ``max_segment_s`` plus ``pre_roll_s`` of samples a stream. A row whose samples
-are null or not finite, or whose stream is null, is a dead letter with the reason; the others go
-on. Whisper runs 16 kHz mono samples: decode with ``AudioDecode(sample_rate=16000)``.
+are null or not finite, or whose stream is null, is a dead letter with the reason (samples that
+are not finite count as silence, so the stream's times stay those of ``SpeechSegments``); the
+others go on. Whisper runs 16 kHz mono samples: decode with ``AudioDecode(sample_rate=16000)``.
 """
 
 from __future__ import annotations
@@ -378,14 +379,8 @@ class _Job:
     def __init__(
         self, stream: str, row: int, begin: int, end: int, final: bool, clip: npt.NDArray[np.float32]
     ) -> None:
-        self.stream, self.row, self.begin, self.end, self.final, self.clip = (
-            stream,
-            row,
-            begin,
-            end,
-            final,
-            clip,
-        )
+        self.stream, self.row, self.final = stream, row, final
+        self.begin, self.end, self.clip = begin, end, clip
 
 
 class SpeechToTextOp:
@@ -440,7 +435,8 @@ class SpeechToTextOp:
             samples = values[offsets[row] : offsets[row + 1]]
             if not np.isfinite(samples).all():
                 bad.append((row, "invalid audio: samples that are not finite (NaN or infinity)"))
-                continue
+                # heard as silence: the stream's clock goes on with SpeechSegments', which counted them
+                samples = np.zeros(len(samples), np.float32)
             s = self.streams.get(name)
             if s is None:
                 s = self.streams[name] = _Stream()
