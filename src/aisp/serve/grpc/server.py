@@ -31,7 +31,6 @@ why not elsewhere).
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import logging
 import shutil
@@ -194,40 +193,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         (``ModelServer.gather``: no task per request); the answers go out in order."""
         loop = asyncio.get_running_loop()
         metadata = dict(context.invocation_metadata() or ())
-        answers: collections.deque[asyncio.Future[Any] | None] = collections.deque()
-        wakes: list[asyncio.Future[None] | None] = [None, None]  # the writer's, the reader's
-
-        def wake(side: int) -> None:
-            waiter = wakes[side]
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+        answers: asyncio.Queue[asyncio.Future[Any] | None] = asyncio.Queue(self.stream_window)
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
                     answer = loop.create_future()
                     self._stream_submit(request, metadata, context, answer)
-                    answers.append(answer)
-                    wake(0)
-                    if len(answers) >= self.stream_window:  # the window is full: wait for room
-                        wakes[1] = room = loop.create_future()
-                        await room
+                    await answers.put(answer)
             except Exception:  # noqa: BLE001, S110 - the client's side broke: answer what was read
                 pass
-            answers.append(None)  # (not when cancelled: nobody reads the answers any more)
-            wake(0)
+            await answers.put(None)  # (not when cancelled: nobody reads the answers any more)
 
         reader = asyncio.ensure_future(read())
         try:
-            while True:
-                if not answers:
-                    wakes[0] = more = loop.create_future()
-                    await more
-                    continue
-                answer = answers.popleft()
-                wake(1)
-                if answer is None:
-                    break
+            while (answer := await answers.get()) is not None:
                 yield await answer
         finally:
             reader.cancel()
