@@ -15,7 +15,9 @@ from the stream's start):
 
 While a segment (or window) is open, a partial caption of what it holds so far comes every
 ``partial_every_s`` seconds of its audio (``final`` false; 0: none), so text shows before the
-speaker stops. Every caption of a batch, from every stream, goes to Whisper in one batched call
+speaker stops. Partials are best effort: none is made for a row that came in more than
+``partial_every_s`` ago (the step is behind real time), so under load the model's time goes to
+the finals. Every caption of a batch, from every stream, goes to Whisper in one batched call
 (``max_batch`` at a time): the encoder's input is 30 s of log-mel frames whatever the segment's
 length, so a batch costs about what its rows cost apart, less the per-call work; the decoder's
 steps run for the whole batch at once.
@@ -394,6 +396,7 @@ class SpeechToTextOp:
         self._pre = int(spec.pre_roll_s * RATE)
         self._post = min(self._pre, RATE // 10)
         self._partial = int(spec.partial_every_s * RATE)
+        self._partial_ns = int(spec.partial_every_s * 1e9)
         self._max = int(spec.max_segment_s * RATE)
         self._window = int(spec.window_s * RATE)
 
@@ -425,6 +428,7 @@ class SpeechToTextOp:
         bad: list[tuple[int, str]] = []
         jobs: list[_Job] = []
         seconds = 0
+        now = time.monotonic_ns()
         for row, name in enumerate(names):
             if name is None:
                 bad.append((row, f"no stream id (column {spec.stream!r} is null)"))
@@ -442,15 +446,16 @@ class SpeechToTextOp:
                 s = self.streams[name] = _Stream()
             s.audio = np.concatenate([s.audio, samples]) if s.audio.size else samples.copy()
             s.total += len(samples)
-            s.last_ingest = int(ingest[row]) if ingest is not None else time.monotonic_ns()
+            s.last_ingest = int(ingest[row]) if ingest is not None else now
+            partials = now - s.last_ingest <= self._partial_ns  # none for a row this old
             seconds += len(samples)
             if vad:
                 open_at = float(opens[row])
-                self._vad_row(s, name, row, starts[row] or [], ends[row] or [], open_at, jobs)
+                self._vad_row(s, name, row, starts[row] or [], ends[row] or [], open_at, partials, jobs)
             else:
                 if s.open < 0:
                     s.open = s.start
-                self._open_segment(s, name, row, jobs, self._window, 0)
+                self._open_segment(s, name, row, jobs, self._window, 0, partials=partials)
         if bad:
             dead_letter_rows(self.ctx, batch, bad)
             self.spec.counters.add(refused=len(bad))
@@ -466,6 +471,7 @@ class SpeechToTextOp:
         starts: Sequence[float],
         ends: Sequence[float],
         open_at: float,
+        partials: bool,
         jobs: list[_Job],
     ) -> None:
         """Jobs for what ``SpeechSegments`` says of this row: the segments it ended, the cuts of
@@ -498,20 +504,31 @@ class SpeechToTextOp:
             return
         if s.open < 0 or round(open_at * RATE) > s.open:
             s.open, s.partial_at = round(open_at * RATE), -1
-        self._open_segment(s, name, row, jobs, self._max, self._pre, _SETTLE)
+        self._open_segment(s, name, row, jobs, self._max, self._pre, _SETTLE, partials=partials)
 
     def _open_segment(
-        self, s: _Stream, name: str, row: int, jobs: list[_Job], length: int, pre: int, settle: int = 0
+        self,
+        s: _Stream,
+        name: str,
+        row: int,
+        jobs: list[_Job],
+        length: int,
+        pre: int,
+        settle: int = 0,
+        *,
+        partials: bool,
     ) -> None:
         """Cut the open segment at every ``length`` samples it holds once ``settle`` more are in
         (a final caption each, of exactly those samples and the ``pre`` before them), then a
-        partial of the rest when ``partial_every_s`` more of it is in."""
+        partial of the rest when ``partial_every_s`` more of it is in, unless ``partials`` is
+        false: the row came in more than ``partial_every_s`` ago (the step is behind: a partial
+        would come after the next one was due, and its work would delay the finals)."""
         while s.total - s.open >= length + settle:
             jobs.append(_Job(name, row, s.open, s.open + length, True, s.clip(s.open - pre, s.open + length)))
             s.open += length
             s.partial_at = -1
         due = s.partial_at < 0 or s.total - s.partial_at >= self._partial
-        if self._partial and s.total - s.open >= self._partial and due:
+        if partials and self._partial and s.total - s.open >= self._partial and due:
             jobs.append(_Job(name, row, s.open, s.total, False, s.clip(s.open - pre, s.total)))
             s.partial_at = s.total
         s.keep_from(s.open - pre - 512)

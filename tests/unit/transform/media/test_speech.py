@@ -4,6 +4,7 @@ restore from a checkpoint give the whole streams' final captions; as accurate as
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -37,11 +38,16 @@ class Captions:
         self.asr: Any = self.spec.build(ctx)
         self.captions: list[Caption] = []
 
-    def feed(self, rows: list[tuple[str | None, np.ndarray | None]], first_id: int = 0) -> None:
+    def feed(
+        self, rows: list[tuple[str | None, np.ndarray | None]], first_id: int = 0, age_s: float = 0.0
+    ) -> None:
+        """``rows`` as one batch, ingested ``age_s`` ago."""
         streams = pa.array([s for s, _ in rows], pa.string())
         samples = pa.array([None if c is None else c.tolist() for _, c in rows], pa.list_(pa.float32()))
         batch = Batch.from_columns(
-            {"stream": streams, "samples": samples}, ids=np.arange(first_id, first_id + len(rows))
+            {"stream": streams, "samples": samples},
+            ids=np.arange(first_id, first_id + len(rows)),
+            ingest_ns=time.monotonic_ns() - int(age_s * 1e9),
         )
         if self.spec.segments == "vad":
             [(_, batch)] = self.vad.process(batch.with_columns({KEY: self.index.encode(streams)}))
@@ -134,6 +140,21 @@ def test_chunks_in_any_batches_give_the_whole_streams_final_captions(
             start,
             end,
         )
+
+
+def test_partials_are_not_made_for_rows_that_came_in_too_long_ago(voices: dict[str, Any]) -> None:
+    """Behind real time (a row older than partial_every_s), no partial: the finals are the same."""
+    ys = {name: y for name, (y, _) in voices.items()}
+    rows = _chunked(ys, np.random.default_rng(3), 100.0)
+    fresh, late = Captions(partial_every_s=1.0), Captions(partial_every_s=1.0)
+    for at in range(0, len(rows), 6):
+        fresh.feed(rows[at : at + 6], first_id=at)
+        late.feed(rows[at : at + 6], first_id=at, age_s=1.5 if (at // 6) % 2 else 0.0)
+    fresh.end()
+    late.end()
+    assert late.finals() == fresh.finals()
+    partials = [c for c in late.captions if not c[4]]
+    assert 0 < len(partials) < len([c for c in fresh.captions if not c[4]])
 
 
 def test_a_restored_checkpoint_goes_on_mid_speech(voices: dict[str, Any]) -> None:
