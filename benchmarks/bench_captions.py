@@ -22,7 +22,11 @@ threads), and the word error rate against the sentences said. The floor (issue 4
 sustains at least 1.5x the streams the loop does at equal WER, with caption p99 under 1.5 s at
 the largest count it sustains.
 
+``--accuracy N`` measures word error rates off-line instead (N streams, clean and at 10 dB SNR):
+AISP's captions at ``pad_s`` 10 and 30 against faster-whisper, greedy, on each whole stream.
+
     python benchmarks/bench_captions.py [--streams 1,4,8,16 --sentences 4 --rounds 1 --pad 10 --partials 0]
+    python benchmarks/bench_captions.py --accuracy 25 --sentences 4
 """
 
 from __future__ import annotations
@@ -190,6 +194,50 @@ def run_loop(voices: dict[str, Any], model: Any, bound: float) -> dict[str, Any]
     }
 
 
+def captions_offline(voices: dict[str, Any], pad: float) -> list[str]:
+    """AISP's final captions of each whole stream (one batch of whole streams, then the end of
+    input), joined per stream: the voice activity step and the speech step as a pipeline runs
+    them, without pacing."""
+    index = KeyIndex()
+    ctx = OperatorContext("asr", lambda *a, **k: None, {"s": index})
+    vad: Any = SpeechSegments(space="s").build(ctx)
+    asr: Any = SpeechToText(pad_s=pad, partial_every_s=0.0).build(ctx)
+    names = pa.array(list(voices))
+    samples = pa.array([y for y, _ in voices.values()], pa.list_(pa.float32()))
+    batch = Batch.from_columns({"stream": names, "samples": samples})
+    [(_, batch)] = vad.process(batch.with_columns({"_key": index.encode(names)}))
+    rows: list[tuple[str, float, str, bool]] = []
+    for _, out in [*asr.process(batch), *asr.flush()]:
+        rows += zip(*(out.pylist(c) for c in ("stream", "start_s", "text", "final")), strict=True)
+    return [
+        " ".join(t for n, _, t, f in sorted(rows, key=lambda r: r[1]) if n == name and f) for name in voices
+    ]
+
+
+def accuracy(model: Any, streams_n: int, sentences: int) -> dict[str, Any]:
+    """Word error rates off-line, clean and with white noise at 10 dB SNR: AISP's captions at
+    ``pad_s`` 10 and 30, and faster-whisper (greedy) on each whole stream."""
+    out: dict[str, Any] = {}
+    for snr in (None, 10.0):
+        voices = {f"s{i:02d}": conversation(2000 + i, count=sentences, snr_db=snr) for i in range(streams_n)}
+        refs = [" ".join(t for *_, t in truth) for _, truth in voices.values()]
+        whole = []
+        for y, _ in voices.values():
+            segs, _ = model.transcribe(
+                y, language="en", beam_size=1, temperature=0.0, without_timestamps=True
+            )
+            whole.append(" ".join(s.text.strip() for s in segs))
+        key = "clean" if snr is None else f"snr{snr:g}db"
+        out[key] = {
+            "words": sum(len(r.split()) for r in refs),
+            "aisp_pad10": round(word_error_rate(refs, captions_offline(voices, 10.0)), 3),
+            "aisp_pad30": round(word_error_rate(refs, captions_offline(voices, 30.0)), 3),
+            "faster_whisper_whole_streams": round(word_error_rate(refs, whole), 3),
+        }
+        print(json.dumps({key: out[key]}), flush=True)
+    return out
+
+
 def summary(points: list[dict[str, Any]], bound: float) -> dict[str, Any]:
     """Per contender and count, the median round's p99 and WER; a count is sustained when that
     p99 is under ``bound`` and no round missed a sentence. The largest count each sustains, and
@@ -227,12 +275,19 @@ def main() -> int:
         "--bound", type=float, default=1.5, help="caption p99 (s) under which a count is sustained"
     )
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--accuracy", type=int, default=0, metavar="STREAMS",
+                    help="only the off-line word error rates, over this many streams")  # fmt: skip
     args = ap.parse_args()
     from faster_whisper import WhisperModel
 
     model = WhisperModel(
         str(packaged_whisper()), device="cpu", compute_type="int8", cpu_threads=os.cpu_count() or 1
     )
+    if args.accuracy:
+        rates = accuracy(model, args.accuracy, args.sentences)
+        if args.out:
+            args.out.write_text(json.dumps(rates, indent=1))
+        return 0
     report: dict[str, Any] = {"pad_s": args.pad, "partial_every_s": args.partials, "points": []}
     for n in (int(x) for x in args.streams.split(",")):
         voices = streams(n, args.sentences)
