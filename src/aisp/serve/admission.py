@@ -60,36 +60,16 @@ def infer_admitted(models: ModelServer, name: str, a: Admitted) -> Coroutine[Any
 
 def collect_admitted(
     models: ModelServer,
-    into: dict[Any, list[Any]],
+    into: dict[Any, list[Any]] | None,
     name: str,
     a: Admitted,
     on_done: Callable[[InferResult | AispError], None],
 ) -> None:
-    """``models.collect`` on an admitted request (the native gRPC front's form of
-    ``infer_admitted``: many requests submitted at once, each answered through ``on_done``)."""
+    """``models.collect`` on an admitted request: the form of ``infer_admitted`` answered
+    through ``on_done`` (into ``into`` for one ``submit_collected``: the native gRPC front; with
+    ``into`` None, into the event loop's gather: a gRPC stream)."""
     models.collect(
         into,
-        name,
-        a.arrays,
-        on_done,
-        version=a.version,
-        priority=a.priority,
-        tier=a.tier,
-        timeout_s=a.timeout_s,
-        checked=True,
-        key=a.key,
-    )
-
-
-def gather_admitted(
-    models: ModelServer,
-    name: str,
-    a: Admitted,
-    on_done: Callable[[InferResult | AispError], None],
-) -> None:
-    """``models.gather`` on an admitted request (a gRPC stream's form of ``infer_admitted``:
-    answered through ``on_done`` in the event loop, no task per request)."""
-    models.gather(
         name,
         a.arrays,
         on_done,

@@ -50,7 +50,7 @@ from aisp.admission.tiers import TIER_KEY, parse_tier
 from aisp.aio import LoopThread
 from aisp.errors import AispError, BadRequest, Forbidden, ModelError, NotFound
 from aisp.infer.models.repository import check_model_name
-from aisp.serve.admission import Admitted, admit_infer, gather_admitted, infer_admitted
+from aisp.serve.admission import Admitted, admit_infer, collect_admitted, infer_admitted
 from aisp.serve.auth import Tokens, api_key, is_loopback
 from aisp.serve.grpc.events import EVENTS_METHOD, PipelineStreams, status_of
 from aisp.serve.grpc.native import NativeFront, auth_refusal
@@ -190,7 +190,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         ``error_message`` and the stream goes on. The requests of a stream are read ahead (up
         to ``stream_window``) and run concurrently, so they batch together like separate calls:
         each is admitted as it is read and joins the loop's gather with a callback
-        (``ModelServer.gather``: no task per request); the answers go out in order."""
+        (``ModelServer.collect`` into the loop's gather: no task per request); the answers go out in order."""
         loop = asyncio.get_running_loop()
         metadata = dict(context.invocation_metadata() or ())
         answers: asyncio.Queue[asyncio.Future[Any] | None] = asyncio.Queue(self.stream_window)
@@ -236,7 +236,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
         try:
             req, sig, admitted = self.admit(request, metadata, context.peer, context.time_remaining())
-            gather_admitted(self.models, request.model_name, admitted, done)
+            collect_admitted(self.models, None, request.model_name, admitted, done)
         except Exception as exc:  # noqa: BLE001 - that request fails, the stream does not
             failed(exc)
 

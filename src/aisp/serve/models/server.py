@@ -218,12 +218,7 @@ class ModelServer(ModelControl):
         pending = Pending(n, future=future, loop=loop, started_ns=started)
         now = time.monotonic_ns()
         item = Gathered(req, inputs, n, tier, deadline, now + int(self.admission_wait_ms * 1e6), pending)
-        gather = served.gathers.get(loop)
-        if gather:
-            gather.append(item)
-        else:
-            served.gathers[loop] = [item]
-            loop.call_soon(self._flush, served, loop)
+        self._join_gather(served, loop, item)
         try:
             if timeout_s is None:
                 await future
@@ -238,7 +233,7 @@ class ModelServer(ModelControl):
 
     def collect(
         self,
-        into: dict[Served, list[Gathered]],
+        into: dict[Served, list[Gathered]] | None,
         name: str,
         inputs: Mapping[str, npt.NDArray[Any]],
         on_done: Callable[[InferResult | AispError], None],
@@ -250,67 +245,19 @@ class ModelServer(ModelControl):
         checked: bool = False,
         key: str | None = None,
     ) -> None:
-        """(Any thread) Admit a request into ``into`` (by model version), for one
-        ``submit_collected`` of many requests; ``on_done`` gets its result, or the ``AispError``
-        it failed with, in whichever thread finishes it (this one when it is answered at once, a
-        batcher's otherwise). For a transport that receives many calls at once (the native gRPC
-        front): no event loop, task, future or waiting thread per request. A request that cannot
-        be admitted raises here. Deadlines are the queue's (a row past its deadline is failed
-        there)."""
-        item = self._callback_item(
-            name, inputs, on_done, None, version, priority, tier, timeout_s, checked, key
-        )
-        if item is not None:
-            into.setdefault(item[0], []).append(item[1])
+        """Admit a request to be answered through ``on_done`` (its result, or the ``AispError``
+        it failed with), with no task, future or waiting thread of its own. A request that cannot
+        be admitted raises here; deadlines are the queue's (a row past its deadline is failed
+        there).
 
-    def gather(
-        self,
-        name: str,
-        inputs: Mapping[str, npt.NDArray[Any]],
-        on_done: Callable[[InferResult | AispError], None],
-        *,
-        version: str | None = None,
-        priority: int = 0,
-        tier: int | None = None,
-        timeout_s: float | None = None,
-        checked: bool = False,
-        key: str | None = None,
-    ) -> None:
-        """(Event loop) ``infer_async`` with a callback instead of a coroutine: the request joins
-        this turn's gather like ``infer_async``'s, and ``on_done`` gets its result, or the
-        ``AispError`` it failed with, in the loop's thread. For a caller with many requests in
-        flight on one loop (a gRPC stream): no task or coroutine per request. A request that
-        cannot be admitted raises here. Deadlines are the queue's."""
-        loop = asyncio.get_running_loop()
-        item = self._callback_item(
-            name, inputs, on_done, loop, version, priority, tier, timeout_s, checked, key
-        )
-        if item is None:
-            return
-        served, gathered = item
-        gather = served.gathers.get(loop)
-        if gather:
-            gather.append(gathered)
-        else:
-            served.gathers[loop] = [gathered]
-            loop.call_soon(self._flush, served, loop)
-
-    def _callback_item(
-        self,
-        name: str,
-        inputs: Mapping[str, npt.NDArray[Any]],
-        on_done: Callable[[InferResult | AispError], None],
-        loop: asyncio.AbstractEventLoop | None,
-        version: str | None,
-        priority: int,
-        tier: int | None,
-        timeout_s: float | None,
-        checked: bool,
-        key: str | None,
-    ) -> tuple[Served, Gathered] | None:
-        """``collect``'s and ``gather``'s request, admitted, as its model version and the item to
-        submit; None when it was answered here (a tensor of no elements: computed alone).
-        ``on_done`` is called in ``loop`` when one is given, else by whoever finishes it."""
+        * (Any thread) into ``into``, by model version, for one ``submit_collected`` of many
+          requests (a transport that receives many calls at once: the native gRPC front);
+          ``on_done`` is called in whichever thread finishes it (this one when it is answered at
+          once, a batcher's otherwise);
+        * (Event loop) with ``into`` None: the request joins this turn's gather, as
+          ``infer_async``'s do, and ``on_done`` is called in the loop's thread (many requests in
+          flight on one loop: a gRPC stream)."""
+        loop = asyncio.get_running_loop() if into is None else None
         served, shadow, n, tier, deadline = self._admit(
             name, inputs, version, priority, tier, timeout_s, checked, key
         )
@@ -322,7 +269,7 @@ class ModelServer(ModelControl):
             except AispError as exc:
                 result = exc
             on_done(result)
-            return None
+            return
         req = next(self._ids)
         started = time.perf_counter_ns()
 
@@ -338,7 +285,22 @@ class ModelServer(ModelControl):
 
         pending = Pending(n, loop=loop, started_ns=started, on_done=finished)
         wait_until = time.monotonic_ns() + int(self.admission_wait_ms * 1e6)
-        return served, Gathered(req, inputs, n, tier, deadline, wait_until, pending)
+        item = Gathered(req, inputs, n, tier, deadline, wait_until, pending)
+        if loop is not None:
+            self._join_gather(served, loop, item)
+        else:
+            assert into is not None
+            into.setdefault(served, []).append(item)
+
+    def _join_gather(self, served: Served, loop: asyncio.AbstractEventLoop, item: Gathered) -> None:
+        """(Event loop) ``item`` into this turn's gather of ``served``; the turn's first schedules
+        the flush that submits them all."""
+        gather = served.gathers.get(loop)
+        if gather:
+            gather.append(item)
+        else:
+            served.gathers[loop] = [item]
+            loop.call_soon(self._flush, served, loop)
 
     def submit_collected(self, collected: dict[Served, list[Gathered]]) -> None:
         """(Any thread) Submit what ``collect`` gathered: per model version, the requests that fit

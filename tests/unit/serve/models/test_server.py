@@ -1,6 +1,6 @@
-"""``ModelServer.collect`` / ``submit_collected`` and ``gather``: many requests admitted at
-once, each answered through its callback, in whichever thread finishes it (``gather``: the
-event loop's)."""
+"""``ModelServer.collect`` / ``submit_collected``: many requests admitted at once, each answered
+through its callback, in whichever thread finishes it (``collect(None, ...)`` on an event loop:
+the loop's)."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_a_request_that_cannot_be_admitted_raises_at_once(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("seed", [5, 6, 7, 8])
 def test_gathered_requests_are_answered_once_each_in_the_loop_thread(tmp_path: Path, seed: int) -> None:
-    """``gather`` (the event loop's form of ``collect``). Seeded: how many requests per turn,
+    """``collect(None, ...)`` (the event loop's form: the turn's gather). Seeded: how many requests per turn,
     their row counts (empty ones too), inline or through the batcher; every answer comes back
     once, with its own rows, in the loop's thread."""
     rng = np.random.default_rng(seed)
@@ -127,7 +127,7 @@ def test_gathered_requests_are_answered_once_each_in_the_loop_thread(tmp_path: P
                 answers[i].set_result(result)  # a second answer would raise InvalidStateError here
 
             for i, x in enumerate(inputs):
-                models.gather("fraud", {"features": x}, functools.partial(answer, answers, threads, i))
+                models.collect(None, "fraud", {"features": x}, functools.partial(answer, answers, threads, i))
             results = await asyncio.wait_for(asyncio.gather(*answers), 30)
             assert threads == {loop_thread}, f"seed {seed}"
             for x, result in zip(inputs, results, strict=True):
