@@ -224,12 +224,13 @@ def test_at_three_times_capacity_admitted_requests_meet_the_ttft_target_and_the_
     refused = [r for r in results if r[0] == "refused"]
     assert len(results) == len(threads)
     assert answered and refused, (target_ms, service_s, requests, results)
-    # the target at p99: of a handful of answers, one may miss it (the machine's speed changes
-    # faster than the step's estimate); none by far, as all would without admission (at three
-    # times capacity the last of them would wait about twice the target)
+    # the target holds for nearly all: a few may miss it by a little (the machine's speed changes
+    # faster than the step's estimate, and a busy machine's answers vary by several times), none
+    # by far. Without admission the queue would grow to twice the target by the last question:
+    # about half the answers late, the last ones by up to twice the target.
     late = [t for t in answered if t * 1000 > target_ms]
-    assert len(late) <= max(1, len(answered) // 100), (target_ms, sorted(answered))
-    assert max(answered) * 1000 <= 2 * target_ms, (target_ms, sorted(answered))
+    assert len(late) <= max(1, len(answered) // 4), (target_ms, sorted(answered))
+    assert max(answered) * 1000 <= 1.5 * target_ms, (target_ms, sorted(answered))
     assert max(r[1] for r in refused) * 1000 < target_ms / 3  # at once, not after queueing
     assert all(r[2] > 0 for r in refused)  # with Retry-After
     shed = sum(r[0] == "shed" for r in results)
