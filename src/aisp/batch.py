@@ -35,6 +35,7 @@ __all__ = [
     "META_COLUMNS",
     "PARTIAL",
     "PARTITION_WATERMARK",
+    "SOURCE",
     "TIER",
     "WATERMARK",
     "Batch",
@@ -54,7 +55,12 @@ PARTITION_WATERMARK = "_partition_watermark"
 PARTIAL = "_partial"
 """Set on rows that carry a piece of an event's result (an LLM's tokens as they come), which
 go out to the event's client before the result and close no branch of it."""
-META_COLUMNS = (ID, INGEST_NS, KEY, TIER, DEADLINE_NS, EVENT_TIME, WATERMARK, PARTITION_WATERMARK, PARTIAL)
+SOURCE = "_source"
+"""On a row a step made with an id of its own (a video frame, a caption, its sound): the id of
+the event it comes from, which a served request's answers follow (``aisp.serve.pipelines.results``)."""
+META_COLUMNS = (
+    ID, INGEST_NS, KEY, TIER, DEADLINE_NS, EVENT_TIME, WATERMARK, PARTITION_WATERMARK, PARTIAL, SOURCE,
+)  # fmt: skip
 
 ColumnLike: TypeAlias = pa.Array | pa.ChunkedArray | npt.NDArray[Any] | Sequence[Any]
 

@@ -370,8 +370,11 @@ class Stream:
 
     def apply(self, step_id: str, spec: Any, *, latency_budget_ms: float = 5.0) -> Stream:
         """A step of an operator spec (``build(ctx) -> Operator``): ``ImagePreprocess``,
-        ``AudioDecode``, your own; its state, if it has any, is checkpointed."""
-        return self._add(step_id, "stateful", spec, latency_budget_ms)
+        ``AudioDecode``, your own; its state, if it has any, is checkpointed. A spec with
+        ``ports`` offers those outputs (``VideoDecode(audio=True)``: ``"audio"`` besides the
+        default; read with ``.output(port)``)."""
+        ports = tuple(getattr(spec, "ports", (DEFAULT_PORT,)))
+        return self._add(step_id, "stateful", spec, latency_budget_ms, ports=ports)
 
     def vector_index(self, step_id: str, index: VectorIndex, *, latency_budget_ms: float = 5.0) -> Stream:
         """A vector index fed by this stream's upserts and deletes, answering its queries with

@@ -19,6 +19,10 @@ bring them, or from a text column of base64, as JSON carries them, and makes one
 - ``color`` (``RGB``, ``BGR`` or ``GRAY``), then ``(pixel * scale - mean) / std`` per channel to
   float32 (or the pixels as they are with ``dtype="uint8"``), laid out ``NCHW`` or ``NHWC``.
 
+With ``input="rgb24"`` the rows are pixels already decoded, as ``VideoDecode`` makes a video's
+frames (``column="frame"``; each row's size in ``frame_width`` and ``frame_height``): they are
+checked against ``max_pixels`` and their size, then fitted and normalised as above.
+
 The tensor is a fixed-size-list column (``output``), the form an infer step reads as a model
 input; with it each row gets where its pixels came from, so a model's boxes map back to the
 original image: ``image_height`` and ``image_width`` (the original size, upright) and ``image_scale_x``,
@@ -189,6 +193,11 @@ class ImagePreprocess:
     """Turn each image upright by its EXIF orientation (False: the pixels as stored)."""
     threads: int = 0
     """Decoding threads (0: one per core)."""
+    input: str = "encoded"
+    """``encoded``: image files; ``rgb24``: decoded pixels, as ``VideoDecode`` makes them (each
+    row's width and height in ``width_column`` and ``height_column``)."""
+    width_column: str = "frame_width"
+    height_column: str = "frame_height"
     counters: MediaCounters = field(default_factory=lambda: MediaCounters("pixels"), compare=False)
 
     def __post_init__(self) -> None:
@@ -204,6 +213,8 @@ class ImagePreprocess:
             raise ConfigError(f"dtype must be float32 or uint8, got {self.dtype!r}")
         if len(self.mean) != self.channels or len(self.std) != self.channels or min(self.std) <= 0:
             raise ConfigError(f"mean and std need {self.channels} values (std > 0)")
+        if self.input not in ("encoded", "rgb24"):
+            raise ConfigError(f"input must be 'encoded' or 'rgb24', got {self.input!r}")
         if self.max_pixels < 1 or self.max_bytes < 1 or self.max_scans < 1:
             raise ConfigError(
                 f"max_pixels, max_bytes and max_scans must be >= 1, got "
@@ -283,6 +294,13 @@ class ImagePreprocessOp:
         pixels = np.empty((rows, h, w, spec.channels), dtype=np.uint8)
         info = np.zeros((rows, 6), dtype=np.float64)  # height, width, scale x, scale y, offset x, y
         errors: list[str | None] = [None] * rows
+        raw = spec.input == "rgb24"
+        if raw:
+            missing = [c for c in (spec.width_column, spec.height_column) if c not in batch.column_names]
+            if missing:
+                raise ConfigError(f"input='rgb24' needs the frame size columns {missing}")
+            widths = batch.column(spec.width_column).to_pylist()
+            heights = batch.column(spec.height_column).to_pylist()
 
         def work(start: int, end: int) -> tuple[int, int]:
             took = time.perf_counter_ns()
@@ -291,6 +309,10 @@ class ImagePreprocessOp:
                 try:
                     data = _payload(payloads[i], spec.max_bytes)
                     nbytes += len(data)
+                    if raw:
+                        img = self._raw(data, widths[i], heights[i])
+                        info[i] = self._fit(img, pixels[i], img.shape[0], img.shape[1])
+                        continue
                     head = image_info(data, max_scans=spec.max_scans)
                     width, height = head.size(spec.exif_orientation)
                     img = decode_image(
@@ -326,6 +348,21 @@ class ImagePreprocessOp:
         for j, name in enumerate(names):
             cols[f"image_{name}"] = info[:, j].astype(np.int64) if j < 2 else info[:, j]
         return [(DEFAULT_PORT, batch.with_columns(cols))]
+
+    def _raw(self, data: bytes, width: int | None, height: int | None) -> npt.NDArray[np.uint8]:
+        """A row of RGB24 pixels, ``height`` x ``width``, in the step's colour order."""
+        if not width or not height or width < 1 or height < 1:
+            raise MediaError(f"no frame size (width {width}, height {height})")
+        if width * height > self.spec.max_pixels:
+            raise MediaError(f"image too large: {width} x {height} pixels (limit {self.spec.max_pixels})")
+        if len(data) != width * height * 3:
+            raise MediaError(f"raw frame of {len(data)} bytes is not {width} x {height} x 3 (RGB24)")
+        img = np.frombuffer(data, np.uint8).reshape(height, width, 3)
+        if self.spec.color == "BGR":
+            return np.ascontiguousarray(img[:, :, ::-1])
+        if self.spec.color == "GRAY":
+            return np.asarray(self._cv2.cvtColor(img, self._cv2.COLOR_RGB2GRAY), dtype=np.uint8)
+        return img
 
     def _needed(self, ih: int, iw: int) -> tuple[int, int]:
         """The smallest (height, width) an image of ``ih`` x ``iw`` may decode to and still
