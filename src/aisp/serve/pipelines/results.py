@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from aisp.batch import ID, PARTIAL, Batch
+from aisp.batch import ID, PARTIAL, SOURCE, Batch
 from aisp.sinks.base import RowEncoder
 from aisp.transform.operators import Emit
 
@@ -122,16 +122,19 @@ class ResultTracker:
     def forwarded(self, step: str, batch: Batch, outs: Emit) -> None:
         if PARTIAL in batch:
             return  # pieces of results open and close no branch
-        ids = batch.ids
+        ids = _events(batch)
         if len(outs) == 1 and outs[0][1].num_rows == ids.shape[0]:
-            out_ids = outs[0][1].ids
+            out_ids = _events(outs[0][1])
             if out_ids is ids or np.array_equal(out_ids, ids):
                 return  # one row out per row in: nothing changes
-        out_ids = np.concatenate([o.ids for _, o in outs]) if outs else np.empty(0, np.int64)
+        out_ids = np.concatenate([_events(o) for _, o in outs]) if outs else np.empty(0, np.int64)
+        # branches per event: rows out less rows in (a step may take several rows of an event,
+        # a video's chunks' sound, and make several of it, or none)
+        ids, took = np.unique(ids, return_counts=True)
         uniq, counts = np.unique(out_ids, return_counts=True)
         pos = np.searchsorted(uniq, ids).clip(0, max(uniq.shape[0] - 1, 0))
         found = (uniq[pos] == ids) if uniq.shape[0] else np.zeros(ids.shape[0], dtype=bool)
-        delta = np.where(found, counts[pos] if uniq.shape[0] else 0, 0) - 1
+        delta = np.where(found, counts[pos] if uniq.shape[0] else 0, 0) - took
         changed = delta != 0
         if changed.any():
             self._update(ids[changed], delta[changed], fill=_encode({"dropped": step}), rank=self.DROPPED)
@@ -149,20 +152,20 @@ class ResultTracker:
                 self.observe(batch)
             lines = np.empty(batch.num_rows, dtype=object)
             lines[:] = self._encoder.encode(batch).split(b"\n")[: batch.num_rows]
-            self._update(batch.ids, minus, lines=lines)
+            self._update(_events(batch), minus, lines=lines)
         else:
-            self._update(batch.ids, minus, fill=_encode({"sink": step}), rank=self.SIDE_SINK)
+            self._update(_events(batch), minus, fill=_encode({"sink": step}), rank=self.SIDE_SINK)
 
     def failed(self, step: str, batch: Batch, reason: str, *, closes: bool = True) -> None:
         if ID not in batch or not batch.num_rows or PARTIAL in batch:
             return
         delta = np.full(batch.num_rows, -1 if closes else 0, dtype=np.int32)
         fill = _encode({"error": reason, "step": step})
-        self._update(batch.ids, delta, fill=fill, rank=self.ERROR, always_fill=not closes)
+        self._update(_events(batch), delta, fill=fill, rank=self.ERROR, always_fill=not closes)
 
     def _pieces(self, batch: Batch) -> None:
         lines = self._pieces_encoder.encode(batch).split(b"\n")
-        ids = batch.ids
+        ids = _events(batch)
         wake = []
         with self._lock:
             for chunk, rows in self._locate(ids):
@@ -237,6 +240,14 @@ class ResultTracker:
         for chunk in wake:
             if chunk.notify is not None:
                 chunk.notify()
+
+
+def _events(batch: Batch) -> npt.NDArray[np.int64]:
+    """The events a batch's rows come from: their ids, or for rows a step made with ids of their
+    own (a video's frames, captions), the ids of the events they were made of (``SOURCE``)."""
+    if SOURCE in batch:
+        return np.asarray(batch.numpy(SOURCE), dtype=np.int64)
+    return batch.ids
 
 
 def _distinct(idx: npt.NDArray[np.int64], n: int) -> bool:

@@ -57,7 +57,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from aisp.batch import ID, INGEST_NS, META_COLUMNS, Batch
+from aisp.batch import ID, INGEST_NS, META_COLUMNS, SOURCE, Batch
 from aisp.errors import ConfigError
 from aisp.graph import DEFAULT_PORT
 from aisp.transform.media.common import cores, dead_letter_rows
@@ -612,6 +612,8 @@ class SpeechToTextOp:
             for meta in META_COLUMNS:
                 if meta in taken.column_names:
                     cols[meta] = taken.column(meta)
+            if SOURCE not in cols and ID in taken.column_names:
+                cols[SOURCE] = taken.column(ID)  # the event it comes from: its row's
         else:  # the end of input: the times of each stream's last row
             cols[INGEST_NS] = np.array([self.streams[j.stream].last_ingest for j in kept], dtype=np.int64)
         # a caption's id: its stream, start and finality (its row's would repeat: a row can end a

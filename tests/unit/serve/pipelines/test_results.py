@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aisp.batch import PARTIAL, Batch
+from aisp.batch import PARTIAL, SOURCE, Batch
 from aisp.serve.pipelines.service import Chunk, ResultTracker
 from aisp.sinks.base import RowEncoder
 
@@ -130,3 +130,39 @@ def test_pieces_of_results_stream_before_their_event_and_wait_behind_earlier_one
     tracker.failed("llm", pieces([11], ["?"]), "ignored: pieces carry no outcome")
     tracker.written("out", rows([11], [2]))
     assert chunk.done.is_set() and chunk.stream(1, 2) == b'{"v":2}\n'
+
+
+def derived(sources: list[int], values: list[int], first_id: int = 10_000) -> Batch:
+    """Rows a step made with ids of their own (frames, captions), each naming its event."""
+    return Batch.from_columns(
+        {"v": np.asarray(values, dtype=np.int64), SOURCE: np.asarray(sources, dtype=np.int64)},
+        ids=np.arange(first_id, first_id + len(sources), dtype=np.int64),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(0, 3), min_size=1, max_size=20), seed=st.integers(0, 2**32 - 1))
+def test_rows_made_with_their_own_ids_answer_the_events_they_name(counts: list[int], seed: int) -> None:
+    """A video step makes frames and sound rows of chunk events (any number, 0: the chunk waits
+    for more), a later step makes captions of several of those rows at once: each event answers
+    with the rows made of it, through both steps."""
+    rng = np.random.default_rng(seed)
+    n = len(counts)
+    tracker = ResultTracker("out", RowEncoder(["v"]))
+    chunk = Chunk(0, n)
+    tracker.add(chunk)
+    made = np.repeat(np.arange(n), counts)
+    first = derived(made.tolist(), list(range(made.size)))
+    tracker.forwarded("video", rows(list(range(n)), [0] * n), [("out", first)])
+    # the next step takes every row and makes one caption of each event's rows (none of some)
+    events = np.unique(made)
+    keep = events[rng.random(events.size) < 0.7]
+    second = derived(keep.tolist(), (100 + keep).tolist(), first_id=20_000)
+    tracker.forwarded("asr", first, [("out", second)])
+    tracker.written("out", second.take(rng.permutation(second.num_rows)))
+    got = answer(chunk)
+    for event in range(n):
+        if event in keep:
+            assert got[event] == {"v": 100 + event}
+        else:
+            assert got[event] == {"dropped": "video" if counts[event] == 0 else "asr"}
