@@ -7,11 +7,12 @@ handlers give unmatched routes (404) and methods (405) the same JSON form.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from starlette.exceptions import HTTPException
@@ -92,9 +93,64 @@ EXCEPTION_HANDLERS: dict[Any, Callable[[Request, Exception], Awaitable[Response]
 """Starlette ``exception_handlers``: JSON for unmatched routes and methods, and for faults."""
 
 
+class _OneWrite:
+    """A connection's transport whose writes within one turn of the event loop go out as one.
+
+    uvicorn writes a response's status line and headers when the app sends them, and its body
+    when that comes: two ``send`` system calls a response, and for small answers they were the
+    largest part of serving one (42% of the CPU samples at 256 connections). An app sends both
+    in the same turn of the loop, so holding what is written until the turn ends sends them in
+    one. ``close`` sends what is held first; everything else is the transport's."""
+
+    __slots__ = ("_held", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._held: list[bytes] = []
+        self._loop = asyncio.get_running_loop()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not self._held:
+            self._loop.call_soon(self._flush)
+        self._held.append(bytes(data))
+
+    def _flush(self) -> None:
+        if self._held:
+            data = self._held[0] if len(self._held) == 1 else b"".join(self._held)
+            self._held.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(map(len, self._held))
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._held.clear()
+        self._transport.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class JsonErrorsHttpTools(HttpToolsProtocol):
     """uvicorn's httptools protocol, answering a request it cannot parse (bad request line,
-    headers or framing) with a JSON error like every other, instead of plain text."""
+    headers or framing) with a JSON error like every other, instead of plain text; a response's
+    headers and body go out in one write (``_OneWrite``)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(_OneWrite(transport))  # type: ignore[arg-type]
+        self._raw = transport
+
+    def handle_websocket_upgrade(self) -> None:
+        """A WebSocket takes the connection's own transport (its frames are written by its
+        protocol, which has its own buffering)."""
+        cast(Any, self.transport)._flush()
+        self.transport = self._raw
+        super().handle_websocket_upgrade()
 
     def send_400_response(self, msg: str) -> None:
         body = b'{"error":' + msgspec.json.encode(msg) + b"}"
