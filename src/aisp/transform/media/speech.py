@@ -16,8 +16,9 @@ from the stream's start):
 While a segment (or window) is open, a partial caption of what it holds so far comes every
 ``partial_every_s`` seconds of its audio (``final`` false; 0: none), so text shows before the
 speaker stops. Partials are best effort: none is made for a row that came in more than
-``partial_every_s`` ago (the step is behind real time), so under load the model's time goes to
-the finals. Every caption of a batch, from every stream, goes to Whisper in one batched call
+``partial_every_s`` ago (the step is behind real time), nor in a batch that has finals to make
+(they would share the model call and hold the finals up; the stream's next row makes it), so
+under load the model's time goes to the finals. Every caption of a batch, from every stream, goes to Whisper in one batched call
 (``max_batch`` at a time): the encoder's input is 30 s of log-mel frames whatever the segment's
 length, so a batch costs about what its rows cost apart, less the per-call work; the decoder's
 steps run for the whole batch at once.
@@ -461,6 +462,13 @@ class SpeechToTextOp:
             dead_letter_rows(self.ctx, batch, bad)
             self.spec.counters.add(refused=len(bad))
         self.spec.counters.add(audio_seconds=seconds / RATE)
+        if any(j.final for j in jobs) and not all(j.final for j in jobs):
+            # finals first: a partial would share their model call and hold them up; its stream's
+            # next row makes it
+            for j in jobs:
+                if not j.final:
+                    self.streams[j.stream].partial_at = -1
+            jobs = [j for j in jobs if j.final]
         out = self._captions(batch, jobs)
         return [(DEFAULT_PORT, out)] if out is not None else []
 

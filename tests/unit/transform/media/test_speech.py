@@ -157,6 +157,25 @@ def test_partials_are_not_made_for_rows_that_came_in_too_long_ago(voices: dict[s
     assert 0 < len(partials) < len([c for c in fresh.captions if not c[4]])
 
 
+def test_a_batch_with_finals_makes_no_partials_and_the_next_row_makes_them(voices: dict[str, Any]) -> None:
+    """Finals first: a partial due in a batch that ends another stream's window waits for its
+    stream's next row, so it does not share (and hold up) the finals' model call."""
+    (y0, t0), (y1, t1) = voices["s0"], voices["s1"]
+    a = y0[int(t0[0][0] * RATE) :]  # from the first sentence on: every window holds speech
+    b = y1[int(t1[0][0] * RATE) :]
+    run = Captions(partial_every_s=0.25, segments="windows", window_s=2.0)
+    second = int(1.6 * RATE)
+    run.feed([("a", a[:second]), ("b", b[:second])])
+    assert sorted((c[0], c[4]) for c in run.captions) == [("a", False), ("b", False)]
+    run.captions.clear()
+    # a's window ends (a final); b's partial is due (0.3 s since its last) but yields to it
+    run.feed([("a", a[second : second + 8000]), ("b", b[second : second + 4800])], first_id=2)
+    assert [(c[0], c[4]) for c in run.captions] == [("a", True)]
+    run.captions.clear()
+    run.feed([("b", b[second + 4800 : second + 5600])], first_id=4)  # b's next row: its partial
+    assert [(c[0], c[4]) for c in run.captions] == [("b", False)]
+
+
 def test_a_restored_checkpoint_goes_on_mid_speech(voices: dict[str, Any]) -> None:
     y, truth = voices["s1"]
     whole = Captions()
