@@ -18,10 +18,10 @@ While a segment (or window) is open, a partial caption of what it holds so far c
 speaker stops. Partials are best effort: none is made for a row that came in more than
 ``partial_every_s`` ago (the step is behind real time), nor in a batch that has finals to make
 (they would share the model call and hold the finals up; the stream's next row makes it), so
-under load the model's time goes to the finals. Every caption of a batch, from every stream, goes to Whisper in one batched call
-(``max_batch`` at a time): the encoder's input is 30 s of log-mel frames whatever the segment's
-length, so a batch costs about what its rows cost apart, less the per-call work; the decoder's
-steps run for the whole batch at once.
+under load the model's time goes to the finals. Every caption of a batch, from every stream,
+goes to Whisper in one batched call (``max_batch`` at a time): the encoder's input is 30 s of
+log-mel frames whatever the segment's length, so a batch costs about what its rows cost apart,
+less the per-call work; the decoder's steps run for the whole batch at once.
 
 The model is Whisper in CTranslate2's format, run by ``ctranslate2`` directly (int8 on the CPU);
 its log-mel features and tokenizer are faster-whisper's (the same engine's Python side, MIT),

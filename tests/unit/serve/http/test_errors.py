@@ -1,6 +1,7 @@
 """``JsonErrorsHttpTools``: uvicorn's httptools protocol answering a request it cannot parse with a
-JSON 400, and a response's headers and body in one write. It subclasses a uvicorn internal, so a uvicorn upgrade that changes that internal must
-fail here, loudly and by name, not quietly turn the answer back into plain text."""
+JSON 400, and a response's headers and body in one write. It subclasses a uvicorn internal, so a
+uvicorn upgrade that changes that internal must fail here, loudly and by name, not quietly turn
+the answer back into plain text."""
 
 from __future__ import annotations
 
