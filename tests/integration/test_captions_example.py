@@ -12,12 +12,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from aisp.bench.speech import word_error_rate
+from aisp.bench.speech import normalise, word_error_rate
 from tests.integration.test_exactly_once import ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,11 +53,15 @@ def finals(out: Path) -> dict[tuple[str, str], list[tuple[float, float, str]]]:
     return {k: sorted(v) for k, v in got.items()}
 
 
-def same(a: dict[Any, list[tuple[float, float, str]]], b: dict[Any, list[tuple[float, float, str]]]) -> None:
-    """The same rows: the same texts, times within one voice activity window (32 ms)."""
+def same(
+    a: dict[Any, list[tuple[float, float, str]]],
+    b: dict[Any, list[tuple[float, float, str]]],
+    text: Callable[[str], str] = str,
+) -> None:
+    """The same rows: the same ``text`` of each, times within one voice activity window (32 ms)."""
     assert set(a) == set(b)
     for key in a:
-        assert [t for *_, t in a[key]] == [t for *_, t in b[key]], key
+        assert [text(t) for *_, t in a[key]] == [text(t) for *_, t in b[key]], key
         for (s1, e1, _), (s2, e2, _) in zip(a[key], b[key], strict=True):
             assert abs(s1 - s2) <= 0.032 and abs(e1 - e2) <= 0.032, (key, s1, s2, e1, e2)
 
@@ -117,7 +122,10 @@ def test_sigkill_and_restart_give_the_same_rows_once(
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     keys = [(r["stream"], r["kind"], r["start_s"], r["final"]) for r in rows if r["final"]]
     assert len(keys) == len(set(keys)), "a row was written twice"
-    same(finals(out), whole)
+    # the same words: a restored stream's sound differs from the whole's in the bands AAC coded
+    # as noise (its decoder's random state is in no checkpoint), so Whisper may write a caption
+    # with other capitals or punctuation
+    same(finals(out), whole, text=normalise)
 
 
 def test_served_over_a_websocket_each_chunk_is_answered_with_what_it_completed(
