@@ -9,8 +9,9 @@
 * ``grpc_hello``: a grpc.aio server whose ModelInfer answers a constant: the ceiling of the
   Python gRPC stack, for perf_analyzer (it prints ``grpc 127.0.0.1:PORT``).
 
-Run one: ``python benchmarks/serve_apps.py APP PORT [uvicorn|granian] [MODEL]`` (APP: one of
-the five above); it prints ``http 127.0.0.1:PORT`` once it listens.
+Run one: ``python benchmarks/serve_apps.py APP PORT [uvicorn|uvicorn-aisp|granian] [MODEL]`` (APP:
+one of the five above; ``uvicorn-aisp``: uvicorn with ``aisp serve``'s own protocol, which sends
+a response in one write); it prints ``http 127.0.0.1:PORT`` once it listens.
 """
 
 from __future__ import annotations
@@ -214,7 +215,12 @@ def main() -> None:
     print(f"http 127.0.0.1:{sock.getsockname()[1]}", flush=True)
     make = APPS[kind]
     app = make(Path(sys.argv[4])) if len(sys.argv) > 4 and kind.endswith("unbatched") else make()
-    config = uvicorn.Config(app, log_level="warning", http="httptools", loop="uvloop", lifespan="off")
+    http: Any = "httptools"
+    if server == "uvicorn-aisp":  # uvicorn with aisp serve's protocol (a response in one write)
+        from aisp.serve.http.errors import JsonErrorsHttpTools
+
+        http = JsonErrorsHttpTools
+    config = uvicorn.Config(app, log_level="warning", http=http, loop="uvloop", lifespan="off")
     uvicorn.Server(config).run(sockets=[sock])
 
 
