@@ -17,11 +17,13 @@ While a segment (or window) is open, a partial caption of what it holds so far c
 ``partial_every_s`` seconds of its audio (``final`` false; 0: none), so text shows before the
 speaker stops. Partials are best effort: none is made for a row that came in more than
 ``partial_every_s`` ago (the step is behind real time), nor in a batch that has finals to make
-(they would share the model call and hold the finals up; the stream's next row makes it), so
-under load the model's time goes to the finals. Every caption of a batch, from every stream,
-goes to Whisper in one batched call (``max_batch`` at a time): the encoder's input is 30 s of
-log-mel frames whatever the segment's length, so a batch costs about what its rows cost apart,
-less the per-call work; the decoder's steps run for the whole batch at once.
+(they would share the model call and hold the finals up), and a batch makes only those that fit
+``partial_budget_s`` of model time, the longest-waiting first (the others are made by their
+streams' next rows), so under load the model's time goes to the finals. Every caption of a
+batch, from every stream, goes to Whisper in one batched call (``max_batch`` at a time): the
+encoder's input is 30 s of log-mel frames whatever the segment's length, so a batch costs about
+what its rows cost apart, less the per-call work; the decoder's steps run for the whole batch at
+once.
 
 The model is Whisper in CTranslate2's format, run by ``ctranslate2`` directly (int8 on the CPU);
 its log-mel features and tokenizer are faster-whisper's (the same engine's Python side, MIT),
@@ -311,6 +313,9 @@ class SpeechToText:
     errors (826 words of espeak-ng speech, ``benchmarks/bench_captions.py --accuracy``: 0.133
     against 0.127 at 30 s clean, 0.483 against 0.562 at 10 dB SNR). 30: every clip as the model
     alone pads it."""
+    partial_budget_s: float = 0.25
+    """The most model time (estimated from what it has measured) a batch spends on partial
+    captions: a final waits behind at most that much partial work."""
     compute_type: str = "int8"
     threads: int = 0
     max_batch: int = 16
@@ -326,10 +331,10 @@ class SpeechToText:
                 f"max_segment_s and window_s must be in (0, 30] (Whisper hears 30 s at a time), "
                 f"got {self.max_segment_s}, {self.window_s}"
             )
-        if self.partial_every_s < 0 or not 0 <= self.pre_roll_s <= 1:
+        if self.partial_every_s < 0 or self.partial_budget_s < 0 or not 0 <= self.pre_roll_s <= 1:
             raise ConfigError(
-                f"partial_every_s must be >= 0 and pre_roll_s in [0, 1], "
-                f"got {self.partial_every_s}, {self.pre_roll_s}"
+                f"partial_every_s and partial_budget_s must be >= 0 and pre_roll_s in [0, 1], "
+                f"got {self.partial_every_s}, {self.partial_budget_s}, {self.pre_roll_s}"
             )
         if not 1 <= self.pad_s <= 30:
             raise ConfigError(f"pad_s must be in [1, 30], got {self.pad_s}")
@@ -378,13 +383,14 @@ class _Job:
     """A caption to make: its stream, the row it comes with (-1: the end of input), the span it
     captions and the samples Whisper hears for it (the span with its pre- and post-roll)."""
 
-    __slots__ = ("begin", "clip", "end", "final", "row", "stream")
+    __slots__ = ("begin", "clip", "end", "final", "row", "stream", "was")
 
     def __init__(
         self, stream: str, row: int, begin: int, end: int, final: bool, clip: npt.NDArray[np.float32]
     ) -> None:
         self.stream, self.row, self.final = stream, row, final
         self.begin, self.end, self.clip = begin, end, clip
+        self.was = -1  # a partial's: its stream's last partial before it (where its audio ended)
 
 
 class SpeechToTextOp:
@@ -401,6 +407,7 @@ class SpeechToTextOp:
         self._partial_ns = int(spec.partial_every_s * 1e9)
         self._max = int(spec.max_segment_s * RATE)
         self._window = int(spec.window_s * RATE)
+        self._per_padded_s = 0.0  # measured: seconds of model time per second of padded audio
 
     # -- rows -> caption jobs -----------------------------------------------------------------
     def process(self, batch: Batch) -> Emit:
@@ -462,14 +469,7 @@ class SpeechToTextOp:
             dead_letter_rows(self.ctx, batch, bad)
             self.spec.counters.add(refused=len(bad))
         self.spec.counters.add(audio_seconds=seconds / RATE)
-        if any(j.final for j in jobs) and not all(j.final for j in jobs):
-            # finals first: a partial would share their model call and hold them up; its stream's
-            # next row makes it
-            for j in jobs:
-                if not j.final:
-                    self.streams[j.stream].partial_at = -1
-            jobs = [j for j in jobs if j.final]
-        out = self._captions(batch, jobs)
+        out = self._captions(batch, self._budget(jobs))
         return [(DEFAULT_PORT, out)] if out is not None else []
 
     def _vad_row(
@@ -539,8 +539,36 @@ class SpeechToTextOp:
         due = s.partial_at < 0 or s.total - s.partial_at >= self._partial
         if partials and self._partial and s.total - s.open >= self._partial and due:
             jobs.append(_Job(name, row, s.open, s.total, False, s.clip(s.open - pre, s.total)))
-            s.partial_at = s.total
+            jobs[-1].was, s.partial_at = s.partial_at, s.total
         s.keep_from(s.open - pre - 512)
+
+    def _budget(self, jobs: list[_Job]) -> list[_Job]:
+        """Finals first: a batch with finals makes no partials (they would share the finals'
+        model call and hold them up), and one without makes those that fit ``partial_budget_s``
+        of model time (from the model's measured time per second of padded audio), the streams
+        whose last partial is oldest first. A partial left out stays due: its stream's next row
+        makes it."""
+        partial = [j for j in jobs if not j.final]
+        if not partial:
+            return jobs
+        kept: list[_Job] = []
+        if len(partial) == len(jobs):
+            spent = 0.0
+            for j in sorted(partial, key=lambda j: j.was):
+                cost = self._padded(len(j.clip)) * self._per_padded_s
+                if kept and spent + cost > self.spec.partial_budget_s:
+                    break
+                kept.append(j)
+                spent += cost
+        for j in partial:
+            if j not in kept:
+                self.streams[j.stream].partial_at = j.was
+        return [j for j in jobs if j.final] + kept
+
+    def _padded(self, samples: int) -> float:
+        """Seconds of audio Whisper runs for a clip of ``samples`` (padded to ``pad_s``)."""
+        pad = self.spec.pad_s
+        return min(30.0, pad * max(1, math.ceil(samples / RATE / pad)))
 
     def flush(self) -> Emit:
         """End of input: a final caption of each stream's open segment (or window)."""
@@ -594,10 +622,15 @@ class SpeechToTextOp:
                 if jobs[i].final and tokens:
                     s = self.streams[jobs[i].stream]
                     s.said = [*s.said, *tokens][-_PROMPT_TOKENS:]
+        took = time.perf_counter() - started
         spec.counters.add(
-            asr_seconds=time.perf_counter() - started,
-            asr_audio_seconds=sum(len(j.clip) for j in jobs) / RATE,
-            calls=calls,
+            asr_seconds=took, asr_audio_seconds=sum(len(j.clip) for j in jobs) / RATE, calls=calls
+        )
+        padded = sum(self._padded(len(j.clip)) for j in jobs)
+        # the model's time per second of padded audio, smoothed over about ten calls
+        rate = took / max(padded, 1e-9)
+        self._per_padded_s = (
+            rate if not self._per_padded_s else self._per_padded_s + 0.1 * (rate - self._per_padded_s)
         )
         vad = spec.segments == "vad"
         keep = [i for i, j in enumerate(jobs) if texts[i] or (j.final and vad)]

@@ -176,6 +176,26 @@ def test_a_batch_with_finals_makes_no_partials_and_the_next_row_makes_them(voice
     assert [(c[0], c[4]) for c in run.captions] == [("b", False)]
 
 
+def test_partials_past_the_budget_wait_for_a_later_batch_the_longest_waiting_first(
+    voices: dict[str, Any],
+) -> None:
+    """With no budget for partials, a batch makes one (once the model's time is measured): the
+    stream whose last partial is oldest; the others are made by later batches, in turn."""
+    clips = {n: y[int(t[0][0] * RATE) :] for n, (y, t) in zip("abc", voices.values(), strict=False)}
+    run = Captions(partial_every_s=0.25, segments="windows", window_s=10.0, partial_budget_s=0.0)
+    at = 0
+    made = []
+    for step in (16000, 4800, 800, 800):  # 1 s, then 0.3 s and 0.05 s more of each stream
+        heard = run.spec.counters.asr_audio_seconds
+        before = {n: s.partial_at for n, s in run.asr.streams.items()}
+        run.feed([(n, clips[n][at : at + step]) for n in "abc"], first_id=at)
+        at += step
+        # the streams that got a partial (its mark moved to where their audio is now)
+        made.append(sorted(n for n, s in run.asr.streams.items() if s.partial_at != before.get(n, -1)))
+        assert run.spec.counters.asr_audio_seconds - heard == pytest.approx(len(made[-1]) * at / RATE)
+    assert made == [["a", "b", "c"], ["a"], ["b"], ["c"]]
+
+
 def test_a_restored_checkpoint_goes_on_mid_speech(voices: dict[str, Any]) -> None:
     y, truth = voices["s1"]
     whole = Captions()
@@ -235,6 +255,7 @@ def test_settings_are_checked() -> None:
         {"max_segment_s": 31.0},
         {"window_s": 0.0},
         {"partial_every_s": -1.0},
+        {"partial_budget_s": -0.1},
         {"pre_roll_s": 2.0},
         {"beam_size": 0},
         {"temperature": -0.1},
