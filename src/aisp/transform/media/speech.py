@@ -17,9 +17,10 @@ While a segment (or window) is open, a partial caption of what it holds so far c
 ``partial_every_s`` seconds of its audio (``final`` false; 0: none), so text shows before the
 speaker stops. Partials are best effort: none is made for a row that came in more than
 ``partial_every_s`` ago (the step is behind real time), nor in a batch that has finals to make
-(they would share the model call and hold the finals up), and a batch makes only those that fit
-``partial_budget_s`` of model time, the longest-waiting first (the others are made by their
-streams' next rows), so under load the model's time goes to the finals. Every caption of a
+(they would share the model call and hold the finals up), and partials take at most
+``partial_share`` of the model's time (``partial_budget_s`` at once), the longest-waiting first
+(the others are made by their streams' next rows), so under load the model's time goes to the
+finals. Every caption of a
 batch, from every stream, goes to Whisper in one batched call (``max_batch`` at a time): the
 encoder's input is 30 s of log-mel frames whatever the segment's length, so a batch costs about
 what its rows cost apart, less the per-call work; the decoder's steps run for the whole batch at
@@ -313,9 +314,12 @@ class SpeechToText:
     errors (826 words of espeak-ng speech, ``benchmarks/bench_captions.py --accuracy``: 0.133
     against 0.127 at 30 s clean, 0.483 against 0.562 at 10 dB SNR). 30: every clip as the model
     alone pads it."""
+    partial_share: float = 0.3
+    """The share of the model's time partial captions may take, over time (the rest is the
+    finals')."""
     partial_budget_s: float = 0.25
-    """The most model time (estimated from what it has measured) a batch spends on partial
-    captions: a final waits behind at most that much partial work."""
+    """The most model time partials may take at once (a final waits behind at most about that
+    much partial work)."""
     compute_type: str = "int8"
     threads: int = 0
     max_batch: int = 16
@@ -331,10 +335,14 @@ class SpeechToText:
                 f"max_segment_s and window_s must be in (0, 30] (Whisper hears 30 s at a time), "
                 f"got {self.max_segment_s}, {self.window_s}"
             )
-        if self.partial_every_s < 0 or self.partial_budget_s < 0 or not 0 <= self.pre_roll_s <= 1:
+        if (
+            min(self.partial_every_s, self.partial_budget_s, self.partial_share) < 0
+            or not 0 <= self.pre_roll_s <= 1
+        ):
             raise ConfigError(
-                f"partial_every_s and partial_budget_s must be >= 0 and pre_roll_s in [0, 1], "
-                f"got {self.partial_every_s}, {self.partial_budget_s}, {self.pre_roll_s}"
+                f"partial_every_s, partial_budget_s and partial_share must be >= 0 and pre_roll_s "
+                f"in [0, 1], got {self.partial_every_s}, {self.partial_budget_s}, "
+                f"{self.partial_share}, {self.pre_roll_s}"
             )
         if not 1 <= self.pad_s <= 30:
             raise ConfigError(f"pad_s must be in [1, 30], got {self.pad_s}")
@@ -408,6 +416,9 @@ class SpeechToTextOp:
         self._max = int(spec.max_segment_s * RATE)
         self._window = int(spec.window_s * RATE)
         self._per_padded_s = 0.0  # measured: seconds of model time per second of padded audio
+        self._clock = time.monotonic
+        self._credit = spec.partial_budget_s  # model seconds partials may take now
+        self._at = self._clock()
 
     # -- rows -> caption jobs -----------------------------------------------------------------
     def process(self, batch: Batch) -> Emit:
@@ -544,22 +555,26 @@ class SpeechToTextOp:
 
     def _budget(self, jobs: list[_Job]) -> list[_Job]:
         """Finals first: a batch with finals makes no partials (they would share the finals'
-        model call and hold them up), and one without makes those that fit ``partial_budget_s``
-        of model time (from the model's measured time per second of padded audio), the streams
-        whose last partial is oldest first. A partial left out stays due: its stream's next row
-        makes it."""
+        model call and hold them up), and one without makes partials while the partials' credit
+        lasts, the streams whose last partial is oldest first; each takes its estimated model
+        time (from the time measured per second of padded audio) from the credit, which grows by
+        ``partial_share`` of the time that passes, up to ``partial_budget_s``. A partial left
+        out stays due: its stream's next row makes it."""
         partial = [j for j in jobs if not j.final]
         if not partial:
             return jobs
+        now = self._clock()
+        self._credit = min(
+            self.spec.partial_budget_s, self._credit + self.spec.partial_share * (now - self._at)
+        )
+        self._at = now
         kept: list[_Job] = []
         if len(partial) == len(jobs):
-            spent = 0.0
             for j in sorted(partial, key=lambda j: j.was):
-                cost = self._padded(len(j.clip)) * self._per_padded_s
-                if kept and spent + cost > self.spec.partial_budget_s:
+                if self._credit <= 0:
                     break
                 kept.append(j)
-                spent += cost
+                self._credit -= self._padded(len(j.clip)) * self._per_padded_s
         for j in partial:
             if j not in kept:
                 self.streams[j.stream].partial_at = j.was

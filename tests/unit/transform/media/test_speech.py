@@ -179,13 +179,19 @@ def test_a_batch_with_finals_makes_no_partials_and_the_next_row_makes_them(voice
 def test_partials_past_the_budget_wait_for_a_later_batch_the_longest_waiting_first(
     voices: dict[str, Any],
 ) -> None:
-    """With no budget for partials, a batch makes one (once the model's time is measured): the
-    stream whose last partial is oldest; the others are made by later batches, in turn."""
+    """With a credit for partials of next to nothing, a batch makes one (once the model's time
+    is measured): the stream whose last partial is oldest; the others are made by later batches,
+    in turn. The credit grows with the time that passes (a second a batch here)."""
     clips = {n: y[int(t[0][0] * RATE) :] for n, (y, t) in zip("abc", voices.values(), strict=False)}
-    run = Captions(partial_every_s=0.25, segments="windows", window_s=10.0, partial_budget_s=0.0)
+    run = Captions(
+        partial_every_s=0.25, segments="windows", window_s=10.0, partial_budget_s=1e-9, partial_share=1.0
+    )
+    clock = [0.0]
+    run.asr._clock, run.asr._at = lambda: clock[0], 0.0
     at = 0
     made = []
     for step in (16000, 4800, 800, 800):  # 1 s, then 0.3 s and 0.05 s more of each stream
+        clock[0] += 1.0
         heard = run.spec.counters.asr_audio_seconds
         before = {n: s.partial_at for n, s in run.asr.streams.items()}
         run.feed([(n, clips[n][at : at + step]) for n in "abc"], first_id=at)
@@ -256,6 +262,7 @@ def test_settings_are_checked() -> None:
         {"window_s": 0.0},
         {"partial_every_s": -1.0},
         {"partial_budget_s": -0.1},
+        {"partial_share": -0.5},
         {"pre_roll_s": 2.0},
         {"beam_size": 0},
         {"temperature": -0.1},
