@@ -52,6 +52,7 @@ from aisp.graph import DEFAULT_PORT
 from aisp.transform.media.common import (
     MediaCounters,
     MediaError,
+    binary_payloads,
     cores,
     dead_letter_rows,
     plain,
@@ -225,12 +226,7 @@ class AudioDecodeOp:
 
     def process(self, batch: Batch) -> Emit:
         spec = self.spec
-        col = batch.column(spec.column)
-        if not (
-            pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type) or pa.types.is_null(col.type)
-        ):
-            raise ConfigError(f"column {spec.column!r} is {col.type}, not binary")
-        payloads: list[bytes | None] = col.to_pylist()
+        payloads = binary_payloads(batch, spec.column)
         out: list[npt.NDArray[np.float32] | None] = [None] * len(payloads)
         errors: list[str | None] = [None] * len(payloads)
 

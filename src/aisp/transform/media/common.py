@@ -30,6 +30,7 @@ from aisp.transform.operators import OperatorContext
 __all__ = [
     "MediaCounters",
     "MediaError",
+    "binary_payloads",
     "cores",
     "dead_letter_rows",
     "plain",
@@ -110,6 +111,18 @@ def samples_column(parts: Sequence[npt.NDArray[Any]]) -> tuple[pa.ListArray, npt
     np.cumsum(lengths, out=offsets[1:])
     flat = np.concatenate(parts).astype(np.float32, copy=False) if parts else np.zeros(0, np.float32)
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.float32())), lengths
+
+
+def binary_payloads(batch: Batch, column: str) -> list[bytes | None]:
+    """A binary column's values (None where null); a column of another type is a
+    ``ConfigError``: the pipeline is wired wrong, not the input bad."""
+    from aisp.errors import ConfigError
+
+    col = batch.column(column)
+    if not (pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type) or pa.types.is_null(col.type)):
+        raise ConfigError(f"column {column!r} is {col.type}, not binary")
+    values: list[bytes | None] = col.to_pylist()
+    return values
 
 
 def dead_letter_rows(ctx: OperatorContext, batch: Batch, bad: Sequence[tuple[int, str]]) -> None:

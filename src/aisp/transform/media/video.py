@@ -66,7 +66,15 @@ import pyarrow as pa
 from aisp.batch import ID, SOURCE, Batch
 from aisp.errors import ConfigError
 from aisp.graph import DEFAULT_PORT
-from aisp.transform.media.common import MediaCounters, MediaError, cores, dead_letter_rows, plain, run_sliced
+from aisp.transform.media.common import (
+    MediaCounters,
+    MediaError,
+    binary_payloads,
+    cores,
+    dead_letter_rows,
+    plain,
+    run_sliced,
+)
 from aisp.transform.media.mpegts import PACKET, Pes, TsDemuxer
 from aisp.transform.operators import Emit, Operator, OperatorContext
 from aisp.transform.windows.base import window_ids
@@ -641,14 +649,9 @@ class VideoDecodeOp:
 
     def process(self, batch: Batch) -> Emit:
         spec = self.spec
-        col = batch.column(spec.column)
-        if not (
-            pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type) or pa.types.is_null(col.type)
-        ):
-            raise ConfigError(f"column {spec.column!r} is {col.type}, not binary")
+        payloads = binary_payloads(batch, spec.column)
         if spec.stream is not None and spec.stream not in batch.column_names:
             raise ConfigError(f"video decoding by stream needs the column {spec.stream!r}")
-        payloads: list[bytes | None] = col.to_pylist()
         names = batch.column(spec.stream).to_pylist() if spec.stream is not None else None
         outs = [_Out() for _ in payloads]
         # the rows of one stream in order, on one thread; different streams on different threads
