@@ -157,8 +157,12 @@ class Whisper:
         """A clip's log-mel features, padded with zeros (as faster-whisper's batched pipeline
         pads them) to the next multiple of ``bucket`` frames, or cut, to the encoder's 30 s."""
         feats = self.features(clip)[..., :-1]
-        frames = min(self.frames, -(-max(feats.shape[-1], 1) // bucket) * bucket)
-        return self._pad_or_trim(feats, frames).astype(np.float32)  # type: ignore[no-any-return]
+        return self._pad_or_trim(feats, self.padded(feats.shape[-1], bucket)).astype(np.float32)  # type: ignore[no-any-return]
+
+    def padded(self, frames: int, bucket: int) -> int:
+        """The frames the encoder runs for a clip of ``frames`` feature frames (10 ms each):
+        the next multiple of ``bucket``, at most its 30 s."""
+        return int(min(self.frames, -(-max(frames, 1) // bucket) * bucket))
 
     def transcribe(
         self,
@@ -582,8 +586,7 @@ class SpeechToTextOp:
 
     def _padded(self, samples: int) -> float:
         """Seconds of audio Whisper runs for a clip of ``samples`` (padded to ``pad_s``)."""
-        pad = self.spec.pad_s
-        return min(30.0, pad * max(1, math.ceil(samples / RATE / pad)))
+        return self.whisper.padded(samples // 160, max(1, round(self.spec.pad_s * 100))) / 100
 
     def flush(self) -> Emit:
         """End of input: a final caption of each stream's open segment (or window)."""
