@@ -79,7 +79,7 @@ from aisp.transform.media.mpegts import PACKET, Pes, TsDemuxer
 from aisp.transform.operators import Emit, Operator, OperatorContext
 from aisp.transform.windows.base import window_ids
 
-__all__ = ["AUDIO_PORT", "FRAME_COLUMNS", "VideoDecode"]
+__all__ = ["AUDIO_PORT", "FRAME_COLUMNS", "OverLimit", "VideoDecode"]
 
 AUDIO_PORT = "audio"
 FRAME_COLUMNS = ("frame_width", "frame_height", "pts_s", "frame_index", "keyframe")
@@ -119,6 +119,11 @@ def _keyframe(codec: str, payload: bytes, random_access: bool) -> bool:
             return False
         at = payload.find(b"\x00\x00\x01", at + 3)
     return False
+
+
+class OverLimit(MediaError):
+    """Input over one of the step's limits (frame size, frame rate, decoded bytes): a live
+    stream that says so is refused from then on, as its work would be unbounded."""
 
 
 def _says(exc: Exception) -> str:
@@ -324,7 +329,7 @@ class _Live:
             return  # the decoder says what is wrong
         w, h = int(parser.width or 0), int(parser.height or 0)
         if w * h > self.spec.max_pixels:
-            raise MediaError(f"video frame too large: {w} x {h} pixels (limit {self.spec.max_pixels})")
+            raise OverLimit(f"video frame too large: {w} x {h} pixels (limit {self.spec.max_pixels})")
 
     # -- chunks in ----------------------------------------------------------------------------------
     def feed(self, data: bytes | None, out: _Out, end: bool = False) -> None:
@@ -364,10 +369,11 @@ class _Live:
                 if self.adec is not None:
                     for frame in self._send(self.adec, None, None, None):
                         self._audio_frame(frame, out)
+        except OverLimit as exc:
+            errors.append(str(exc))
+            self.refused = f"stream refused earlier: {exc}"
         except MediaError as exc:
             errors.append(str(exc))
-            if str(exc).startswith(("video frame too large", "video frame rate", "decoded pictures")):
-                self.refused = f"stream refused earlier: {exc}"
         if errors:
             out.error = "; ".join(dict.fromkeys(errors))
 
@@ -409,12 +415,12 @@ class _Live:
         out.decoded += frame.width * frame.height * 3 // 2
         out.count += 1
         if out.decoded > spec.max_decoded_bytes:
-            raise MediaError(f"decoded pictures over {spec.max_decoded_bytes} bytes for one chunk")
+            raise OverLimit(f"decoded pictures over {spec.max_decoded_bytes} bytes for one chunk")
         self.frame_times.append(t)
         if len(self.frame_times) > spec.max_fps + 1:
             del self.frame_times[0]
             if self.frame_times[-1] - self.frame_times[0] < _TICKS:
-                raise MediaError(f"video frame rate over {spec.max_fps} frames a second of stream time")
+                raise OverLimit(f"video frame rate over {spec.max_fps} frames a second of stream time")
         origin = self.origin if self.origin is not None else t
         seconds = (t - origin) / _TICKS
         index = self.picker.index
@@ -551,12 +557,12 @@ class _File:
             raise MediaError("unsupported video codec: FFmpeg has no decoder for it")
         w, h = int(ctx.width or 0), int(ctx.height or 0)
         if w * h > spec.max_pixels:
-            raise MediaError(f"video frame too large: {w} x {h} pixels (limit {spec.max_pixels})")
+            raise OverLimit(f"video frame too large: {w} x {h} pixels (limit {spec.max_pixels})")
         if w * h == 0:
             raise MediaError("corrupt video: no picture size in the header")
         rate = float(video.average_rate or video.guessed_rate or 0)
         if rate > spec.max_fps:
-            raise MediaError(f"video frame rate over {spec.max_fps}: {rate:.1f} frames a second")
+            raise OverLimit(f"video frame rate over {spec.max_fps}: {rate:.1f} frames a second")
         seconds = (
             float(video.duration * video.time_base)
             if video.duration and video.time_base
@@ -566,7 +572,7 @@ class _File:
             raise MediaError(f"video too long: {seconds:.1f} s (limit {spec.max_seconds})")
         frames = video.frames or math.ceil(seconds * (rate or spec.max_fps))
         if frames * w * h * 3 // 2 > spec.max_decoded_bytes:
-            raise MediaError(
+            raise OverLimit(
                 f"decoded pictures over {spec.max_decoded_bytes} bytes: {frames} frames of {w} x {h}"
             )
         if spec.keyframes:
@@ -612,16 +618,16 @@ class _File:
         out.decoded += frame.width * frame.height * 3 // 2
         out.count += 1
         if out.decoded > spec.max_decoded_bytes:
-            raise MediaError(f"decoded pictures over {spec.max_decoded_bytes} bytes")
+            raise OverLimit(f"decoded pictures over {spec.max_decoded_bytes} bytes")
         if frame.width * frame.height > spec.max_pixels:
-            raise MediaError(
+            raise OverLimit(
                 f"video frame too large: {frame.width} x {frame.height} pixels (limit {spec.max_pixels})"
             )
         self.frame_times.append(t)
         if len(self.frame_times) > spec.max_fps + 1:
             del self.frame_times[0]
             if self.frame_times[-1] - self.frame_times[0] < 1.0:
-                raise MediaError(f"video frame rate over {spec.max_fps} frames a second")
+                raise OverLimit(f"video frame rate over {spec.max_fps} frames a second")
         if t - origin > spec.max_seconds:
             raise MediaError(f"video too long: over {spec.max_seconds} s")
         index = self.picker.index
