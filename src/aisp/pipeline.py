@@ -155,8 +155,9 @@ class Pipeline:
         return run(self, replace(opts, **overrides) if overrides else opts)
 
 
-def _check_alert(step_id: str, alert: Any) -> None:
-    """A drift alert target that cannot work fails where it is declared, naming the step."""
+def _check_alert(step_id: str, alert: Any, what: str = "drift") -> None:
+    """An alert target (drift, retrieval confidence) that cannot work fails where it is
+    declared, naming the step."""
     if not isinstance(alert, str):
         return  # a callable
     try:
@@ -165,7 +166,7 @@ def _check_alert(step_id: str, alert: Any) -> None:
         else:  # a stream: its connector builds the record sink (connecting when the run starts)
             connector_for(alert).record_sink(alert)
     except ConfigError as exc:
-        raise GraphError(f"step {step_id!r}: drift alert target {alert!r}: {exc}", step=step_id) from exc
+        raise GraphError(f"step {step_id!r}: {what} alert target {alert!r}: {exc}", step=step_id) from exc
 
 
 @dataclass(frozen=True)
@@ -378,7 +379,10 @@ class Stream:
 
     def vector_index(self, step_id: str, index: VectorIndex, *, latency_budget_ms: float = 5.0) -> Stream:
         """A vector index fed by this stream's upserts and deletes, answering its queries with
-        the top k ids and scores (``aisp.transform.text.vectors``); its documents are checkpointed."""
+        the top k ids and scores (``aisp.transform.text.vectors``); its documents are checkpointed.
+        ``index.confidence`` alerts when its queries stop matching it (``aisp.observe.retrieval``)."""
+        if index.confidence is not None:
+            _check_alert(step_id, index.confidence.alert, "retrieval confidence")
         return self.apply(step_id, index, latency_budget_ms=latency_budget_ms)
 
     def sink(self, step_id: str, sink: Sink, *, latency_budget_ms: float = 2.0) -> None:

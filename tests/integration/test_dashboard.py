@@ -123,3 +123,22 @@ def test_dashboard_shows_a_window_steps_watermark(tmp_path: Path) -> None:
         )
         assert row is not None, dom[-3000:]  # the watermark, as a UTC time
         assert "aisp_watermark_lag_seconds" in httpx.get(url + "metrics", timeout=10).text
+
+
+def test_dashboard_shows_a_vector_search_steps_retrieval_confidence(tmp_path: Path) -> None:
+    pipeline = ROOT / "examples" / "diagnose" / "retrieval_confidence" / "pipeline.py"
+    with dashboard_run(tmp_path, pipeline, "--rate", "3000") as url:
+        deadline = time.monotonic() + 30
+        while True:  # three windows of 500 queries (a hop of 125 apart) over the target: the alert
+            (row,) = httpx.get(url + "dashboard/state", timeout=10).json()["retrieval"]
+            if row["alerts"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert row["stage"] == "index" and row["alerts"] == 1 and row["queries"] >= 750
+        assert row["low_share"] > row["target_share"] == 0.2 and row["threshold"] == 0.5
+        dom = dump_dom(url)
+        table = dom[dom.index('id="retrieval"') :]
+        assert re.search(r'<td class="l">index</td><td>\d+</td><td>0\.[3-6]\d*</td><td>0\.2', table), table[
+            :2000
+        ]
+        assert "aisp_retrieval_low_confidence_share" in httpx.get(url + "metrics", timeout=10).text

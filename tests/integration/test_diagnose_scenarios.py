@@ -25,6 +25,7 @@ RATES = {
     "slow_sink": 20_000,
     "admission_overload": 60_000,
     "decode_bound": 300,
+    "retrieval_confidence": 5000,
 }
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
 

@@ -93,12 +93,12 @@ def dead_letter_sink(url: str | None) -> DeadLetterSink:
 
 def alert_to(url: str) -> Callable[[dict[str, Any]], None]:
     """An alert function that adds each alert (a JSON object) to the stream ``url``, once per
-    (stage, feature, window); connected now, so an unreachable target fails here."""
+    (stage, feature or alert type, window); connected now, so an unreachable target fails here."""
     writer: Any = connector_for(url).record_sink(url).open()  # has write_lines (record_sink)
     lock = threading.Lock()
 
     def send(alert: dict[str, Any]) -> None:
-        key = f"alert:{alert.get('stage')}:{alert.get('feature')}:{alert.get('window')}"
+        key = f"alert:{alert.get('stage')}:{alert.get('feature', alert.get('type'))}:{alert.get('window')}"
         with lock:
             writer.write_lines([key], [msgspec.json.encode(alert)])
 

@@ -8,7 +8,8 @@ opens); ``/dashboard/events``: the same state as server-sent events, one a secon
 
 The state: the DAG (steps, kinds, edges); per stage over the last interval rows/s in and out,
 queue depth, p99 of each phase, mean batch size; end-to-end p50/p90/p99 over the interval and
-since the start; drift scores per model input feature; the current diagnosis
+since the start; drift scores per model input feature; each vector search step's retrieval
+confidence; the current diagnosis
 (``aisp.observe.diagnose.pipeline`` over the last five seconds, renewed that often); and model rollouts
 (the pipeline's rollout steps and, under ``aisp serve``, the served models'), each with its
 state, traffic share and latest decisions with their evidence. A server without pipelines
@@ -30,6 +31,7 @@ from aisp.graph import split_ref
 from aisp.observe.clock import wall_ms
 from aisp.observe.diagnose.pipeline import Scrape, diagnose
 from aisp.observe.export.metrics import PipelineCollector
+from aisp.observe.export.operators import operator_counters
 from aisp.observe.export.rollouts import rollout_rows, step_statuses
 from aisp.observe.latency import LatencyHistogram
 from aisp.observe.stats import AdmissionStats, RunStats
@@ -191,6 +193,7 @@ class DashboardState:
                 for m in self._ex.drift_monitors
                 for j, f in enumerate(m.features)
             ],
+            "retrieval": _retrieval_rows(self._ex),
             "windows": [
                 {
                     "stage": sid,
@@ -208,6 +211,24 @@ class DashboardState:
             "rollouts": rollout_rows("step", step_statuses(self._ex.graph))
             + rollout_rows("model", self._models() if self._models is not None else {}),
         }
+
+
+def _retrieval_rows(view: Any) -> list[dict[str, Any]]:
+    """Each vector search step's queries and confidence: the last window's share of queries
+    under its threshold, against its target, and the alerts raised."""
+    counters = getattr(view, "counters", None)  # a remote view's come with its snapshots
+    retrieval = (counters if counters is not None else operator_counters(view.graph)).get("retrieval", {})
+    return [
+        {
+            "stage": sid,
+            "queries": st["queries"],
+            "low_share": round(st["share"], 4) if st["threshold"] is not None else None,
+            "target_share": st["target_share"],
+            "threshold": st["threshold"],
+            "alerts": st["alerts"],
+        }
+        for sid, st in sorted(retrieval.items())
+    ]
 
 
 class ModelsState:

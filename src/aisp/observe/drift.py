@@ -102,14 +102,17 @@ def local_alert(target: str) -> bool:
     return target == "log" or target.startswith(("http://", "https://"))
 
 
-def alert_sink(target: str | Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
-    """An alert function for ``DriftConfig.alert``: log, webhook (in a thread) or a callable."""
+def alert_sink(
+    target: str | Callable[[dict[str, Any]], None], what: str = "drift"
+) -> Callable[[dict[str, Any]], None]:
+    """An alert function for ``DriftConfig.alert`` (or another monitor's ``alert``, ``what`` its
+    name in log lines): log, webhook (in a thread) or a callable."""
     if callable(target):
         return target
     if target == "log":
-        return lambda alert: log.warning("drift alert: %s", json.dumps(alert))
+        return lambda alert: log.warning("%s alert: %s", what, json.dumps(alert))
     if target.startswith(("http://", "https://")):
-        url, headers = _webhook(target)
+        url, headers = _webhook(target, what)
         shown = mask(target)
 
         def post(alert: dict[str, Any]) -> None:
@@ -122,18 +125,18 @@ def alert_sink(target: str | Callable[[dict[str, Any]], None]) -> Callable[[dict
                 try:
                     urllib.request.urlopen(req, timeout=5).close()  # noqa: S310
                 except OSError as exc:
-                    log.warning("drift alert webhook %s failed: %s", shown, mask(str(exc)))
+                    log.warning("%s alert webhook %s failed: %s", what, shown, mask(str(exc)))
 
             threading.Thread(target=send, name="aisp-drift-webhook", daemon=True).start()
 
         return post
     raise ConfigError(
-        "drift alert must be 'log', an http(s):// URL, a redis:// or nats:// stream or a callable,"
+        f"{what} alert must be 'log', an http(s):// URL, a redis:// or nats:// stream or a callable,"
         f" got {mask(target)!r}"
     )
 
 
-def _webhook(target: str) -> tuple[str, dict[str, str]]:
+def _webhook(target: str, what: str = "drift") -> tuple[str, dict[str, str]]:
     """The webhook's URL without its ``USER:PASSWORD@`` (and without ``password_env`` or
     ``password_file``, which say where the password is kept, as in a broker's URL), and the
     headers of a POST to it: the credentials go as HTTP basic authentication (as curl sends
@@ -150,7 +153,7 @@ def _webhook(target: str) -> tuple[str, dict[str, str]]:
     query = parse_qsl(parts.query, keep_blank_values=True)
     kept = dict(query)
     password = read_secret(
-        f"drift alert webhook {mask(target)!r}",
+        f"{what} alert webhook {mask(target)!r}",
         unquote(parts.password) if parts.password is not None else None,
         env=kept.get("password_env"),
         file=kept.get("password_file"),
@@ -159,7 +162,7 @@ def _webhook(target: str) -> tuple[str, dict[str, str]]:
     rest = [(k, v) for k, v in query if k not in ("password_env", "password_file")]
     if parts.username is None:
         if password is not None:
-            raise ConfigError(f"drift alert webhook {mask(target)!r}: a password needs a user (USER@HOST)")
+            raise ConfigError(f"{what} alert webhook {mask(target)!r}: a password needs a user (USER@HOST)")
         return target, headers
     pair = f"{unquote(parts.username)}:{password or ''}"
     headers["Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()

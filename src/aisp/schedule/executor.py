@@ -36,7 +36,7 @@ from aisp.schedule.checkpointing.coordinator import CheckpointCoordinator, Fligh
 from aisp.schedule.checkpointing.keyed_state import KeyedStateKeeper
 from aisp.schedule.config import ExecutorOptions, Lineage
 from aisp.schedule.model_steps import StepPort, make_batcher, make_llm
-from aisp.schedule.ops import InferOp, LlmOp, SinkOp, can_fork, offloaded
+from aisp.schedule.ops import InferOp, LlmOp, SinkOp, can_fork, offloaded, resolve_alert
 from aisp.schedule.pacing import Pacer
 from aisp.schedule.planning import MODEL_KINDS
 from aisp.schedule.watermarks import SourceClocks
@@ -183,7 +183,9 @@ class LocalExecutor:
                 self.llm_stages[sid] = make_llm(self._model_port(sid), node.spec, st)
                 self._ops[sid] = LlmOp(self.llm_stages[sid])
             else:
-                ctx = OperatorContext(sid, partial(self._dead_letter_rows, closes=False), self._key_indexes)
+                ctx = OperatorContext(
+                    sid, partial(self._dead_letter_rows, closes=False), self._key_indexes, resolve_alert
+                )
                 self._ops[sid] = node.spec.build(ctx)
 
     def _model_port(self, sid: str) -> StepPort:

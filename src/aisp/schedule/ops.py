@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -19,12 +20,12 @@ from aisp.infer.llm.stage import LlmStage
 from aisp.infer.stage import InferSpec
 from aisp.ingest.base import Source
 from aisp.ingest.process import ProcessSource
-from aisp.observe.drift import DriftConfig, DriftMonitor, local_alert
+from aisp.observe.drift import DriftConfig, DriftMonitor, alert_sink, local_alert
 from aisp.observe.stats import RunStats, StageStats
 from aisp.sinks.base import SinkPartition
 from aisp.transform.operators import Emit
 
-__all__ = ["InferOp", "SinkOp", "can_fork", "model_batches", "offloaded"]
+__all__ = ["InferOp", "SinkOp", "can_fork", "model_batches", "offloaded", "resolve_alert"]
 
 log = logging.getLogger("aisp.executor")
 
@@ -111,6 +112,16 @@ class LlmOp:
         return []
 
 
+def resolve_alert(target: Any, what: str = "drift") -> Callable[[dict[str, Any]], None]:
+    """The function sending alerts to ``target``: a log line, a webhook or a callable
+    (``alert_sink``), or a broker stream (``redis://``, ``nats://``), connected now."""
+    if isinstance(target, str) and not local_alert(target):
+        from aisp.connectors import alert_to
+
+        return alert_to(target)
+    return alert_sink(target, what)
+
+
 class InferOp:
     def __init__(self, batcher: DynamicBatcher, step_id: str, spec: InferSpec) -> None:
         self.batcher = batcher
@@ -118,10 +129,8 @@ class InferOp:
         self.drift: DriftMonitor | None = None
         drift = spec.drift
         if drift is not None and isinstance(drift.alert, str) and not local_alert(drift.alert):
-            from aisp.connectors import alert_to
-
             # connected when the executor starts, so that an unreachable target fails the start
-            self._spec = replace(spec, drift=replace(drift, alert=alert_to(drift.alert)))
+            self._spec = replace(spec, drift=replace(drift, alert=resolve_alert(drift.alert)))
 
     def process(self, batch: Batch) -> Emit:
         if self._spec.drift is not None and batch.num_rows:

@@ -21,6 +21,7 @@ from aisp.admission.tiers import DEFAULT_TIERS
 from aisp.batch import KEY, META_COLUMNS, TIER, Batch
 from aisp.errors import ConfigError
 from aisp.graph import DEFAULT_PORT
+from aisp.observe.drift import alert_sink
 from aisp.state.keyed import KeyIndex
 
 if TYPE_CHECKING:
@@ -104,6 +105,9 @@ class IncrementalState(Protocol):
     def evict(self, survivors: npt.NDArray[np.int64]) -> None: ...
 
 
+AlertFn = Callable[[dict[str, Any]], None]
+
+
 @dataclass
 class OperatorContext:
     """What a running operator may use from the engine."""
@@ -111,6 +115,9 @@ class OperatorContext:
     step_id: str
     dead_letter: DeadLetterFn
     key_indexes: dict[str, KeyIndex] = field(default_factory=dict)
+    alerts: Callable[[str | AlertFn, str], AlertFn] = alert_sink
+    """``alerts(target, what)``: the function that sends an operator's alerts to ``target``
+    (``aisp.observe.drift.alert_sink``'s targets; the executor's also reach broker streams)."""
 
     def key_index(self, space: str) -> KeyIndex:
         return self.key_indexes.setdefault(space, KeyIndex())

@@ -22,7 +22,9 @@ How it reasons:
    (``slow_operator``); and for the whole pipeline, events refused or shed at admission
    (``admission_overload``), model calls failing or rows expiring (``model_errors``); an LLM
    step's requests waiting for a slot (``llm_queueing``) or slow generation
-   (``llm_slow_generation``, see ``diagnose.llm``). When nothing stands out: ``healthy``.
+   (``llm_slow_generation``, see ``diagnose.llm``); a vector search step whose queries stop
+   matching its index (``retrieval_confidence``, see ``diagnose.retrieval``). When nothing
+   stands out: ``healthy``.
 
 A finding's ``score`` is the share of the events' time it explains (0..1) or, for causes that
 are work done (``slow_model``, ``row_udf``, ``slow_operator``, ``decode_bound``, ``asr_bound``,
@@ -41,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aisp.observe.diagnose.llm import LLM_CAUSES, llm_findings
+from aisp.observe.diagnose.retrieval import RETRIEVAL_CAUSES, retrieval_findings
 from aisp.observe.export.scrape import Scrape, _Hist, _Window, metrics_url
 
 __all__ = ["CAUSES", "Finding", "Scrape", "diagnose", "metrics_url"]
@@ -58,6 +61,7 @@ CAUSES = (
     "admission_overload",
     "model_errors",
     *LLM_CAUSES,
+    *RETRIEVAL_CAUSES,
     "healthy",
 )
 PHASES = ("queue", "batch", "serialize", "compute")
@@ -73,6 +77,7 @@ HOT_SPOTS = (
     "slow_model",
 )  # work done
 WAITING_CPU_SHARE = 0.25  # busy with less CPU than this: waiting, not working
+FAILURES = ("admission_overload", "model_errors", *RETRIEVAL_CAUSES)  # never healthy, however small
 
 
 @dataclass
@@ -407,8 +412,9 @@ def diagnose(before: Scrape | None, after: Scrape, *, seconds: float | None = No
     findings.extend(
         Finding(*f) for f in llm_findings(w, [st.name for st in stages if st.kind == "llm"], base)
     )
+    findings.extend(Finding(*f) for f in retrieval_findings(w, base))
     findings.sort(key=lambda f: -f.score)
-    meaningful = [f for f in findings if f.score >= 0.05 or f.cause in ("admission_overload", "model_errors")]
+    meaningful = [f for f in findings if f.score >= 0.05 or f.cause in FAILURES]
     if not meaningful or (e2e.count and _healthy(stages, e2e, after, meaningful)):
         target = _target_s(after)
         ev = {**base, "slo_target_ms": _ms(target)} if target else base
@@ -434,9 +440,7 @@ def _healthy(stages: list[_Stage], e2e: _Hist, after: Scrape, findings: Iterable
     target = _target_s(after)
     if not target or e2e.quantile(0.99) > target:
         return False
-    if any(
-        f.cause in ("admission_overload", "model_errors") or f.evidence.get("over_budget") for f in findings
-    ):
+    if any(f.cause in FAILURES or f.evidence.get("over_budget") for f in findings):
         return False
     return max(_thread_busy(stages).values(), default=0.0) < SATURATED
 

@@ -9,7 +9,12 @@ spares a row it never saw; ``aisp_cache_evictions_total``; ``aisp_cache_entries`
 final or partial; ``aisp_asr_audio_seconds_total``, audio in; ``aisp_asr_model_seconds_total``,
 time in the model, whose ratio to the audio is the real-time factor;
 ``aisp_asr_model_audio_seconds_total``, audio the model ran over, partials' again;
-``aisp_asr_calls_total``; ``aisp_asr_refused_total``). ``operator_counters`` reads them off a
+``aisp_asr_calls_total``; ``aisp_asr_refused_total``), and what a vector search step answered
+(``aisp_retrieval_queries_total{stage}``, ``aisp_retrieval_low_confidence_total``, queries whose
+best score was under the step's threshold, ``aisp_retrieval_alerts_total``,
+``aisp_retrieval_low_confidence_share``, the last window's, with its ``_target`` and
+``aisp_retrieval_threshold``; histograms ``aisp_retrieval_score{stage,rank}`` of the best
+score, ``rank="best"``, and of all top k, ``rank="topk"``). ``operator_counters`` reads them off a
 graph (its ``map_batch`` steps' functions with a ``tokens`` count, its ``caches``, its steps'
 ``counters``); a run watched from another process sends them in its snapshots."""
 
@@ -18,14 +23,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from aisp.observe.retrieval import SCORE_BUCKETS
 
 __all__ = ["counter_families", "operator_counters"]
 
 
 def operator_counters(graph: Any) -> dict[str, dict[str, Any]]:
     """``{"tokens": {stage: n}, "caches": {stage: stats}, "media": {stage: stats}, "speech":
-    {stage: stats}}`` of ``graph``'s operators now."""
+    {stage: stats}, "retrieval": {stage: stats}}`` of ``graph``'s operators now."""
     tokens = {}
     for node in getattr(graph, "nodes", ()):
         made = getattr(getattr(node.spec, "fn", None), "tokens", None)
@@ -34,12 +41,14 @@ def operator_counters(graph: Any) -> dict[str, dict[str, Any]]:
     caches = {sid: cache.stats() for sid, cache in getattr(graph, "caches", {}).items()}
     media: dict[str, Any] = {}
     speech: dict[str, Any] = {}
+    retrieval: dict[str, Any] = {}
     for node in getattr(graph, "nodes", ()):
         stats = getattr(getattr(node.spec, "counters", None), "stats", None)
-        if callable(stats):  # an image or audio step's MediaCounters, a speech step's SpeechCounters
+        if callable(stats):  # MediaCounters, SpeechCounters, a vector index's RetrievalCounters
             st = stats()
-            (speech if "finals" in st else media)[node.step_id] = st
-    return {"tokens": tokens, "caches": caches, "media": media, "speech": speech}
+            kind = speech if "finals" in st else retrieval if "queries" in st else media
+            kind[node.step_id] = st
+    return {"tokens": tokens, "caches": caches, "media": media, "speech": speech, "retrieval": retrieval}
 
 
 def counter_families(counters: Mapping[str, Mapping[str, Any]]) -> list[Any]:
@@ -71,7 +80,12 @@ def counter_families(counters: Mapping[str, Mapping[str, Any]]) -> list[Any]:
             entries.add_metric([sid], st["entries"])
             size.add_metric([sid], st["bytes"])
         out += [rows, lookups, evictions, entries, size]
-    return out + _media_families(counters.get("media") or {}) + _speech_families(counters.get("speech") or {})
+    return (
+        out
+        + _media_families(counters.get("media") or {})
+        + _speech_families(counters.get("speech") or {})
+        + _retrieval_families(counters.get("retrieval") or {})
+    )
 
 
 def _media_families(media: Mapping[str, Mapping[str, Any]]) -> list[Any]:
@@ -118,3 +132,47 @@ def _speech_families(speech: Mapping[str, Mapping[str, Any]]) -> list[Any]:
         calls.add_metric([sid], st["calls"])
         refused.add_metric([sid], st["refused"])
     return [captions, audio, model, heard, calls, refused]
+
+
+def _retrieval_families(retrieval: Mapping[str, Mapping[str, Any]]) -> list[Any]:
+    if not retrieval:
+        return []
+    queries = CounterMetricFamily(
+        "aisp_retrieval_queries", "Queries a vector search answered", labels=["stage"]
+    )
+    low = CounterMetricFamily(
+        "aisp_retrieval_low_confidence", "Queries whose best score was under the threshold", labels=["stage"]
+    )
+    alerts = CounterMetricFamily(
+        "aisp_retrieval_alerts", "Retrieval confidence alerts raised", labels=["stage"]
+    )
+    share = GaugeMetricFamily(
+        "aisp_retrieval_low_confidence_share",
+        "The last window's share of low-confidence queries",
+        labels=["stage"],
+    )
+    target = GaugeMetricFamily(
+        "aisp_retrieval_low_confidence_share_target", "The share a window may hold", labels=["stage"]
+    )
+    threshold = GaugeMetricFamily(
+        "aisp_retrieval_threshold", "A low-confidence query's best score is under this", labels=["stage"]
+    )
+    scores = HistogramMetricFamily(
+        "aisp_retrieval_score", "Scores of the hits, the best and all top k", labels=["stage", "rank"]
+    )
+    for sid, st in sorted(retrieval.items()):
+        queries.add_metric([sid], st["queries"])
+        low.add_metric([sid], st["low"])
+        alerts.add_metric([sid], st["alerts"])
+        if st["threshold"] is not None:
+            share.add_metric([sid], st["share"])
+            target.add_metric([sid], st["target_share"])
+            threshold.add_metric([sid], st["threshold"])
+        for rank in ("best", "topk"):
+            counts = st[rank]["buckets"]
+            running, buckets = 0, []
+            for bound, n in zip((*(str(b) for b in SCORE_BUCKETS), "+Inf"), counts, strict=True):
+                running += n
+                buckets.append((bound, running))
+            scores.add_metric([sid, rank], buckets, st[rank]["sum"])
+    return [queries, low, alerts, share, target, threshold, scores]

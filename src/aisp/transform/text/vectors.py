@@ -25,7 +25,7 @@ embed again.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,7 @@ import pyarrow as pa
 from aisp.batch import Batch
 from aisp.errors import ConfigError
 from aisp.graph import DEFAULT_PORT
+from aisp.observe.retrieval import ConfidenceWindow, RetrievalConfidence, RetrievalCounters
 from aisp.state.keyed import KeyIndex
 from aisp.transform.operators import Emit, Operator, OperatorContext
 
@@ -68,6 +69,11 @@ class VectorIndex:
     """A column kept with each document (its text, say): queries get the hits' values in
     ``payloads_column``, best first (what a RAG prompt quotes). Checkpointed with the vectors."""
     payloads_column: str = "passages"
+    confidence: RetrievalConfidence | None = None
+    """Alert when the queries stop matching the index: the share of queries whose best score is
+    under a threshold, over sliding windows (``aisp.observe.retrieval``)."""
+    counters: RetrievalCounters = field(default_factory=RetrievalCounters, compare=False, repr=False)
+    """Every query's scores, for ``/metrics`` (``aisp_retrieval_*``) and ``aisp diagnose``."""
 
     def __post_init__(self) -> None:
         if self.dim < 1 or self.k < 1:
@@ -141,6 +147,10 @@ class VectorIndexOp:
         self._retired = 0
         self._graph: _Usearch | _Faiss | None = None
         self._lock = threading.Lock()
+        self.confidence: ConfidenceWindow | None = None
+        if spec.confidence is not None:  # a broker stream's target connects now: unreachable fails the start
+            alert = ctx.alerts(spec.confidence.alert, "retrieval confidence")
+            self.confidence = ConfidenceWindow(ctx.step_id, spec.confidence, spec.counters, alert)
 
     @property
     def size(self) -> int:
@@ -286,6 +296,7 @@ class VectorIndexOp:
             payloads = self._payload[found].tolist()
         offsets = pa.array(np.concatenate(([0], np.cumsum(counts))).astype(np.int32))
         flat_scores = scores[np.arange(k)[None, :] < counts[:, None]]
+        self._watch(np.where(counts > 0, scores[:, 0], np.nan), flat_scores)
         cols = {
             self.spec.hits_column: pa.ListArray.from_arrays(offsets, pa.array(ids, pa.string())),
             self.spec.scores_column: pa.ListArray.from_arrays(offsets, pa.array(flat_scores, pa.float32())),
@@ -293,6 +304,16 @@ class VectorIndexOp:
         if self.spec.payload_column is not None:
             cols[self.spec.payloads_column] = pa.ListArray.from_arrays(offsets, pa.array(payloads))
         return part.with_columns(cols)
+
+    def _watch(self, best: npt.NDArray[Any], scores: npt.NDArray[Any]) -> None:
+        """Counts the queries' scores; with ``confidence``, their verdicts join its window (a
+        query with no hit at all found nothing close either)."""
+        low = 0
+        if self.confidence is not None:
+            verdicts = ~(best >= self.confidence.config.threshold)  # NaN (no hit): low
+            low = int(verdicts.sum())
+            self.confidence.observe(verdicts)
+        self.spec.counters.add(best.astype(np.float64), scores.astype(np.float64), low)
 
     def _exact(self, queries: npt.NDArray[np.float32], k: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         live = np.flatnonzero(self._code_of[: self._labels] >= 0)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -254,3 +255,50 @@ def test_a_speech_step_busy_in_its_model_is_asr_bound() -> None:
     assert "partial" in top.suggestion
     plain = diagnose(None, Scrape(metrics_text(10.0, stages, e2e=[0.3] * 1000, events_in=8000)))[0]
     assert plain.cause == "slow_operator"
+
+
+def _retrieval_extra(queries: int, low: int, *, threshold: bool = True) -> tuple[str, ...]:
+    """The vector index's families as ``counter_families`` writes them."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from aisp.observe.export.operators import counter_families
+    from aisp.observe.retrieval import RetrievalCounters
+
+    counters = RetrievalCounters()
+    best = np.r_[np.full(queries - low, 0.9), np.full(low, 0.1)]
+    counters.add(best, best, low)
+    if threshold:
+        counters.threshold, counters.target_share = 0.5, 0.2
+    registry = CollectorRegistry()
+
+    class _Collector:
+        def collect(self) -> Any:
+            return counter_families({"retrieval": {"index": counters.stats()}})
+
+    registry.register(_Collector())  # type: ignore[arg-type]
+    return tuple(generate_latest(registry).decode().splitlines())
+
+
+@pytest.mark.parametrize("low", [0, 100, 150, 400, 900])
+def test_queries_under_the_retrieval_threshold_past_the_target_share_rank_first(low: int) -> None:
+    extra = _retrieval_extra(1000, low)
+    findings = diagnose(
+        None, Scrape(metrics_text(10.0, CALM, e2e=[0.004] * 1000, events_in=1000, extra=extra))
+    )
+    if low <= 200:  # within the target share (0.2)
+        assert findings[0].cause == "healthy"
+        assert "retrieval_confidence" not in [f.cause for f in findings]
+        return
+    top = findings[0]
+    assert (top.cause, top.stage) == ("retrieval_confidence", "index")
+    assert top.evidence["low_share"] == pytest.approx(low / 1000)
+    assert top.evidence["threshold"] == 0.5
+    assert "embedding model" in top.suggestion
+
+
+def test_a_vector_index_without_a_confidence_target_is_never_judged() -> None:
+    extra = _retrieval_extra(1000, 900, threshold=False)
+    findings = diagnose(
+        None, Scrape(metrics_text(10.0, CALM, e2e=[0.004] * 1000, events_in=1000, extra=extra))
+    )
+    assert findings[0].cause == "healthy"

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from aisp.batch import Batch
 from aisp.errors import ConfigError
+from aisp.observe.retrieval import RetrievalConfidence
 from aisp.transform.operators import OperatorContext
 from aisp.transform.text.vectors import VectorIndex, VectorIndexOp
 
@@ -152,3 +153,60 @@ def test_settings_that_cannot_work_fail_where_declared() -> None:
         VectorIndex(dim=0)
     with pytest.raises(ConfigError, match="add_threads"):
         VectorIndex(dim=4, add_threads=-1)
+
+
+@pytest.mark.parametrize("exact_below", [4096, 0])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_queries_moving_away_from_the_corpus_raise_one_alert_and_aligned_ones_never(
+    exact_below: int, seed: int
+) -> None:
+    """A corpus in half of the space; queries near its documents, then (after a seeded number of
+    batches of seeded sizes) a seeded share of them from the other half: no alert before the shift,
+    one after it, within the windows it takes to fill with the new share."""
+    rng = np.random.default_rng(seed)
+    print("seed", seed)
+    dim, docs = 16, int(rng.integers(50, 400))
+    corpus = np.zeros((docs, dim), dtype=np.float32)
+    corpus[:, : dim // 2] = unit(rng, docs, dim // 2)
+    raised: list[dict[str, Any]] = []
+    cfg = RetrievalConfidence(threshold=0.6, target_share=0.2, window_queries=int(rng.integers(50, 200)),
+                              consecutive=int(rng.integers(1, 4)), alert=raised.append)  # fmt: skip
+    op = index(dim=dim, exact_below=exact_below, confidence=cfg)
+    op.process(rows("upsert", list(range(docs)), corpus))
+
+    def queries(n: int, off_share: float) -> np.ndarray:
+        q = corpus[rng.integers(0, docs, n)] + 0.05 * rng.normal(size=(n, dim)).astype(np.float32)
+        off = rng.random(n) < off_share
+        q[off] = 0.0
+        q[off, dim // 2 :] = unit(rng, int(off.sum()), dim // 2)
+        return q / np.linalg.norm(q, axis=1, keepdims=True)
+
+    sent = 0
+    for _ in range(int(rng.integers(5, 15))):
+        n = int(rng.integers(1, 100))
+        answers(op, queries(n, 0.0))
+        sent += n
+    assert raised == [], "aligned queries raised an alert"
+    share = float(rng.uniform(0.4, 0.9))
+    before = op.spec.counters.stats()["low"]
+    shifted = 0
+    while shifted < 6 * cfg.window_queries:
+        n = int(rng.integers(1, 100))
+        answers(op, queries(n, share))
+        shifted += n
+    assert len(raised) == 1, raised
+    assert raised[0]["share"] > 0.2
+    stats = op.spec.counters.stats()
+    assert stats["queries"] == sent + shifted
+    assert (stats["low"] - before) / shifted == pytest.approx(share, abs=0.15)
+
+
+def test_an_alert_target_that_cannot_work_fails_where_declared() -> None:
+    from aisp import Pipeline, WorkloadFSource
+    from aisp.errors import GraphError
+
+    stream = Pipeline("p").source("s", WorkloadFSource(events=1))
+    with pytest.raises(GraphError, match="retrieval confidence alert target"):
+        stream.vector_index(
+            "index", VectorIndex(dim=4, confidence=RetrievalConfidence(alert="ftp://nowhere"))
+        )
