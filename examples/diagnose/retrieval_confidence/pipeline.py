@@ -43,12 +43,13 @@ def as_rows(batch: Batch) -> Batch:
     return batch.with_columns({"op": pa.array(ops), "doc": pa.array(ids.astype(str)), "embedding": vectors})
 
 
-def build(events: int = 10_000_000) -> Pipeline:
+def build(events: int = 10_000_000, alert: str = "log") -> Pipeline:
+    """``alert``: where the confidence alert goes (a log line; a webhook, a Redis or NATS stream)."""
     p = Pipeline("retrieval_confidence", output_columns=["id", "hits", "scores"])
     rows = p.source("events", WorkloadFSource(events=int(events))).map_batch("embed", as_rows)
     index = VectorIndex(
         dim=DIM, k=5, id_column="doc",
-        confidence=RetrievalConfidence(threshold=0.5, target_share=0.2, window_queries=500),
+        confidence=RetrievalConfidence(threshold=0.5, target_share=0.2, window_queries=500, alert=alert),
     )  # fmt: skip
     rows.vector_index("index", index).map_batch(
         "answer", lambda b: b.select(["id", "hits", "scores", "_id", "_ingest_ns"])

@@ -100,3 +100,35 @@ def test_the_counters_bucket_scores_as_prometheus_does() -> None:
 def test_settings_that_cannot_work_fail_where_declared(settings_: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         RetrievalConfidence(**settings_)
+
+
+def test_a_running_pipelines_alert_reaches_a_redis_stream() -> None:
+    """The executor connects the step's stream target when the run starts (as a drift alert's):
+    the planted scenario's alert lands in Redis once."""
+    import importlib.util
+    import json
+    import uuid
+    from pathlib import Path
+
+    import redis
+
+    from aisp.runner import run
+
+    path = (
+        Path(__file__).resolve().parents[3] / "examples" / "diagnose" / "retrieval_confidence" / "pipeline.py"
+    )
+    spec = importlib.util.spec_from_file_location("retrieval_scenario", path)
+    assert spec is not None and spec.loader is not None
+    scenario = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scenario)
+    stream = f"aisp-test-retrieval-{uuid.uuid4().hex[:8]}"
+    p = scenario.build(events=5_000, alert=f"redis://127.0.0.1:6379/{stream}")
+    r = redis.Redis()
+    try:
+        run(p)
+        alerts = [json.loads(f[b"data"]) for _, f in r.xrange(stream)]
+        assert len(alerts) == 1, alerts
+        assert alerts[0]["type"] == "retrieval_confidence" and alerts[0]["stage"] == "index"
+        assert alerts[0]["share"] > 0.2
+    finally:
+        r.delete(stream)
