@@ -61,7 +61,7 @@ def test_metrics_of_a_running_pipeline_parse_and_cover_every_stage(tmp_path: Pat
     assert value("aisp_model_rows", "_total", stage="score", outcome="shed") == 0
     (info,) = families["aisp_model_info"].samples
     assert info.labels["stage"] == "score" and info.labels["provider"] == "CPUExecutionProvider"
-    assert info.labels["model"] and info.labels["version"]
+    assert info.labels["model"] and info.labels["version"] and info.labels["precision"] == "fp32"
     assert value("aisp_stage_busy_seconds", "_total", stage="score") > 0
     assert value("aisp_stage_cpu_seconds", "_total", stage="events") > 0
     attainment = value("aisp_slo_attainment_ratio", stage="pipeline")

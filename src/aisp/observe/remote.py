@@ -184,13 +184,24 @@ def _batcher(b: Any) -> dict[str, Any]:
     return {
         "stats": {
             k: getattr(st, k)
-            for k in ("batches", "rows", "timeouts", "errors", "shed", "queued_rows", "inline_batches")
+            for k in (
+                "batches",
+                "rows",
+                "timeouts",
+                "errors",
+                "shed",
+                "queued_rows",
+                "inline_batches",
+                "cpu_ns",
+            )
         },
         "runtime": {
             "name": str(rt.name),
             "version": str(rt.version),
             "provider": str(getattr(rt, "provider", "")),
             "swaps": int(getattr(rt, "swaps", 0)),
+            "precision": str(getattr(rt, "precision", "") or ""),
+            **({"live_since": rt.live_since} if isinstance(getattr(rt, "live_since", None), float) else {}),
         },
         "settings": b.settings(),
     }
@@ -199,7 +210,7 @@ def _batcher(b: Any) -> dict[str, Any]:
 @dataclass(frozen=True)
 class _Batcher:
     stats: SimpleNamespace  # the counters of ``BatcherStats``, by name
-    runtime: SimpleNamespace  # name, version, provider, swaps
+    runtime: SimpleNamespace  # name, version, provider, swaps, precision, live_since
     _settings: dict[str, float]
 
     def settings(self) -> dict[str, float]:

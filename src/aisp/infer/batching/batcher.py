@@ -446,11 +446,19 @@ class DynamicBatcher:
     def _compute(
         self, inputs: Mapping[str, npt.NDArray[Any]]
     ) -> tuple[Mapping[str, npt.NDArray[Any]], Runtime, int]:
-        """One model call: (outputs, the version that computed them, its nanoseconds)."""
-        start = time.perf_counter_ns()
-        runtime = resolve(self.runtime)  # one version per batch, even across a hot swap
-        outputs = runtime.run(inputs)
-        return outputs, runtime, time.perf_counter_ns() - start
+        """One model call: (outputs, the version that computed them, its nanoseconds). The
+        calling thread's CPU time in it is counted too (``cpu_ns``): the model's own work where
+        it computes on that thread (ONNX Runtime with one intra-op thread, AISP's default), with
+        no wait for the GIL or a core in it, so steps can be compared on a busy machine."""
+        start, cpu = time.perf_counter_ns(), time.thread_time_ns()
+        try:
+            runtime = resolve(self.runtime)  # one version per batch, even across a hot swap
+            outputs = runtime.run(inputs)
+            return outputs, runtime, time.perf_counter_ns() - start
+        finally:
+            cpu = time.thread_time_ns() - cpu
+            with self._lock:
+                self._count["cpu_ns"] += cpu
 
     def _called(self, rows: int, wait_ns: int, compute_ns: int, *, inline: bool) -> None:
         """(Under the lock) A call that succeeded: learn its cost, count it, tune on it."""

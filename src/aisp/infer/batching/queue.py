@@ -9,7 +9,7 @@ real time.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -336,3 +336,6 @@ class BatcherStats:
     inline_batches: int = 0
     """Of ``batches``, the calls made in the thread that handed the rows over (``run_inline``,
     ``feed``), not on a dispatcher thread."""
+    cpu_ns: int = field(default=0, compare=False)
+    """CPU time of the threads that made the model calls, inside the calls (failed ones too):
+    see ``DynamicBatcher._compute``. A measurement, not a count: left out of comparisons."""

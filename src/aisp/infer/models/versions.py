@@ -69,6 +69,9 @@ class ServedModel:
         self._failed: dict[int, float] = {}  # version -> model file mtime when its load failed
         first = version if version is not None else self._newest()
         self._current = self._build(first)  # warmed up by the batcher that serves it
+        self.live_since = time.monotonic()
+        """When the version in use began serving (``time.monotonic``): ``aisp diagnose`` reads a
+        version's first calls as its cold start."""
 
     # -- the Runtime protocol (delegated to the serving version) -------------------------------
     def resolve(self) -> OnnxRuntime:
@@ -102,6 +105,10 @@ class ServedModel:
     def provider(self) -> str:
         return self._current.provider
 
+    @property
+    def precision(self) -> str:
+        return self._current.precision
+
     def run(self, inputs: Mapping[str, npt.NDArray[Any]]) -> dict[str, npt.NDArray[Any]]:
         return self._current.run(inputs)
 
@@ -130,6 +137,7 @@ class ServedModel:
                 self.last_error = str(exc)
                 raise
             old, self._current = self._current, new
+            self.live_since = time.monotonic()
             self.swaps += 1
             self.last_error = None
         log.info("model %s: version %s -> %s", self.name, old.version, new.version)

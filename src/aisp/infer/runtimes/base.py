@@ -172,6 +172,34 @@ def onnx_weights_sha256(path: str | PathLike[str]) -> str:
     return digest.hexdigest()
 
 
+_INT4_OPS = (b"MatMulNBits",)
+_INT8_OPS = (
+    b"QLinearMatMul", b"MatMulInteger", b"QLinearConv", b"ConvInteger", b"DynamicQuantizeLinear",
+    b"QuantizeLinear", b"QGemm", b"QAttention", b"DynamicQuantizeMatMul", b"MatMulIntegerToFloat",
+)  # fmt: skip
+
+
+def onnx_precision(path: str | PathLike[str], io_types: Sequence[str] = ()) -> str:
+    """What an ONNX model computes in: ``int4`` or ``int8`` when its graph has quantized
+    operators (an op_type as NodeProto writes it: field 4, its length, the name), ``fp16`` when
+    an input or output is float16 (``io_types``: ORT's ``tensor(float16)`` strings), else
+    ``fp32``. Read from the protobuf bytes, as ``onnx_weights_sha256``."""
+    import mmap
+
+    def node_op(op: bytes) -> bytes:
+        return b"\x22" + bytes([len(op)]) + op
+
+    with open(path, "rb") as fh:
+        if not os.fstat(fh.fileno()).st_size:
+            return "fp32"
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if any(data.find(node_op(op)) >= 0 for op in _INT4_OPS):
+                return "int4"
+            if any(data.find(node_op(op)) >= 0 for op in _INT8_OPS):
+                return "int8"
+    return "fp16" if "tensor(float16)" in io_types else "fp32"
+
+
 def default_providers(available: Sequence[str]) -> list[str]:
     """GPU providers ``available`` offers (TensorRT, CUDA, in that order), then the CPU.
 
@@ -241,6 +269,9 @@ class OnnxRuntime:
         self.output_specs: Mapping[str, TensorSpec] = {m.name: _spec(m) for m in self._session.get_outputs()}
         self._outputs = list(self.output_names)
         self.weights_sha256 = onnx_weights_sha256(self.path)
+        self.precision = onnx_precision(self.path, [m.type for m in (*metas, *self._session.get_outputs())])
+        """``int4``, ``int8``, ``fp16`` or ``fp32`` (``onnx_precision``): what ``aisp diagnose``
+        compares a quantized tier variant by."""
 
     def run(self, inputs: Mapping[str, npt.NDArray[Any]]) -> Arrays:
         """Run one batch; ``ModelError`` if onnxruntime fails or the row counts differ."""

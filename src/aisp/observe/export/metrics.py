@@ -12,7 +12,10 @@ Families (seconds and rows in the names; labels bounded by the pipeline's steps)
 * ``aisp_stage_queue_rows{stage}``: rows waiting for the stage now.
 * ``aisp_batch_size_rows{stage}``: rows per batch.
 * ``aisp_model_rows_total{stage, outcome}``: a model step's rows by fate: scored, timeout
-  (deadline or queue timeout), error (the call failed after its retries), shed (overload).
+  (deadline or queue timeout), error (the call failed after its retries), shed (overload);
+  ``aisp_model_calls_total{stage}``, its calls, and ``aisp_model_cpu_seconds_total{stage}``, the
+  CPU time of the threads making them inside the calls (the model's own work where it computes
+  on that thread, as ONNX Runtime does with one intra-op thread: no GIL or core waits in it).
 * ``aisp_stage_busy_seconds_total{stage}``: wall time spent on batches (its rate is the stage's
   utilisation); ``aisp_stage_cpu_seconds_total{stage}``: the thread CPU time of that work
   (sources, operators, sinks; a model computes on its runtime's threads). Busy far above CPU
@@ -20,8 +23,10 @@ Families (seconds and rows in the names; labels bounded by the pipeline's steps)
 * ``aisp_stage_info{stage, kind, thread}`` (1: the thread group doing the stage's work),
   ``aisp_stage_latency_budget_seconds{stage}``, ``aisp_batcher_setting{stage, setting}``
   (a model step's batching as configured or tuned).
-* ``aisp_model_info{stage, model, version, provider}`` (1: the version in use) and
-  ``aisp_model_swaps_total{stage}`` (hot swaps).
+* ``aisp_model_info{stage, model, version, provider, precision}`` (1: the version in use;
+  precision ``fp32``, ``fp16``, ``int8`` or ``int4`` where the runtime knows it) and
+  ``aisp_model_swaps_total{stage}`` (hot swaps), ``aisp_model_live_seconds{stage}`` (since the
+  version in use began serving: the pipeline's start, or its last swap).
 * For a model pool: ``aisp_model_endpoint_up{stage, endpoint}`` (1: taking calls),
   ``aisp_model_endpoint_outstanding``, ``aisp_model_endpoint_calls_total`` and
   ``aisp_model_endpoint_failures_total`` (calls it could not answer).
@@ -222,19 +227,38 @@ class PipelineCollector:
             ):
                 fates.add_metric([sid, outcome], n)
         yield fates
+        cpu = CounterMetricFamily(
+            "aisp_model_cpu_seconds",
+            "CPU time of the threads making a step's model calls, inside the calls",
+            labels=["stage"],
+        )
+        calls = CounterMetricFamily("aisp_model_calls", "Model calls a step made", labels=["stage"])
+        for sid, batcher in self._ex.batchers.items():
+            cpu.add_metric([sid], getattr(batcher.stats, "cpu_ns", 0) / 1e9)
+            calls.add_metric([sid], batcher.stats.batches)
+        yield from (cpu, calls)
         models = GaugeMetricFamily(
             "aisp_model_info",
-            "The model a step calls now (1), with its version and execution provider",
-            labels=["stage", "model", "version", "provider"],
+            "The model a step calls now (1), with its version, execution provider and precision",
+            labels=["stage", "model", "version", "provider", "precision"],
         )
         swaps = CounterMetricFamily(
             "aisp_model_swaps", "Hot swaps to a newer model version", labels=["stage"]
         )
+        live = GaugeMetricFamily(
+            "aisp_model_live_seconds",
+            "Seconds since the version a step calls began serving (its start, or its last swap)",
+            labels=["stage"],
+        )
+        uptime, now = self._ex.stats.seconds(), time.monotonic()
         for sid, batcher in self._ex.batchers.items():
             rt = batcher.runtime
-            models.add_metric([sid, str(rt.name), str(rt.version), str(rt.provider)], 1)
+            precision = str(getattr(rt, "precision", "") or "")
+            models.add_metric([sid, str(rt.name), str(rt.version), str(rt.provider), precision], 1)
             swaps.add_metric([sid], getattr(rt, "swaps", 0))
-        yield from (models, swaps)
+            since = getattr(rt, "live_since", None)
+            live.add_metric([sid], min(uptime, now - since) if isinstance(since, float) else uptime)
+        yield from (models, swaps, live)
         yield from self._pools()
         if self._ex.batchers:
             setting = GaugeMetricFamily(

@@ -192,3 +192,25 @@ def test_weights_in_external_data_files_are_in_the_hash(tmp_path: Path) -> None:
     weights.write_bytes(bytes(data))
     assert onnx_weights_sha256(split) != before
     assert file_sha256(split) == file_before  # the .onnx file itself did not change
+
+
+def test_onnx_runtime_knows_its_precision(tmp_path: Path) -> None:
+    """fp32 as written; int8 once ONNX Runtime's dynamic quantization has rewritten its MatMuls;
+    fp16 when its inputs and outputs are float16."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    fraud = Path(__file__).resolve().parents[4] / "examples" / "fraud" / "model.onnx"
+    assert OnnxRuntime(fraud).precision == "fp32"
+    quantize_dynamic(
+        fraud, tmp_path / "int8.onnx", op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8
+    )
+    assert OnnxRuntime(tmp_path / "int8.onnx").precision == "int8"
+    half = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "half",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["batch", 4])],
+    )  # fmt: skip
+    model = helper.make_model(half, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "half.onnx"))
+    assert OnnxRuntime(tmp_path / "half.onnx").precision == "fp16"
