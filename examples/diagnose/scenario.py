@@ -93,13 +93,15 @@ def build_scenario(
     events: int,
     sink: Sink,
     model: Path = FRAUD_MODEL,
+    runtime: Any = None,
     batcher: BatcherConfig | None = None,
     model_budget_ms: float = 10.0,
     before_model: Callable[[Stream], Stream] | None = None,
     emit: Callable[[Batch], Batch] | None = None,
 ) -> Pipeline:
-    """Workload F with the planted parts: the model and its batching, steps added before the
-    model (``before_model(stream) -> stream``), the emit function and the sink."""
+    """Workload F with the planted parts: the model (a file, or a ``runtime``) and its batching,
+    steps added before the model (``before_model(stream) -> stream``), the emit function and the
+    sink."""
     p = Pipeline(name, output_columns=COLUMNS)
     src = p.source("events", WorkloadFSource(events=events))
     stream = src.key_by("by_user", "user").running_stats(
@@ -109,7 +111,7 @@ def build_scenario(
         stream = before_model(stream)
     scored = stream.map_batch("features", features).infer(
         "score",
-        OnnxRuntime(str(model), name=model.stem),
+        runtime or OnnxRuntime(str(model), name=model.stem),
         inputs={"features": "features"},
         outputs={"score": "score"},
         batcher=batcher or BatcherConfig(max_batch_size=512, max_queue_delay_ms=1.0),

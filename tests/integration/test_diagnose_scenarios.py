@@ -26,6 +26,9 @@ RATES = {
     "admission_overload": 60_000,
     "decode_bound": 300,
     "retrieval_confidence": 5000,
+    "model_errors": 5000,
+    "slow_batch_fill": 2000,
+    "cold_start": 5000,
 }
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
 

@@ -26,7 +26,13 @@ How it reasons:
    matching its index (``retrieval_confidence``, see ``diagnose.retrieval``). When nothing
    stands out: ``healthy``.
 
-A finding's ``score`` is the share of the events' time it explains (0..1) or, for causes that
+Failures rank above the latency causes: events lost to failing model calls (``model_errors``)
+or turned away (``admission_overload``) score 1 plus their share; answers built on retrieval
+that found nothing close (``retrieval_confidence``), and a quantized tier variant slower than
+the FP32 model it stands in for (``quantization_tradeoff``, see ``diagnose.quantization``) 0.5
+plus theirs; a model's slow calls on a version that began serving moments ago are its
+``cold_start``. Otherwise a
+finding's ``score`` is the share of the events' time it explains (0..1) or, for causes that
 are work done (``slow_model``, ``row_udf``, ``slow_operator``, ``decode_bound``, ``asr_bound``,
 ``serialization``), the stage's share of all the stages' work when that is larger (Python work
 under the GIL slows every other stage); a stage over its own latency budget ranks above
@@ -43,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aisp.observe.diagnose.llm import LLM_CAUSES, llm_findings
+from aisp.observe.diagnose.quantization import QUANTIZATION_CAUSES, ModelPoint, slower_variants, suggestion
 from aisp.observe.diagnose.retrieval import RETRIEVAL_CAUSES, retrieval_findings
 from aisp.observe.export.scrape import Scrape, _Hist, _Window, metrics_url
 
@@ -62,6 +69,8 @@ CAUSES = (
     "model_errors",
     *LLM_CAUSES,
     *RETRIEVAL_CAUSES,
+    *QUANTIZATION_CAUSES,
+    "cold_start",
     "healthy",
 )
 PHASES = ("queue", "batch", "serialize", "compute")
@@ -77,7 +86,10 @@ HOT_SPOTS = (
     "slow_model",
 )  # work done
 WAITING_CPU_SHARE = 0.25  # busy with less CPU than this: waiting, not working
-FAILURES = ("admission_overload", "model_errors", *RETRIEVAL_CAUSES)  # never healthy, however small
+MODEL_CAUSES = ("slow_model", "small_batches")  # a model step's own calls
+COLD_S = 60.0  # a version serving for less than this may still be warming up
+COLD_TAIL = 4.0  # ... when its mean call is this many times its median one
+FAILURES = ("admission_overload", "model_errors", *RETRIEVAL_CAUSES, *QUANTIZATION_CAUSES)  # never healthy
 
 
 @dataclass
@@ -90,11 +102,13 @@ class _Stage:
     cpu_share: float | None  # CPU / busy; None where not measured
     rows_in: float  # rows per second
     batch_rows: float  # mean rows per batch
+    rows_p50: float  # median rows per batch (the mean where no buckets were exported)
     queue_rows: float
     budget_s: float
     settings: dict[str, float] = field(default_factory=dict)
     media: dict[str, float] = field(default_factory=dict)  # an image or audio step's work, per second
     speech: dict[str, float] = field(default_factory=dict)  # a speech-to-text step's, per second
+    precision: str = ""  # a model step's: fp32, fp16, int8 or int4 where known
 
     def mean(self, phase: str) -> float:
         return self.phases[phase].mean
@@ -144,6 +158,7 @@ def _stages(w: _Window, seconds: float) -> list[_Stage]:
     else:  # an older exporter: stages from the latency family, kinds unknown
         names = {dict(k)["stage"] for k in w.after.series("aisp_stage_latency_seconds_count")}
         meta = [(n, "", n) for n in sorted(names)]
+    precision = {dict(k)["stage"]: dict(k).get("precision", "") for k in w.after.series("aisp_model_info")}
     out = []
     for name, kind, thread in meta:
         busy_s = w.delta("aisp_stage_busy_seconds_total", stage=name)
@@ -164,6 +179,7 @@ def _stages(w: _Window, seconds: float) -> list[_Stage]:
                 cpu_share=cpu_s / busy_s if kind != "infer" and busy_s > 0 and cpu_s > 0 else None,
                 rows_in=w.delta("aisp_stage_rows_total", stage=name, direction="in") / max(seconds, 1e-9),
                 batch_rows=sizes.mean,
+                rows_p50=sizes.quantile(0.5) or sizes.mean,
                 queue_rows=w.gauge("aisp_stage_queue_rows", stage=name),
                 budget_s=w.gauge("aisp_stage_latency_budget_seconds", stage=name),
                 settings=settings,
@@ -175,6 +191,7 @@ def _stages(w: _Window, seconds: float) -> list[_Stage]:
                     m: w.delta(f"aisp_asr_{m}_total", stage=name) / max(seconds, 1e-9)
                     for m in ("model_seconds", "audio_seconds", "model_audio_seconds")
                 },
+                precision=precision.get(name, ""),
             )
         )
     return out
@@ -413,6 +430,8 @@ def diagnose(before: Scrape | None, after: Scrape, *, seconds: float | None = No
         Finding(*f) for f in llm_findings(w, [st.name for st in stages if st.kind == "llm"], base)
     )
     findings.extend(Finding(*f) for f in retrieval_findings(w, base))
+    findings = _quantization(stages, findings, w, base)
+    findings = _cold_start(w, stages, findings)
     findings.sort(key=lambda f: -f.score)
     meaningful = [f for f in findings if f.score >= 0.05 or f.cause in FAILURES]
     if not meaningful or (e2e.count and _healthy(stages, e2e, after, meaningful)):
@@ -424,6 +443,70 @@ def diagnose(before: Scrape | None, after: Scrape, *, seconds: float | None = No
             *meaningful,
         ]
     return meaningful
+
+
+def _quantization(
+    stages: list[_Stage], findings: list[Finding], w: _Window, base: dict[str, Any]
+) -> list[Finding]:
+    """A quantized tier variant slower than its FP32 sibling (``diagnose.quantization``): a
+    defect whatever the latency, scored 0.5 plus its share of the model steps' time; it takes
+    the place of its step's slow-call finding."""
+    points = []
+    for st in stages:
+        calls = w.delta("aisp_model_calls_total", stage=st.name)
+        cpu_s = w.delta("aisp_model_cpu_seconds_total", stage=st.name)
+        if st.kind == "infer" and calls > 0 and cpu_s > 0:
+            rows = w.delta("aisp_model_rows_total", stage=st.name, outcome="scored") / calls
+            points.append(ModelPoint(st.name, st.precision, rows, cpu_s / calls, calls))
+    model_time = sum(p.call_s * p.calls for p in points)
+    for q, f, ev in slower_variants(points):
+        share = q.call_s * q.calls / max(model_time, 1e-12)
+        old = next((x for x in findings if x.stage == q.stage and x.cause in MODEL_CAUSES), None)
+        if old is not None:
+            findings.remove(old)
+            ev = {**old.evidence, **ev}
+        ev["share_of_model_time"] = round(share, 3)
+        score = max(old.score if old is not None else 0.0, 0.5 + share)
+        findings.append(Finding("quantization_tradeoff", q.stage, score, {**ev, **base}, suggestion(q, f)))
+    return findings
+
+
+def _cold_start(w: _Window, stages: list[_Stage], findings: list[Finding]) -> list[Finding]:
+    """A model step's slow calls that are its version's first ones: it began serving within
+    ``COLD_S`` (at the start, or a hot swap) and a few of its calls take so much longer than the
+    rest that they are most of its time (the mean call ``COLD_TAIL`` times the median, beyond
+    what the spread of the batches' sizes explains), as a model's do while it compiles,
+    allocates or loads for the shapes it meets under traffic."""
+    out = []
+    for f in findings:
+        st = next((x for x in stages if x.name == f.stage and x.kind == "infer"), None)
+        if st is None or f.cause not in MODEL_CAUSES or not st.phases["compute"].count:
+            out.append(f)
+            continue
+        live_s = w.gauge("aisp_model_live_seconds", stage=st.name)
+        swapped = w.delta("aisp_model_swaps_total", stage=st.name)
+        p50, mean = st.phases["compute"].quantile(0.5), st.mean("compute")
+        # a few calls far longer than the rest, so that they are most of the step's time: the
+        # mean that many times the median call, beyond what the batches' sizes make of it
+        tail = mean / p50 / max(st.batch_rows / max(st.rows_p50, 1e-9), 1.0) if p50 > 0 else 0.0
+        long_tail = tail >= COLD_TAIL
+        if (live_s <= COLD_S or swapped > 0) and long_tail:
+            ev = {**f.evidence, "live_s": round(live_s, 1), "swaps": int(swapped), "compute_p50_ms": _ms(p50),
+                  "compute_mean_ms": _ms(mean), "tail_factor": round(tail, 1)}  # fmt: skip
+            f = Finding(
+                "cold_start",
+                st.name,
+                f.score,
+                ev,
+                f"the model of step {st.name!r} began serving {round(live_s, 1)} s ago and a few of its "
+                f"calls take so long that they average {_ms(mean)} ms against a median of {_ms(p50)} ms:"
+                " it is warming up "
+                "under traffic; give it input shapes (input_specs) so AISP warms it up at its batch "
+                "sizes before the first event, fix the sizes it meets (preferred_batch_sizes, "
+                "padding), keep an engine or compile cache, and load new versions beside the old one",
+            )
+        out.append(f)
+    return out
 
 
 def _target_s(after: Scrape) -> float:
@@ -482,7 +565,7 @@ def _pipeline_findings(
                 Finding(
                     "model_errors",
                     st.name,
-                    0.5 + share,
+                    1.0 + share,  # events lost, not late: ranked with admission overload
                     {"errors": int(errors), "timeouts": int(timeouts), "scored": int(scored), **base},
                     f"{100 * share:.1f}% of the rows of step {st.name!r} failed or expired: check the "
                     "model's dead letters for the cause; give deadlines more room or the model more capacity",
@@ -523,7 +606,7 @@ def _model_server_findings(w: _Window, base: dict[str, Any]) -> list[Finding]:
                 Finding(
                     "model_errors",
                     model,
-                    0.5 + failed / total,
+                    1.0 + failed / total,
                     ev,
                     f"{100 * failed / total:.1f}% of the requests for model {model!r} failed: "
                     "see the server's log",

@@ -302,3 +302,66 @@ def test_a_vector_index_without_a_confidence_target_is_never_judged() -> None:
         None, Scrape(metrics_text(10.0, CALM, e2e=[0.004] * 1000, events_in=1000, extra=extra))
     )
     assert findings[0].cause == "healthy"
+
+
+@pytest.mark.parametrize(
+    ("live_s", "tail", "expected"),
+    [(3.0, True, "cold_start"), (600.0, True, "slow_model"), (3.0, False, "slow_model")],
+)
+def test_a_models_slow_calls_just_after_it_began_serving_are_its_cold_start(
+    live_s: float, tail: bool, expected: str
+) -> None:
+    compute = [0.001] * 90 + ([0.09] * 10 if tail else [0.001] * 10)
+    stages = {**CALM, "score": {**CALM["score"], "busy": 0.9, "compute": compute, "budget": 0.005}}
+    extra = ("# TYPE aisp_model_live_seconds gauge", f'aisp_model_live_seconds{{stage="score"}} {live_s}')
+    findings = diagnose(
+        None, Scrape(metrics_text(10.0, stages, e2e=[0.06] * 1000, events_in=5000, extra=extra))
+    )
+    top = findings[0]
+    assert (top.cause, top.stage) == (expected, "score"), [(f.cause, f.stage, f.score) for f in findings]
+    if expected == "cold_start":
+        assert top.evidence["live_s"] == live_s and "input_specs" in top.suggestion
+
+
+def test_failing_model_calls_rank_above_every_latency_cause() -> None:
+    extra = (
+        "# TYPE aisp_model_rows counter",
+        'aisp_model_rows_total{stage="score",outcome="scored"} 950',
+        'aisp_model_rows_total{stage="score",outcome="error"} 50',
+    )
+    stages = {**CALM, "score": {**CALM["score"], "busy": 0.95, "compute": [0.04] * 100}}
+    findings = diagnose(
+        None, Scrape(metrics_text(10.0, stages, e2e=[0.06] * 1000, events_in=1000, extra=extra))
+    )
+    assert findings[0].cause == "model_errors", [(f.cause, f.score) for f in findings]
+    assert findings[1].cause == "slow_model"
+
+
+@pytest.mark.parametrize(("int8_cpu", "expected"), [(0.30, "quantization_tradeoff"), (0.15, "healthy")])
+def test_a_quantized_tier_variant_costing_more_cpu_than_its_fp32_sibling_is_a_defect(
+    int8_cpu: float, expected: str
+) -> None:
+    """Both variants made 10,000 calls of 20 rows: the INT8 one's 30 us of CPU a call against the
+    FP32 one's 20 is a defect even in a healthy pipeline; at 15 us it is what quantization is for."""
+    model = {"kind": "infer", "busy": 0.2, "compute": [0.0003] * 100, "rows": [20] * 100, "budget": 0.01}
+    stages = {"events": CALM["events"], "score.tier0": model, "score.default": model, "out": CALM["out"]}
+    extra = [
+        "# TYPE aisp_model_info gauge",
+        'aisp_model_info{stage="score.tier0",model="m8",version="1",provider="cpu",precision="int8"} 1',
+        'aisp_model_info{stage="score.default",model="m",version="1",provider="cpu",precision="fp32"} 1',
+        "# TYPE aisp_model_calls counter", "# TYPE aisp_model_cpu_seconds counter",
+        "# TYPE aisp_model_rows counter",
+    ]  # fmt: skip
+    for stage, cpu in (("score.tier0", int8_cpu), ("score.default", 0.2)):
+        extra += [
+            f'aisp_model_calls_total{{stage="{stage}"}} 10000',
+            f'aisp_model_cpu_seconds_total{{stage="{stage}"}} {cpu}',
+            f'aisp_model_rows_total{{stage="{stage}",outcome="scored"}} 200000',
+        ]
+    findings = diagnose(
+        None, Scrape(metrics_text(10.0, stages, e2e=[0.004] * 1000, events_in=1000, extra=tuple(extra)))
+    )
+    assert findings[0].cause == expected, [(f.cause, f.stage, f.score) for f in findings]
+    if expected != "healthy":
+        assert findings[0].stage == "score.tier0"
+        assert findings[0].evidence["variant_cpu_us_per_row"] == 1.5 and "FP32" in findings[0].suggestion
