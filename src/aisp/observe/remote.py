@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 
 from aisp.graph import Graph, Node
+from aisp.observe.export.llm import llm_snapshot, llm_views, merge_llm
 from aisp.observe.export.metrics import GcPauses, gc_pauses
 from aisp.observe.export.operators import operator_counters
 from aisp.observe.export.rollouts import GraphVersions, update_counts
@@ -67,6 +68,7 @@ def snapshot(view: PipelineView) -> dict[str, Any]:
         "retries": [[target, reason, n] for (target, reason), n in RETRIES.items()],
         "threads": view.thread_of(),
         "counters": operator_counters(view.graph),
+        "llm": llm_snapshot(getattr(view, "llm_stages", {})),
         **_graph_of(view),
     }
 
@@ -137,6 +139,7 @@ def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "batchers": batchers,
         "drift": [{**d, "stage": f"{d['stage']}@w{i}"} for i, p in enumerate(parts) for d in p["drift"]],
         "windows": {f"{sid}@w{i}": w for i, p in enumerate(parts) for sid, w in p.get("windows", {}).items()},
+        "llm": merge_llm([p.get("llm", {}) for p in parts]),
         "gc": {"stats": gc_stats, "pauses": _merge_hist([p["gc"]["pauses"] for p in parts])},
         "retries": [[t, r, n] for (t, r), n in sorted(retries.items())],
         "threads": parts[0]["threads"],
@@ -288,6 +291,8 @@ class SnapshotView:
         self.batchers: dict[str, _Batcher] = {}
         self.drift_monitors: Sequence[_Drift] = []
         self.windows: dict[str, SimpleNamespace] = {}
+        self.llm_stages: dict[str, Any] = {}
+        """The LLM steps' measurements (``export.llm.llm_views``)."""
         self.retries = _Retries()
         self.gc = _Gc()
         self.lock = threading.Lock()
@@ -311,6 +316,7 @@ class SnapshotView:
         }
         self.drift_monitors = [_Drift(**d) for d in data["drift"]]
         self.windows = {sid: SimpleNamespace(**w) for sid, w in data.get("windows", {}).items()}
+        self.llm_stages = llm_views(data.get("llm", {}))
         self.retries.counts = [((t, r), n) for t, r, n in data["retries"]]
         self.gc.stats = data["gc"]["stats"]
         self.gc.pauses.pauses = LatencyHistogram.from_dict(data["gc"]["pauses"])

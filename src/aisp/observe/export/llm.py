@@ -18,14 +18,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from aisp.observe.latency import histogram_buckets
+from aisp.observe.latency import LatencyHistogram, histogram_buckets
 
-__all__ = ["TOKEN_BUCKETS", "TTFT_BUCKETS", "llm_families"]
+__all__ = ["TOKEN_BUCKETS", "TTFT_BUCKETS", "llm_families", "llm_snapshot", "llm_views", "merge_llm"]
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
@@ -81,3 +82,62 @@ def llm_families(stages: Mapping[str, Any]) -> Iterator[Any]:
         for why, n in sorted(st.shed.items()):
             requests.add_metric([sid, f"shed_{why}"], n)
     yield from (*gauges.values(), slo, tokens, requests, probes)
+
+
+_COUNTS = ("tokens", "probes", "completed", "failed", "refused")
+
+
+def llm_snapshot(stages: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``llm_families`` reads of each LLM step, as plain data: an observer process's
+    snapshot of the run (``observe.remote``), which ``llm_views`` turns back."""
+    out = {}
+    for sid, stage in stages.items():
+        st, slo = stage.stats, stage.spec.slo
+        out[sid] = {
+            "hist": {attr: getattr(st, attr).to_dict() for attr, *_ in _HISTOGRAMS},
+            **{k: getattr(st, k) for k in _COUNTS},
+            "shed": dict(st.shed), "jitter": st.jitter, "tokens_per_s": st.tokens_per_s,
+            "running": stage.running, "queued_rows": stage.queued_rows, "limit": stage.limit,
+            "slo": {"ttft_ms": slo.ttft_ms, "jitter": slo.jitter},
+        }  # fmt: skip
+    return out
+
+
+def llm_views(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``llm_snapshot``'s data as objects ``llm_families`` reads like ``LlmStage``s."""
+    views = {}
+    for sid, d in data.items():
+        hists = {attr: LatencyHistogram.from_dict(h) for attr, h in d["hist"].items()}
+        stats = SimpleNamespace(**hists, **{k: d[k] for k in (*_COUNTS, "shed", "jitter", "tokens_per_s")})
+        views[sid] = SimpleNamespace(
+            stats=stats, running=d["running"], queued_rows=d["queued_rows"], limit=d["limit"],
+            spec=SimpleNamespace(slo=SimpleNamespace(**d["slo"])),
+        )  # fmt: skip
+    return views
+
+
+def merge_llm(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Several workers' ``llm_snapshot``s as one: histograms merged, counts and generations in
+    flight summed, jitter and streaming rates averaged over the workers."""
+    merged: dict[str, Any] = {}
+    for part in parts:
+        for sid, d in part.items():
+            if sid not in merged:
+                merged[sid] = {**d, "hist": dict(d["hist"]), "shed": dict(d["shed"]), "_n": 1}
+                continue
+            into = merged[sid]
+            for attr, h in d["hist"].items():
+                both = LatencyHistogram.from_dict(into["hist"][attr])
+                both.merge(LatencyHistogram.from_dict(h))
+                into["hist"][attr] = both.to_dict()
+            for k in (*_COUNTS, "running", "queued_rows", "limit"):
+                into[k] += d[k]
+            for why, n in d["shed"].items():
+                into["shed"][why] = into["shed"].get(why, 0) + n
+            into["jitter"] += d["jitter"]
+            into["tokens_per_s"] += d["tokens_per_s"]
+            into["_n"] += 1
+    for d in merged.values():
+        n = d.pop("_n")
+        d["jitter"], d["tokens_per_s"] = d["jitter"] / n, d["tokens_per_s"] / n
+    return merged
