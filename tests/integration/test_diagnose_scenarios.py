@@ -29,7 +29,10 @@ RATES = {
     "model_errors": 5000,
     "slow_batch_fill": 2000,
     "cold_start": 5000,
+    "llm_slow_generation": 0.5,
+    "index_bound": 500,
 }
+WINDOW_S = {"llm_slow_generation": 8.0}  # a few answers of about a second each
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
 
 
@@ -53,7 +56,7 @@ def test_diagnose_names_the_planted_cause_first(cause: str, tmp_path: Path) -> N
     steps = (1, 2, 4, 8) if cause == "admission_overload" else (1, 1.4, 2, 2.8, 4)
     before = {"healthy", "slow_model"} if cause == "admission_overload" else {"healthy"}
     for factor in steps:
-        findings = _diagnose(cause, int(RATES[cause] * factor), tmp_path)
+        findings = _diagnose(cause, RATES[cause] * factor, tmp_path)
         if findings[0]["cause"] not in before:
             break
     for f in findings:
@@ -64,7 +67,7 @@ def test_diagnose_names_the_planted_cause_first(cause: str, tmp_path: Path) -> N
     assert findings[0]["cause"] == cause, summary
 
 
-def _diagnose(cause: str, rate: int, tmp_path: Path) -> list[dict[str, object]]:
+def _diagnose(cause: str, rate: float, tmp_path: Path) -> list[dict[str, object]]:
     pipeline = SCENARIOS / cause / "pipeline.py"
     cmd = _aisp("run", str(pipeline), "--rate", str(rate), "--no-live", "--metrics-port", "0")
     log_path = tmp_path / f"run-{rate}.log"
@@ -74,7 +77,7 @@ def _diagnose(cause: str, rate: int, tmp_path: Path) -> list[dict[str, object]]:
         url = _metrics_url(log_path, proc)
         time.sleep(2.0)  # past start-up: queues and batch sizes settle
         done = subprocess.run(
-            _aisp("diagnose", "--url", url, "--window-s", "2.5", "--json"),
+            _aisp("diagnose", "--url", url, "--window-s", str(WINDOW_S.get(cause, 2.5)), "--json"),
             env=ENV,
             capture_output=True,
             text=True,

@@ -6,8 +6,9 @@ found nothing close: a RAG answer built on it quotes passages that do not answer
 One such query says little; a rising share of them says the questions moved away from the
 corpus (a new topic, a missing document set, an embedding model that changed on one side).
 
-``RetrievalCounters`` counts every query and the distribution of its scores (the best one and
-all top k, in fixed buckets), exported as ``aisp_retrieval_*`` metrics. With a
+``RetrievalCounters`` counts every query, the distribution of its scores (the best one and
+all top k, in fixed buckets), the time spent searching and the index's size and kind (exact or
+a graph), exported as ``aisp_retrieval_*`` metrics. With a
 ``RetrievalConfidence``, ``ConfidenceWindow`` keeps the last ``window_queries`` queries' verdicts
 in a ring and evaluates the share of low ones every ``hop_queries``; ``consecutive`` windows in a
 row over ``target_share`` raise one alert (a dict: stage, share, threshold, windows, window
@@ -90,6 +91,8 @@ class RetrievalCounters:
         self._best_sum = 0.0
         self._all_sum = 0.0
         self._all_count = 0
+        self.search_ns = 0  # time spent searching (exact or in the graph)
+        self.index: dict[str, float] = {}  # documents, exact (1/0), exact_below, expansion_search
 
     def add(self, best: npt.NDArray[Any], scores: npt.NDArray[Any], low: int) -> None:
         """``best``: each answered query's best score (NaN: no hit); ``scores``: all their top-k
@@ -107,6 +110,12 @@ class RetrievalCounters:
             self._all_sum += float(scores.sum())
             self._all_count += len(scores)
 
+    def searched(self, ns: int, index: dict[str, float]) -> None:
+        """A search took ``ns``; ``index``: the index as it is now (documents, exact, ...)."""
+        with self._lock:
+            self.search_ns += ns
+            self.index = index
+
     def window(self, share: float, *, alerted: bool) -> None:
         with self._lock:
             self.share = share
@@ -122,6 +131,8 @@ class RetrievalCounters:
                 "share": self.share,
                 "threshold": self.threshold,
                 "target_share": self.target_share,
+                "search_seconds": self.search_ns / 1e9,
+                "index": dict(self.index),
                 "best": {"buckets": self._best.tolist(), "sum": self._best_sum},
                 "topk": {"buckets": self._all.tolist(), "sum": self._all_sum},
             }

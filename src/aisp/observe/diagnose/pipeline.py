@@ -17,7 +17,8 @@ How it reasons:
    (``slow_model``), a model held to tiny batches (``small_batches``) or whose batches wait for
    rows that do not come (``slow_batch_fill``), encoding or decoding that burns CPU
    (``serialization``), a sink that waits on its destination (``slow_sink``), a per-row Python
-   function (``row_udf``), image or audio decoding (``decode_bound``), a speech-to-text step's
+   function (``row_udf``), a vector index's search (``index_bound``), image or audio decoding
+   (``decode_bound``), a speech-to-text step's
    model (``asr_bound``), another operator
    (``slow_operator``); and for the whole pipeline, events refused or shed at admission
    (``admission_overload``), model calls failing or rows expiring (``model_errors``); an LLM
@@ -62,6 +63,7 @@ CAUSES = (
     "serialization",
     "row_udf",
     "slow_operator",
+    "index_bound",
     "decode_bound",
     "asr_bound",
     "slow_sink",
@@ -79,6 +81,7 @@ TINY_BATCH_ROWS = 32  # a cap this low makes a model call's fixed cost dominate
 BUSY_MODEL = 0.5  # a model busy this share of the time makes its rows wait for it
 HOT_SPOTS = (
     "row_udf",
+    "index_bound",
     "slow_operator",
     "decode_bound",
     "asr_bound",
@@ -86,6 +89,7 @@ HOT_SPOTS = (
     "slow_model",
 )  # work done
 WAITING_CPU_SHARE = 0.25  # busy with less CPU than this: waiting, not working
+IDLE_WORK = 0.1  # stages busy less than this in all (of one thread): their shares of it mean nothing
 MODEL_CAUSES = ("slow_model", "small_batches")  # a model step's own calls
 COLD_S = 60.0  # a version serving for less than this may still be warming up
 COLD_TAIL = 4.0  # ... when its mean call is this many times its median one
@@ -108,6 +112,9 @@ class _Stage:
     settings: dict[str, float] = field(default_factory=dict)
     media: dict[str, float] = field(default_factory=dict)  # an image or audio step's work, per second
     speech: dict[str, float] = field(default_factory=dict)  # a speech-to-text step's, per second
+    search: dict[str, float] = field(
+        default_factory=dict
+    )  # a vector index's: seconds searching a second, ...
     precision: str = ""  # a model step's: fp32, fp16, int8 or int4 where known
 
     def mean(self, phase: str) -> float:
@@ -192,9 +199,31 @@ def _stages(w: _Window, seconds: float) -> list[_Stage]:
                     for m in ("model_seconds", "audio_seconds", "model_audio_seconds")
                 },
                 precision=precision.get(name, ""),
+                search=_search(w, name, seconds),
             )
         )
     return out
+
+
+def _search(w: _Window, stage: str, seconds: float) -> dict[str, float]:
+    """A vector index's search: seconds spent a second, queries a second, and its index as
+    exported (documents, exact, exact_below, expansion_search, dim); empty for other steps."""
+    queries = w.delta("aisp_retrieval_queries_total", stage=stage)
+    if not queries:
+        return {}
+    index = {
+        dict(k)["field"]: v
+        for k, v in w.after.series("aisp_retrieval_index").items()
+        if dict(k)["stage"] == stage
+    }
+    span = max(seconds, 1e-9)
+    searching = w.delta("aisp_retrieval_search_seconds_total", stage=stage)
+    return {
+        "seconds": searching / span,
+        "queries": queries / span,
+        "per_query_s": searching / queries,
+        **index,
+    }
 
 
 def _pow2_at_least(x: float, lo: int, hi: int) -> int:
@@ -320,6 +349,8 @@ def _classify_operator(
             "send smaller inputs (a JPEG no larger than the tensor needs decodes at a DCT scale)",
             ev,
         )
+    if st.search.get("seconds", 0.0) >= 0.5 * st.busy > 0:
+        return _index_bound(st, ev)
     asr = st.speech.get("model_seconds", 0.0)
     if asr > 0 and asr >= 0.5 * st.busy:
         audio = st.speech.get("audio_seconds", 0.0)
@@ -352,6 +383,33 @@ def _classify_operator(
             ev,
         )
     return None
+
+
+def _index_bound(st: _Stage, ev: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    """A vector index whose searches are most of its step's work: exact over too many documents,
+    or a graph searched wider than it needs."""
+    s = st.search
+    docs, exact = int(s.get("documents", 0)), bool(s.get("exact", 0))
+    ev.update(
+        documents=docs,
+        search="exact" if exact else "hnsw",
+        search_ms_per_query=_ms(s["per_query_s"]),
+        queries_per_s=round(s["queries"], 1),
+        searching_share=round(s["seconds"] / max(st.busy, 1e-9), 2),
+    )
+    if exact:
+        how = (
+            f"it searches all {docs} documents exactly ({_ms(s['per_query_s'])} ms a query; exact_below="
+            f"{int(s.get('exact_below', 0))}): lower exact_below so that an HNSW graph answers (recall "
+            "above 0.95 at a fraction of the cost), or fewer dimensions"
+        )
+    else:
+        how = (
+            f"its HNSW graph of {docs} documents takes {_ms(s['per_query_s'])} ms a query: lower "
+            f"expansion_search (now {int(s.get('expansion_search', 0))}) or connectivity, use fewer "
+            "dimensions, or split the index across workers"
+        )
+    return "index_bound", f"step {st.name!r} spends its time searching its vector index: {how}", ev
 
 
 def _waits_on_itself(st: _Stage, cause: str) -> bool:
@@ -418,7 +476,7 @@ def diagnose(before: Scrape | None, after: Scrape, *, seconds: float | None = No
             explained = st.own_s + sum(s.wait_s for s in stages) + lag
             ev["bottleneck_thread_busy_share"] = round(busy[hot_thread], 3)
         score = min(explained / total, 1.0)
-        if cause in HOT_SPOTS and work > 0:  # the pipeline's work is mostly here
+        if cause in HOT_SPOTS and work >= IDLE_WORK:  # the pipeline's work is mostly here
             ev["share_of_pipeline_work"] = round(st.busy / work, 3)
             score = max(score, st.busy / work)
         if st.budget_s and st.own_s > st.budget_s:

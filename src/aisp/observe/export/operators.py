@@ -10,7 +10,9 @@ final or partial; ``aisp_asr_audio_seconds_total``, audio in; ``aisp_asr_model_s
 time in the model, whose ratio to the audio is the real-time factor;
 ``aisp_asr_model_audio_seconds_total``, audio the model ran over, partials' again;
 ``aisp_asr_calls_total``; ``aisp_asr_refused_total``), and what a vector search step answered
-(``aisp_retrieval_queries_total{stage}``, ``aisp_retrieval_low_confidence_total``, queries whose
+(``aisp_retrieval_queries_total{stage}``, ``aisp_retrieval_search_seconds_total``, time spent
+searching, ``aisp_retrieval_index{stage,field}``: documents, exact or a graph, its settings;
+``aisp_retrieval_low_confidence_total``, queries whose
 best score was under the step's threshold, ``aisp_retrieval_alerts_total``,
 ``aisp_retrieval_low_confidence_share``, the last window's, with its ``_target`` and
 ``aisp_retrieval_threshold``; histograms ``aisp_retrieval_score{stage,rank}`` of the best
@@ -160,8 +162,19 @@ def _retrieval_families(retrieval: Mapping[str, Mapping[str, Any]]) -> list[Any]
     scores = HistogramMetricFamily(
         "aisp_retrieval_score", "Scores of the hits, the best and all top k", labels=["stage", "rank"]
     )
+    searching = CounterMetricFamily(
+        "aisp_retrieval_search_seconds", "Time spent searching the index", labels=["stage"]
+    )
+    index = GaugeMetricFamily(
+        "aisp_retrieval_index",
+        "The index: documents, exact (1: a matrix product, 0: a graph), exact_below, expansion_search, dim",
+        labels=["stage", "field"],
+    )
     for sid, st in sorted(retrieval.items()):
         queries.add_metric([sid], st["queries"])
+        searching.add_metric([sid], st["search_seconds"])
+        for name, value in sorted(st["index"].items()):
+            index.add_metric([sid, name], value)
         low.add_metric([sid], st["low"])
         alerts.add_metric([sid], st["alerts"])
         if st["threshold"] is not None:
@@ -175,4 +188,4 @@ def _retrieval_families(retrieval: Mapping[str, Mapping[str, Any]]) -> list[Any]
                 running += n
                 buckets.append((bound, running))
             scores.add_metric([sid, rank], buckets, st[rank]["sum"])
-    return [queries, low, alerts, share, target, threshold, scores]
+    return [queries, searching, index, low, alerts, share, target, threshold, scores]

@@ -25,6 +25,7 @@ embed again.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -277,6 +278,7 @@ class VectorIndexOp:
         queries = self._vectors_of(part)
         k = self.spec.k
         with self._lock:
+            started = time.perf_counter_ns()
             if self._graph is None:
                 labels, scores = self._exact(queries, k)
             else:
@@ -285,6 +287,12 @@ class VectorIndexOp:
                 if labels.shape[1] < k:  # fewer documents than k
                     pad = ((0, 0), (0, k - labels.shape[1]))
                     labels, scores = np.pad(labels, pad, constant_values=-1), np.pad(scores, pad)
+            spec = self.spec
+            self.spec.counters.searched(
+                time.perf_counter_ns() - started,
+                {"documents": self.size, "exact": float(self._graph is None), "exact_below": spec.exact_below,
+                 "expansion_search": spec.expansion_search, "dim": spec.dim},
+            )  # fmt: skip
             codes = np.where(labels >= 0, self._code_of[np.maximum(labels, 0)], -1)
             keep = codes >= 0  # retired labels (faiss) and empty slots
             order = np.argsort(~keep, axis=1, kind="stable")[:, :k]

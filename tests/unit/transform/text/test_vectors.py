@@ -198,6 +198,8 @@ def test_queries_moving_away_from_the_corpus_raise_one_alert_and_aligned_ones_ne
     assert raised[0]["share"] > 0.2
     stats = op.spec.counters.stats()
     assert stats["queries"] == sent + shifted
+    assert stats["index"]["documents"] == docs and stats["index"]["exact"] == float(exact_below > docs)
+    assert stats["search_seconds"] > 0
     assert (stats["low"] - before) / shifted == pytest.approx(share, abs=0.15)
 
 
