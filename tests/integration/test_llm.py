@@ -148,3 +148,21 @@ def test_the_in_process_runtime_streams_the_same_way() -> None:
     )
     first = rows[: rows.index(finals[0])]  # one generation at a time: the first's tokens, then its row
     assert first and "".join(r["token"] for r in first) == finals[0]["answer"]
+
+
+def test_the_in_process_runtime_never_sends_half_a_character() -> None:
+    """SmolLM2's byte-level BPE splits these characters' bytes across tokens: fed one token at a
+    time through the runtime's own decoding, each piece is whole text, and they join to the text."""
+    from aisp.infer.llm.detok import TokenText
+
+    local = LocalLlama(n_threads=1, max_tokens=8)
+    try:
+        for text in ("東京タワー 🙂👩\u200d👩\u200d👧 café naïve 𝔘nicode", "€100 — ½ ∑"):
+            ids = list(local._llm.tokenize(text.encode(), add_bos=False))  # noqa: SLF001
+            assert len(ids) < len(text.encode())  # some tokens hold several bytes ...
+            assert any("\ufffd" in local._decode([i]) for i in ids)  # noqa: SLF001 ... some part of one
+            detok = TokenText(local._decode)  # noqa: SLF001
+            pieces = [detok.feed([i]) for i in ids] + [detok.end()]
+            assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    finally:
+        local.close()
