@@ -176,3 +176,81 @@ def test_a_served_pipelines_rollout_steps_have_a_status_endpoint_and_roll_back_o
         wait_http(addresses["http"])
         r = httpx.get(f"http://{addresses['http']}/v1/pipelines/fraud/rollout", timeout=10)
         assert r.status_code == 404 and "no rollout step" in r.json()["error"]
+
+
+class _Degrading(OnnxRuntime):
+    """A candidate that turns slow ``after`` calls into its promotion (``watch``: the rollout):
+    each call then takes ``slow_s`` more, as a version that leaks or thrashes after a while."""
+
+    watch: Any = None
+    after = 20
+    slow_s = 0.25
+    degraded_at: float | None = None
+
+    def run(self, inputs: Any) -> Any:
+        import time
+
+        watch = type(self).watch
+        if watch is not None and watch.state == "guarded":
+            type(self).after -= 1
+            if type(self).after <= 0:
+                if type(self).degraded_at is None:
+                    type(self).degraded_at = time.monotonic()
+                time.sleep(self.slow_s)
+        return super().run(inputs)
+
+
+@pytest.mark.parametrize("degrades", [True, False])
+def test_a_version_that_degrades_after_promotion_is_rolled_back_by_its_slo_guard(
+    tmp_path: Path, degrades: bool
+) -> None:
+    """Promoted through its canary steps, the candidate is held to an absolute SLO (p99 within
+    150 ms for 90% of rows, periods of 0.5 s, 2 misses in a row). Turning 250 ms slower a call
+    after promotion, it is rolled back within K+1 periods of that and the stable version (kept
+    loaded) answers the rest; healthy, it stays. Every event is scored once either way."""
+    import time
+
+    from aisp.infer.models.rollout import SloGuard
+
+    fraud = load_fraud_example()
+    guard = SloGuard(p99_ms=150.0, attainment=0.9, period_s=0.5, periods=2, min_samples=100, keep_s=60.0)
+    policy = RolloutPolicy(steps=(0.5, 1.0), window_s=0.3, min_samples=300, p99_slack_ms=25.0, guard=guard)
+    candidate_cls = type("Candidate", (_Degrading,), {"after": 20 if degrades else 10**9})
+    p = Pipeline("fraud")
+    out = CollectSink(columns=["id", "model_variant"])
+    stats = p.source("events", WorkloadFSource(events=EVENTS, seed=4)).key_by("by_user", "user")
+    scored = (
+        stats.running_stats("user_stats", "amount", count="n", mean="mean_amount")
+        .map_batch("features", fraud.features)
+        .infer_rollout(
+            "score",
+            OnnxRuntime(str(linear_model(tmp_path / "stable.onnx", 0.1)), name="fraud"),
+            candidate_cls(str(linear_model(tmp_path / "candidate.onnx", 0.1)), name="fraud"),
+            policy,
+            inputs={"features": "features"},
+            outputs={"score": "score"},
+            batcher=BatcherConfig(max_batch_size=256, max_queue_delay_ms=1.0),
+        )
+    )
+    scored.sink("out", out)
+    candidate_cls.watch = p.rollouts["score"]
+    p.run(execution=ExecutorOptions(rate_events_per_s=10_000))  # 6 s
+    status = p.rollouts["score"].status()
+    decisions = [(d["decision"], d["breaches"]) for d in status["decisions"] if d["decision"] != "wait"]
+    ids = [r["id"] for r in out.rows]
+    assert len(ids) == EVENTS and len(set(ids)) == EVENTS  # each event scored once
+    if not degrades:
+        assert status["state"] == "guarded", decisions
+        assert ("guard", []) in decisions and not any(d == "rollback" for d, _ in decisions)
+        return
+    assert status["state"] == "rolled_back", decisions
+    assert decisions[-1] == ("rollback", ["slo attainment after promotion"])
+    rolled_ms = status["decisions"][-1]["at_ms"]
+    assert candidate_cls.degraded_at is not None
+    elapsed = rolled_ms / 1000 - (time.time() - (time.monotonic() - candidate_cls.degraded_at))
+    # K+1 periods, and the slow calls in flight (a starved machine hands rows over late)
+    assert elapsed <= (guard.periods + 1) * guard.period_s + 2.0, elapsed
+    misses = [d for d in status["decisions"] if d["decision"] in ("slo_miss", "rollback")]
+    assert misses[-1]["evidence"]["misses_in_a_row"] == guard.periods
+    after = [r["model_variant"] for r in out.rows[-1000:]]
+    assert after.count("stable") > 900  # the old version, kept loaded, answers the rest

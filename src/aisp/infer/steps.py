@@ -66,7 +66,7 @@ def expand_rollout(
     rollout = Rollout(step_id, "stable", policy, on_decision or (lambda _: None), candidate="candidate")
 
     def to_candidate(batch: Batch) -> Any:
-        if rollout.state == "promoted":
+        if rollout.state in ("promoted", "guarded"):
             return np.ones(batch.num_rows, dtype=bool)
         return _buckets(batch) < int(rollout.share * 10_000)
 
@@ -77,7 +77,7 @@ def expand_rollout(
         first = next(iter(infer["outputs"].values()))
 
         def look(batch: Batch) -> Batch:
-            if rollout.active and batch.num_rows:
+            if rollout.watching and batch.num_rows:
                 latency_ms = (time.monotonic_ns() - batch.numpy(_ENTERED)) / 1e6
                 rollout.observe_rows(variant, latency_ms, batch.numpy(first))
             return batch.drop([_ENTERED]).with_columns({"model_variant": np.full(batch.num_rows, variant)})

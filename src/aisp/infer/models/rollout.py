@@ -17,6 +17,19 @@ rolls back at once: the traffic returns to the stable version and the candidate 
 kept, addressable by number only, for inspection). A pass moves to the next step; a pass of the
 last step promotes the candidate and retires the old stable version. Every decision is kept with
 its evidence (the windows' figures) and logged.
+
+**After promotion**, a ``guard`` (``SloGuard``) holds the new version to an absolute SLO: it takes
+all the traffic while the old stable version stays loaded (``keep_s``); its requests are judged
+in periods (``period_s``): a period whose attainment (the share of requests answered within
+``p99_ms``, errors counting as misses) is under ``attainment``, or whose error rate is over
+``max_error_rate``, beyond what its number of requests leaves to chance (the Wilson 95% bound
+of the proportion: 2 slow requests in 250 are not a miss of 99.5%), is a miss. ``periods``
+misses in a row (hysteresis) roll back to the old version at once (the requests in flight are
+answered by the version they reached); a period
+with fewer than ``min_samples`` requests is not judged, and none is in the ``cooldown_s`` after
+promotion (the traffic shift's own blip). ``keep_s`` after promotion without a rollback, the
+promotion is final and the old version retired. A guard acts once per rollout and a rolled back
+version needs a new rollout to come back: it never flaps.
 """
 
 from __future__ import annotations
@@ -37,11 +50,32 @@ from aisp.errors import ConfigError
 from aisp.observe.clock import wall_ms
 from aisp.observe.drift import ks_statistic, psi
 
-__all__ = ["Rollout", "RolloutPolicy"]
+__all__ = ["Rollout", "RolloutPolicy", "SloGuard"]
 
 log = logging.getLogger("aisp.rollout")
 
 _SCORES_KEPT = 20_000  # output values kept per version and step
+
+
+class SloGuard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The SLO a promoted version is held to (see the module docstring)."""
+
+    p99_ms: float
+    attainment: float = 0.995
+    max_error_rate: float = 0.01
+    period_s: float = 10.0
+    periods: int = 3
+    min_samples: int = 50
+    cooldown_s: float = 0.0
+    keep_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.p99_ms <= 0 or self.period_s <= 0 or self.keep_s <= 0 or self.cooldown_s < 0:
+            raise ConfigError("guard: p99_ms, period_s and keep_s must be > 0, cooldown_s >= 0")
+        if not 0.0 < self.attainment <= 1.0 or not 0.0 <= self.max_error_rate <= 1.0:
+            raise ConfigError("guard: attainment must be in (0, 1], max_error_rate in [0, 1]")
+        if self.periods < 1 or self.min_samples < 1:
+            raise ConfigError("guard: periods and min_samples must be >= 1")
 
 
 class RolloutPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -58,6 +92,7 @@ class RolloutPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     max_error_rate: float = 0.01
     max_psi: float = 0.2
     keep_on_rollback: bool = False
+    guard: SloGuard | None = None
 
     def __post_init__(self) -> None:
         steps = self.steps
@@ -115,6 +150,18 @@ class _Window:
         return np.concatenate(self.scores) if self.scores else np.empty(0)
 
 
+def _wilson(k: int, n: int, *, upper: bool, z: float = 1.96) -> float:
+    """The Wilson score interval's upper (or lower) bound of the proportion ``k / n``.
+
+    >>> round(_wilson(248, 250, upper=True), 4), round(_wilson(0, 250, upper=False), 4)
+    (0.9978, 0.0)
+    """
+    p = k / n
+    centre = p + z * z / (2 * n)
+    margin = z * float(np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)))
+    return (centre + margin if upper else centre - margin) / (1 + z * z / n)
+
+
 def _distribution(stable: npt.NDArray[np.float64], canary: npt.NDArray[np.float64]) -> dict[str, float]:
     """PSI of ``canary`` over the deciles of ``stable``, and the two-sample KS statistic."""
     if stable.size < 10 or canary.size < 10:
@@ -157,12 +204,18 @@ class Rollout:
 
     @property
     def active(self) -> bool:
+        """Shadowing or in a canary step: the traffic is split."""
         return self.state in ("shadow", "canary")
+
+    @property
+    def watching(self) -> bool:
+        """Its requests are still judged: split, or guarded after promotion."""
+        return self.state in ("shadow", "canary", "guarded")
 
     @property
     def share(self) -> float:
         """The candidate's share of the traffic now (0 while shadowing)."""
-        if self.state == "promoted":
+        if self.state in ("promoted", "guarded"):
             return 1.0
         return self._stages[self._stage] if self.active else 0.0
 
@@ -176,11 +229,11 @@ class Rollout:
             share = self._stages[self._stage]
             pick = (zlib.crc32(key.encode()) % 10_000) / 10_000 if key is not None else self._rng.random()
             return (self.candidate if pick < share else self.stable), False
-        return (self.candidate if state == "promoted" else self.stable), False
+        return (self.candidate if state in ("promoted", "guarded") else self.stable), False
 
     def observe(self, version: str, ok: bool, latency_ns: int, outputs: Mapping[str, Any] | None) -> None:
         """A request answered (or failed) by ``version``."""
-        if not self.active:
+        if not self.watching:
             return
         scores = next(iter(outputs.values())) if outputs and ok else None
         latencies = np.array([latency_ns / 1e6]) if ok else np.empty(0)
@@ -196,9 +249,12 @@ class Rollout:
     ) -> None:
         """Rows (a pipeline's) answered by ``version``, with their latencies and scores, and
         ``errors`` that failed."""
-        if not self.active:
+        if not self.watching:
             return
         with self._lock:
+            if self.state == "guarded":
+                self._guarded(version, latencies_ms, errors)
+                return
             window = self._windows.get(version) if self.active else None  # (decided meanwhile)
             if window is None:
                 return
@@ -209,7 +265,7 @@ class Rollout:
     def abort(self, reason: str) -> None:
         """Roll back now (an operator's call)."""
         with self._lock:
-            if self.active:
+            if self.watching:
                 self._rollback({"reason": reason}, ["aborted"])
 
     def _evaluate(self) -> None:
@@ -246,6 +302,9 @@ class Rollout:
         if stable is stable_window:
             self._reference = stable_window
         if self._stage + 1 == len(self._stages):
+            if p.guard is not None:
+                self._guard_start(evidence)
+                return
             self.state = "promoted"
             self._decide("promote", evidence, [])
             self._finish("promote")
@@ -256,6 +315,52 @@ class Rollout:
         self._windows = {self.stable: _Window(), self.candidate: _Window()}
         self._since = self._clock()
         self._waiting_logged = False
+
+    # -- the SLO guard after promotion ------------------------------------------------------
+    def _guard_start(self, evidence: dict[str, Any]) -> None:
+        self.state = "guarded"
+        self._promoted_at = self._clock()
+        self._period = _Window()
+        self._period_start = self._promoted_at + (self.policy.guard.cooldown_s if self.policy.guard else 0.0)
+        self._misses = 0
+        self._good_rows = 0
+        self._decide("guard", evidence, [])
+
+    def _guarded(self, version: str, latencies_ms: npt.NDArray[Any], errors: int) -> None:
+        """(Under the lock) the promoted version's rows, judged by period."""
+        guard = self.policy.guard
+        assert guard is not None
+        now = self._clock()
+        if now - self._promoted_at >= guard.keep_s:
+            self.state = "promoted"
+            self._decide("promote", {"guarded_s": round(now - self._promoted_at, 3)}, [])
+            self._finish("promote")
+            return
+        if version != self.candidate or now < self._period_start:
+            return  # the old version's last answers; the cool-down after the traffic shift
+        self._period.add(errors, latencies_ms, None)
+        self._good_rows += int((np.asarray(latencies_ms) <= guard.p99_ms).sum())
+        if now - self._period_start < guard.period_s:
+            return
+        period, good = self._period, self._good_rows
+        self._period, self._good_rows, self._period_start = _Window(), 0, now
+        if period.n < guard.min_samples:
+            return  # too few requests to judge
+        figures = period.figures()
+        attained = good / period.n
+        # a miss is what the period shows beyond its noise: the attainment's 95% upper bound
+        # under the target, or the error rate's lower bound over its limit
+        missed = (
+            _wilson(good, period.n, upper=True) < guard.attainment
+            or _wilson(period.errors, period.n, upper=False) > guard.max_error_rate
+        )
+        self._misses = self._misses + 1 if missed else 0
+        evidence = {**figures, "attainment": round(attained, 5), "misses_in_a_row": self._misses,
+                    "slo": msgspec.to_builtins(guard)}  # fmt: skip
+        if missed and self._misses >= guard.periods:
+            self._rollback(evidence, ["slo attainment after promotion"])
+        elif missed:
+            self._decide("slo_miss", evidence, [])
 
     def _rollback(self, evidence: dict[str, Any], breaches: list[str]) -> None:
         self.state = "rolled_back"

@@ -62,7 +62,7 @@ class ModelControl:
     def abort_rollout(self, name: str) -> dict[str, Any]:
         """Roll ``name``'s rollout back now."""
         rollout = self._versions(name).rollout
-        if rollout is None or not rollout.active:
+        if rollout is None or not rollout.watching:
             raise NotFound(f"model {name!r} has no rollout under way")
         rollout.abort("stopped by an operator")
         return rollout.status()

@@ -10,8 +10,9 @@ a hot swap fails no request. Other models are never touched.
 
 During a rollout (``aisp.infer.models.rollout``) a request that names no version goes where the
 rollout routes it (the stable version, the candidate, or the stable one with a shadow copy to
-the candidate); a promotion retires the old stable version, a rollback the candidate (unless
-the policy keeps it for inspection).
+the candidate); a promotion retires the old stable version (with an SLO guard, only once the
+guard's time is over: until then it stays loaded, so that a rollback after promotion is one
+routing change), a rollback the candidate (unless the policy keeps it for inspection).
 
 What a request reads to find its version (the live versions, the default, the rollout) is one
 immutable ``Routing``, replaced in one assignment once everything it names is built: a reader
@@ -68,7 +69,7 @@ class Routing:
         if rollout is None or latest is None:
             return latest
         return self.by_version.get(
-            rollout.candidate if rollout.state == "promoted" else rollout.stable, latest
+            rollout.candidate if rollout.state in ("promoted", "guarded") else rollout.stable, latest
         )
 
 
@@ -131,14 +132,14 @@ class ModelVersions:
 
     def observe(self, served: Served, ok: bool, latency_ns: int, outputs: Any) -> None:
         rollout = self.routing.rollout
-        if rollout is not None and rollout.active:
+        if rollout is not None and rollout.watching:
             rollout.observe(served.model.version, ok, latency_ns, outputs)
 
     def start_rollout(self, policy: RolloutPolicy) -> Rollout:
         """Roll ``policy.version`` out over the version requests go to now: the candidate is
         loaded first, then it and the rollout are published together."""
         rollout = self.routing.rollout
-        if rollout is not None and rollout.active:
+        if rollout is not None and rollout.watching:
             raise BadRequest(f"model {self.name!r}: a rollout of version {rollout.candidate} is under way")
         stable = self.get(None).model.version
         candidate = str(policy.version)
@@ -215,7 +216,7 @@ class ModelVersions:
         running = rollout() if rollout is not None else now.rollout
         newest = live[max(live, key=int)]
         self.routing = Routing(live, newest, running)  # the one assignment readers see
-        if running is not None and running.active and running.candidate not in live:
+        if running is not None and running.watching and running.candidate not in live:
             running.abort(f"version {running.candidate} is no longer served")
         return newest.model.version, built, retired
 
