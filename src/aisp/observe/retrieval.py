@@ -80,7 +80,6 @@ class RetrievalCounters:
         self._lock = threading.Lock()
         self._edges = np.asarray(SCORE_BUCKETS)
         self.queries = 0
-        self.empty = 0  # queries answered with no hit at all (an empty index)
         self.low = 0
         self.alerts = 0
         self.share = 0.0  # the last evaluated window's share of low queries
@@ -90,7 +89,6 @@ class RetrievalCounters:
         self._all = np.zeros(len(SCORE_BUCKETS) + 1, dtype=np.int64)
         self._best_sum = 0.0
         self._all_sum = 0.0
-        self._all_count = 0
         self.search_ns = 0  # time spent searching (exact or in the graph)
         self.index: dict[str, float] = {}  # documents, exact (1/0), exact_below, expansion_search
 
@@ -102,13 +100,11 @@ class RetrievalCounters:
         all_counts = np.bincount(np.searchsorted(self._edges, scores, side="left"), minlength=len(self._all))
         with self._lock:
             self.queries += len(best)
-            self.empty += len(best) - len(hit)
             self.low += low
             self._best += best_counts
             self._all += all_counts
             self._best_sum += float(hit.sum())
             self._all_sum += float(scores.sum())
-            self._all_count += len(scores)
 
     def searched(self, ns: int, index: dict[str, float]) -> None:
         """A search took ``ns``; ``index``: the index as it is now (documents, exact, ...)."""
@@ -125,7 +121,6 @@ class RetrievalCounters:
         with self._lock:
             return {
                 "queries": self.queries,
-                "empty": self.empty,
                 "low": self.low,
                 "alerts": self.alerts,
                 "share": self.share,

@@ -541,7 +541,8 @@ def _cold_start(w: _Window, stages: list[_Stage], findings: list[Finding]) -> li
         if st is None or f.cause not in MODEL_CAUSES or not st.phases["compute"].count:
             out.append(f)
             continue
-        live_s = w.gauge("aisp_model_live_seconds", stage=st.name)
+        known = any(dict(k).get("stage") == st.name for k in w.after.series("aisp_model_live_seconds"))
+        live_s = w.gauge("aisp_model_live_seconds", stage=st.name) if known else math.inf  # (older exporters)
         swapped = w.delta("aisp_model_swaps_total", stage=st.name)
         p50, mean = st.phases["compute"].quantile(0.5), st.mean("compute")
         # a few calls far longer than the rest, so that they are most of the step's time: the
@@ -549,14 +550,16 @@ def _cold_start(w: _Window, stages: list[_Stage], findings: list[Finding]) -> li
         tail = mean / p50 / max(st.batch_rows / max(st.rows_p50, 1e-9), 1.0) if p50 > 0 else 0.0
         long_tail = tail >= COLD_TAIL
         if (live_s <= COLD_S or swapped > 0) and long_tail:
-            ev = {**f.evidence, "live_s": round(live_s, 1), "swaps": int(swapped), "compute_p50_ms": _ms(p50),
-                  "compute_mean_ms": _ms(mean), "tail_factor": round(tail, 1)}  # fmt: skip
+            since = f"{round(live_s, 1)} s ago" if known else "in this window (a swap)"
+            ev = {**f.evidence, "live_s": round(live_s, 1) if known else None, "swaps": int(swapped),
+                  "compute_p50_ms": _ms(p50), "compute_mean_ms": _ms(mean),
+                  "tail_factor": round(tail, 1)}  # fmt: skip
             f = Finding(
                 "cold_start",
                 st.name,
                 f.score,
                 ev,
-                f"the model of step {st.name!r} began serving {round(live_s, 1)} s ago and a few of its "
+                f"the model of step {st.name!r} began serving {since} and a few of its "
                 f"calls take so long that they average {_ms(mean)} ms against a median of {_ms(p50)} ms:"
                 " it is warming up "
                 "under traffic; give it input shapes (input_specs) so AISP warms it up at its batch "

@@ -306,14 +306,22 @@ def test_a_vector_index_without_a_confidence_target_is_never_judged() -> None:
 
 @pytest.mark.parametrize(
     ("live_s", "tail", "expected"),
-    [(3.0, True, "cold_start"), (600.0, True, "slow_model"), (3.0, False, "slow_model")],
+    [
+        (3.0, True, "cold_start"),
+        (600.0, True, "slow_model"),
+        (3.0, False, "slow_model"),
+        (None, True, "slow_model"),
+    ],
 )
 def test_a_models_slow_calls_just_after_it_began_serving_are_its_cold_start(
-    live_s: float, tail: bool, expected: str
+    live_s: float | None, tail: bool, expected: str
 ) -> None:
+    """(``None``: an exporter without ``aisp_model_live_seconds``: the version's age is unknown.)"""
     compute = [0.001] * 90 + ([0.09] * 10 if tail else [0.001] * 10)
     stages = {**CALM, "score": {**CALM["score"], "busy": 0.9, "compute": compute, "budget": 0.005}}
-    extra = ("# TYPE aisp_model_live_seconds gauge", f'aisp_model_live_seconds{{stage="score"}} {live_s}')
+    extra: tuple[str, ...] = ()
+    if live_s is not None:
+        extra = ("# TYPE aisp_model_live_seconds gauge", f'aisp_model_live_seconds{{stage="score"}} {live_s}')
     findings = diagnose(
         None, Scrape(metrics_text(10.0, stages, e2e=[0.06] * 1000, events_in=5000, extra=extra))
     )
