@@ -29,10 +29,10 @@ RATES = {
     "model_errors": 5000,
     "slow_batch_fill": 2000,
     "cold_start": 5000,
-    "llm_slow_generation": 0.5,
+    "llm_slow_generation": 0.25,
     "index_bound": 500,
 }
-WINDOW_S = {"llm_slow_generation": 8.0}  # a few answers of about a second each
+WINDOW_S = {"llm_slow_generation": 10.0}  # a few answers of a second or more each
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
 
 
