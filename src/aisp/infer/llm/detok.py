@@ -35,24 +35,26 @@ class TokenText:
         self.ids: list[int] = []
         self._prefix = 0  # where the window starts: the tokens of the last text sent
         self._read = 0  # tokens up to here are in the text sent
+        self._sent = ""  # the decoding of ids[_prefix:_read]
 
     def feed(self, ids: Iterable[int]) -> str:
         """Take new tokens; the text they complete ("" while a character is unfinished)."""
         self.ids.extend(int(i) for i in ids)
         if len(self.ids) == self._read:
             return ""
-        sent = self._decode(self.ids[self._prefix : self._read])
+        sent = self._sent
         window = self._decode(self.ids[self._prefix :])
         if len(window) <= len(sent) or window.endswith(_REPLACEMENT):
             return ""  # nothing new yet, or the last character is not finished
         self._prefix, self._read = self._read, len(self.ids)
+        self._sent = self._decode(self.ids[self._prefix : self._read])
         return window[len(sent) :]
 
     def end(self) -> str:
         """What is still held, as it decodes (the generation is over)."""
-        sent = self._decode(self.ids[self._prefix : self._read])
-        window = self._decode(self.ids[self._prefix :])
+        sent, window = self._sent, self._decode(self.ids[self._prefix :])
         self._prefix = self._read = len(self.ids)
+        self._sent = ""
         return window[len(sent) :] if len(window) > len(sent) else ""
 
 

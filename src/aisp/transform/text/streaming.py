@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,8 +80,6 @@ class StreamingTokenizerOp:
         self._tok.no_truncation()
         self._tok.no_padding()
         self.pending: dict[str, str] = {}
-        self.tokens = 0
-        self._lock = threading.Lock()
 
     def cut(self, stream: str, piece: str, end: bool) -> str:
         """The text ``piece`` completes for ``stream`` (what is held before it, then the piece, up
@@ -133,8 +130,6 @@ class StreamingTokenizerOp:
         flat = np.fromiter(
             itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int64, count=total
         )
-        with self._lock:
-            self.tokens += total
         return {self.spec.ids: pa.ListArray.from_arrays(offsets, pa.array(flat)), self.spec.lengths: lengths}
 
     # -- checkpoints --------------------------------------------------------------------------
